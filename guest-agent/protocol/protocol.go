@@ -1,0 +1,115 @@
+// Package protocol holds what carreld and carrel-agent must agree on to talk:
+// where the agent listens, how large a message may be, and the HTTP/2 settings
+// that carry connect RPCs over a single vsock or virtio-serial stream.
+//
+// Both ends speak connect (gRPC protocol) over cleartext HTTP/2. HTTP/2 gives
+// multiplexing and flow control over one byte stream, which is all a
+// virtio-serial port offers; vsock gets the same framing so that there is one
+// protocol to test and fuzz.
+package protocol
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"time"
+
+	"connectrpc.com/connect"
+)
+
+const (
+	// VsockPort is the AF_VSOCK port the agent listens on.
+	VsockPort = 1024
+
+	// SerialPortName is the name of the virtserialport the host exposes; the
+	// guest finds it under /sys/class/virtio-ports/*/name.
+	SerialPortName = "org.carrel.agent.0"
+
+	// MaxMessageBytes caps a single protobuf message in either direction.
+	MaxMessageBytes = 1 << 20
+
+	// MaxFrameBytes caps one HTTP/2 frame.
+	MaxFrameBytes = 64 << 10
+
+	// MaxHeaderBytes caps the HTTP/2 header block of one request or response.
+	MaxHeaderBytes = 64 << 10
+
+	// ExecChunkBytes is the largest output chunk the agent sends at once.
+	ExecChunkBytes = 32 << 10
+
+	// ReadyMarker is printed on the guest console once the agent serves. The
+	// supervisor never waits on it (it waits on a Health RPC); it exists for
+	// people reading the console and for the bare-QEMU benchmark baseline.
+	ReadyMarker = "carrel-agent: ready"
+
+	// BaseURL is the URL clients use; the host part is ignored by the dialer.
+	BaseURL = "http://agent"
+)
+
+// HTTP2 returns the HTTP/2 settings shared by both ends.
+func HTTP2() *http.HTTP2Config {
+	return &http.HTTP2Config{
+		MaxConcurrentStreams:          1000,
+		MaxReadFrameSize:              MaxFrameBytes,
+		MaxReceiveBufferPerConnection: 4 << 20,
+		MaxReceiveBufferPerStream:     1 << 20,
+		// Keepalive: a peer that stops answering is noticed within ~20s.
+		SendPingTimeout:  10 * time.Second,
+		PingTimeout:      10 * time.Second,
+		WriteByteTimeout: 10 * time.Second,
+		// A virtio-serial port is a single stream: never dial a second one.
+		StrictMaxConcurrentRequests: true,
+	}
+}
+
+// Protocols returns cleartext HTTP/2 only (prior knowledge, no upgrade).
+func Protocols() *http.Protocols {
+	p := new(http.Protocols)
+	p.SetUnencryptedHTTP2(true)
+	return p
+}
+
+// NewHTTPClient returns a client whose every request runs over connections
+// made by dial. At most one connection is open at a time.
+func NewHTTPClient(dial func(ctx context.Context) (net.Conn, error)) (*http.Client, *http.Transport) {
+	t := &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return dial(ctx)
+		},
+		Protocols:              Protocols(),
+		HTTP2:                  HTTP2(),
+		MaxConnsPerHost:        1,
+		MaxIdleConns:           1,
+		MaxResponseHeaderBytes: MaxHeaderBytes,
+		DisableCompression:     true,
+	}
+	return &http.Client{Transport: t}, t
+}
+
+// NewHTTPServer returns a server for h that speaks cleartext HTTP/2 only.
+func NewHTTPServer(h http.Handler) *http.Server {
+	return &http.Server{
+		Handler:           h,
+		Protocols:         Protocols(),
+		HTTP2:             HTTP2(),
+		MaxHeaderBytes:    MaxHeaderBytes,
+		ReadHeaderTimeout: 10 * time.Second,
+	}
+}
+
+// ClientOptions are the connect options every agent client uses.
+func ClientOptions() []connect.ClientOption {
+	return []connect.ClientOption{
+		connect.WithGRPC(),
+		connect.WithReadMaxBytes(MaxMessageBytes),
+		connect.WithSendMaxBytes(MaxMessageBytes),
+	}
+}
+
+// HandlerOptions are the connect options the agent's handlers use.
+func HandlerOptions() []connect.HandlerOption {
+	return []connect.HandlerOption{
+		connect.WithReadMaxBytes(MaxMessageBytes),
+		connect.WithSendMaxBytes(MaxMessageBytes),
+	}
+}
