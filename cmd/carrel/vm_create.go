@@ -1,0 +1,74 @@
+package main
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"unicode"
+
+	"connectrpc.com/connect"
+	"github.com/spf13/cobra"
+
+	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
+)
+
+func newVMCreateCmd(g *globals) *cobra.Command {
+	var image, memory string
+	var cpus uint32
+	c := &cobra.Command{
+		Use:   "create NAME",
+		Short: "Create a VM and boot it; returns once its agent is ready",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			mem, err := parseSize(memory)
+			if err != nil {
+				return fmt.Errorf("--memory: %w", err)
+			}
+			resp, err := g.client().VMs.CreateVM(cmd.Context(), connect.NewRequest(&apiv1.CreateVMRequest{
+				Name: args[0], Image: image, MemoryBytes: mem, Cpus: cpus,
+			}))
+			if err != nil {
+				return err
+			}
+			v := resp.Msg.Vm
+			fmt.Printf("%s %s (image %s, pid %d, %s)\n", v.Name, stateName(v.State), short(v.ImageDigest), v.Pid, v.Accelerator)
+			return nil
+		},
+	}
+	c.Flags().StringVar(&image, "image", "dev", "image tag or digest")
+	c.Flags().StringVar(&memory, "memory", "512M", "guest memory, e.g. 512M or 2G")
+	c.Flags().Uint32Var(&cpus, "cpus", 1, "virtual CPUs")
+	return c
+}
+
+// parseSize reads sizes such as 512M, 2G, 2GiB or 1048576 (bytes when no
+// unit; binary units).
+func parseSize(s string) (uint64, error) {
+	s = strings.TrimSpace(s)
+	i := strings.IndexFunc(s, func(r rune) bool { return !unicode.IsDigit(r) })
+	num, unit := s, ""
+	if i >= 0 {
+		num, unit = s[:i], strings.ToUpper(s[i:])
+	}
+	n, err := strconv.ParseUint(num, 10, 64)
+	if err != nil || num == "" {
+		return 0, fmt.Errorf("invalid size %q", s)
+	}
+	unit = strings.TrimSuffix(strings.TrimSuffix(unit, "B"), "I")
+	shift := map[string]uint{"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
+	sh, ok := shift[unit]
+	if !ok {
+		return 0, fmt.Errorf("invalid size unit in %q", s)
+	}
+	if n > (1<<63)>>sh {
+		return 0, fmt.Errorf("size %q is too large", s)
+	}
+	return n << sh, nil
+}
+
+func short(digest string) string {
+	if len(digest) > 19 {
+		return digest[:19]
+	}
+	return digest
+}

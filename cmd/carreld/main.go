@@ -1,0 +1,66 @@
+// Command carreld is the carrel host supervisor. It runs the VMs, holds the
+// link to each guest agent and serves the API on a unix socket.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/carrel-os/carrel/supervisor/daemon"
+)
+
+func main() {
+	var cfg daemon.Config
+	var level string
+	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/carrel", "directory for images, VM records and sockets")
+	flag.StringVar(&cfg.Socket, "socket", "/run/carrel/carrel.sock", "unix socket to serve the API on (ignored when socket-activated)")
+	flag.StringVar(&cfg.CacheDir, "cache-dir", "/var/cache/carrel", "directory for downloaded packages used by image builds")
+	flag.StringVar(&cfg.AgentBinary, "agent", defaultAgent(), "static carrel-agent binary put into development images")
+	flag.StringVar(&cfg.QEMUBinary, "qemu", "qemu-system-x86_64", "QEMU binary")
+	flag.StringVar(&cfg.Machine, "machine", "microvm", "QEMU machine type: microvm or q35")
+	flag.DurationVar(&cfg.BootTimeout, "boot-timeout", 90*time.Second, "longest a VM may take from start to agent ready")
+	flag.StringVar(&level, "log-level", "info", "debug, info, warn or error")
+	version := flag.Bool("version", false, "print the version and exit")
+	flag.Parse()
+	if *version {
+		fmt.Println("carreld", daemon.Version)
+		return
+	}
+	var lv slog.Level
+	if err := lv.UnmarshalText([]byte(level)); err != nil {
+		fmt.Fprintln(os.Stderr, "carreld: bad --log-level:", err)
+		os.Exit(2)
+	}
+	if cfg.Machine != "microvm" && cfg.Machine != "q35" {
+		fmt.Fprintln(os.Stderr, "carreld: --machine must be microvm or q35")
+		os.Exit(2)
+	}
+	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lv}))
+	slog.SetDefault(cfg.Logger)
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if err := daemon.Run(ctx, cfg); err != nil {
+		cfg.Logger.Error("carreld failed", "err", err)
+		os.Exit(1)
+	}
+}
+
+// defaultAgent is carrel-agent beside the carreld binary, else the
+// packaged location.
+func defaultAgent() string {
+	if exe, err := os.Executable(); err == nil {
+		p := filepath.Join(filepath.Dir(exe), "carrel-agent")
+		if _, err := os.Stat(p); err == nil {
+			return p
+		}
+	}
+	return "/usr/libexec/carrel/carrel-agent"
+}

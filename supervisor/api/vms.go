@@ -1,0 +1,190 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/supervisor/agentlink"
+	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
+	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
+	"github.com/carrel-os/carrel/supervisor/registry"
+	"github.com/carrel-os/carrel/supervisor/vm"
+)
+
+// Exec limits.
+const (
+	defaultExecTimeout = 10 * time.Minute
+	maxExecTimeout     = 24 * time.Hour
+)
+
+type vmService struct {
+	cfg Config
+}
+
+var _ apiv1connect.VMServiceHandler = (*vmService)(nil)
+
+func (s *vmService) CreateVM(ctx context.Context, req *connect.Request[apiv1.CreateVMRequest]) (*connect.Response[apiv1.CreateVMResponse], error) {
+	m := req.Msg
+	rec, err := s.cfg.Manager.Create(ctx, vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus})
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	st, err := s.cfg.Manager.Get(rec.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.CreateVMResponse{Vm: toProto(st)}), nil
+}
+
+func (s *vmService) GetVM(ctx context.Context, req *connect.Request[apiv1.GetVMRequest]) (*connect.Response[apiv1.GetVMResponse], error) {
+	st, err := s.cfg.Manager.Get(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.GetVMResponse{Vm: toProto(st)}), nil
+}
+
+func (s *vmService) ListVMs(ctx context.Context, req *connect.Request[apiv1.ListVMsRequest]) (*connect.Response[apiv1.ListVMsResponse], error) {
+	resp := &apiv1.ListVMsResponse{}
+	for _, st := range s.cfg.Manager.List() {
+		resp.Vms = append(resp.Vms, toProto(st))
+	}
+	return connect.NewResponse(resp), nil
+}
+
+func (s *vmService) StartVM(ctx context.Context, req *connect.Request[apiv1.StartVMRequest]) (*connect.Response[apiv1.StartVMResponse], error) {
+	if _, err := s.cfg.Manager.Start(ctx, req.Msg.Name); err != nil {
+		return nil, toConnect(err)
+	}
+	st, err := s.cfg.Manager.Get(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.StartVMResponse{Vm: toProto(st)}), nil
+}
+
+func (s *vmService) StopVM(ctx context.Context, req *connect.Request[apiv1.StopVMRequest]) (*connect.Response[apiv1.StopVMResponse], error) {
+	if _, err := s.cfg.Manager.Stop(ctx, req.Msg.Name, req.Msg.Force); err != nil {
+		return nil, toConnect(err)
+	}
+	st, err := s.cfg.Manager.Get(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.StopVMResponse{Vm: toProto(st)}), nil
+}
+
+func (s *vmService) DeleteVM(ctx context.Context, req *connect.Request[apiv1.DeleteVMRequest]) (*connect.Response[apiv1.DeleteVMResponse], error) {
+	if err := s.cfg.Manager.Delete(ctx, req.Msg.Name, req.Msg.Force); err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.DeleteVMResponse{}), nil
+}
+
+// Exec relays a command's output from the guest. The guest's stream is
+// checked as it passes: only known events, and exactly one exit status,
+// last. A stream that breaks those rules is ended with an error.
+func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest], out *connect.ServerStream[apiv1.ExecResponse]) error {
+	m := req.Msg
+	if len(m.Argv) == 0 {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("exec: a command is required"))
+	}
+	timeout := defaultExecTimeout
+	if m.TimeoutSeconds > 0 {
+		timeout = time.Duration(m.TimeoutSeconds) * time.Second
+	}
+	if timeout > maxExecTimeout {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("exec: timeout is over %s", maxExecTimeout))
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	stream, err := s.cfg.Manager.Exec(ctx, m.Vm, &agentv1.ExecRequest{Argv: m.Argv, Env: m.Env, Cwd: m.Cwd})
+	if err != nil {
+		return toConnect(err)
+	}
+	defer stream.Close()
+	for {
+		ev, ok, err := stream.Recv()
+		if !ok {
+			if err != nil {
+				if ctx.Err() == context.DeadlineExceeded {
+					return connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
+				}
+				return err
+			}
+			return connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent ended the stream without an exit status"))
+		}
+		resp, last, err := relayEvent(ev)
+		if err != nil {
+			return err
+		}
+		if err := out.Send(resp); err != nil {
+			return err
+		}
+		if last {
+			return nil
+		}
+	}
+}
+
+// relayEvent converts one guest event. last is true for the exit status.
+func relayEvent(ev *agentv1.ExecResponse) (resp *apiv1.ExecResponse, last bool, err error) {
+	switch e := ev.Event.(type) {
+	case *agentv1.ExecResponse_Started:
+		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Pid{Pid: e.Started.GetPid()}}, false, nil
+	case *agentv1.ExecResponse_Stdout:
+		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Stdout{Stdout: e.Stdout}}, false, nil
+	case *agentv1.ExecResponse_Stderr:
+		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Stderr{Stderr: e.Stderr}}, false, nil
+	case *agentv1.ExecResponse_Exit:
+		x := e.Exit
+		if x == nil || x.Code < 0 || x.Code > 255 || len(x.Signal) > 16 {
+			return nil, false, connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent sent an invalid exit status"))
+		}
+		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Exit{Exit: &apiv1.ExitStatus{Code: x.Code, Signal: x.Signal}}}, true, nil
+	default:
+		return nil, false, connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent sent an unknown event"))
+	}
+}
+
+func toProto(st vm.Status) *apiv1.VM {
+	v := &apiv1.VM{
+		Name:        st.Name,
+		Id:          st.ID,
+		ImageDigest: st.ImageDigest,
+		MemoryBytes: st.MemoryBytes,
+		Cpus:        st.CPUs,
+		Driver:      st.Driver,
+		Transport:   st.Transport,
+		CreatedAt:   st.CreatedAt.Format(time.RFC3339),
+		LastError:   st.LastError,
+	}
+	switch st.State {
+	case registry.StateCreating:
+		v.State = apiv1.VMState_VM_STATE_CREATING
+	case registry.StateRunning:
+		v.State = apiv1.VMState_VM_STATE_RUNNING
+	case registry.StateStopping:
+		v.State = apiv1.VMState_VM_STATE_STOPPING
+	case registry.StateStopped:
+		v.State = apiv1.VMState_VM_STATE_STOPPED
+	}
+	switch st.Agent {
+	case agentlink.Ready:
+		v.AgentState = apiv1.AgentState_AGENT_STATE_READY
+	case agentlink.Unhealthy:
+		v.AgentState = apiv1.AgentState_AGENT_STATE_UNHEALTHY
+	default:
+		v.AgentState = apiv1.AgentState_AGENT_STATE_UNKNOWN
+	}
+	if st.Instance != nil {
+		v.Pid = int32(st.Instance.PID)
+		v.Accelerator = st.Instance.Accelerator
+	}
+	return v
+}

@@ -1,0 +1,56 @@
+// Package client connects to carreld's API on its unix socket. It is what
+// the carrel CLI uses, and any Go program can use it the same way.
+package client
+
+import (
+	"context"
+	"net"
+	"net/http"
+	"os"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
+)
+
+// DefaultSocket is where carreld listens unless told otherwise.
+const DefaultSocket = "/run/carrel/carrel.sock"
+
+// SocketFromEnv returns $CARREL_SOCKET, or DefaultSocket.
+func SocketFromEnv() string {
+	if s := os.Getenv("CARREL_SOCKET"); s != "" {
+		return s
+	}
+	return DefaultSocket
+}
+
+// Client holds a client for each service.
+type Client struct {
+	VMs    apiv1connect.VMServiceClient
+	Images apiv1connect.ImageServiceClient
+	System apiv1connect.SystemServiceClient
+}
+
+// maxResponseBytes caps one message from carreld.
+const maxResponseBytes = 4 << 20
+
+// New returns a client for the carreld serving on the unix socket at path.
+// It speaks gRPC over cleartext HTTP/2, so streaming calls work both ways.
+func New(path string) *Client {
+	p := new(http.Protocols)
+	p.SetUnencryptedHTTP2(true)
+	hc := &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", path)
+		},
+		Protocols: p,
+	}}
+	const base = "http://carreld"
+	opts := []connect.ClientOption{connect.WithGRPC(), connect.WithReadMaxBytes(maxResponseBytes)}
+	return &Client{
+		VMs:    apiv1connect.NewVMServiceClient(hc, base, opts...),
+		Images: apiv1connect.NewImageServiceClient(hc, base, opts...),
+		System: apiv1connect.NewSystemServiceClient(hc, base, opts...),
+	}
+}

@@ -1,0 +1,203 @@
+// Package daemon wires carreld together: state directory, image store, VM
+// manager, public API and systemd integration.
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/carrel-os/carrel/image/devimage"
+	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/supervisor/accel"
+	"github.com/carrel-os/carrel/supervisor/api"
+	"github.com/carrel-os/carrel/supervisor/driver/qemu"
+	"github.com/carrel-os/carrel/supervisor/registry"
+	"github.com/carrel-os/carrel/supervisor/systemd"
+	"github.com/carrel-os/carrel/supervisor/vm"
+)
+
+// Version is set at build time with -ldflags.
+var Version = "dev"
+
+// Config is carreld's configuration.
+type Config struct {
+	StateDir string
+	Socket   string
+	// CacheDir holds downloaded packages for image builds.
+	CacheDir string
+	// AgentBinary is the static carrel-agent put into dev images.
+	AgentBinary string
+	QEMUBinary  string
+	// Machine is the QEMU machine type: microvm or q35.
+	Machine     string
+	BootTimeout time.Duration
+	Logger      *slog.Logger
+}
+
+// Run serves until ctx ends. VMs keep running after it returns.
+func Run(ctx context.Context, cfg Config) error {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	if err := os.MkdirAll(cfg.StateDir, 0o700); err != nil {
+		return fmt.Errorf("create state dir: %w", err)
+	}
+	unlock, err := lockStateDir(cfg.StateDir)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+
+	images, err := store.Open(filepath.Join(cfg.StateDir, "images"))
+	if err != nil {
+		return err
+	}
+	reg, err := registry.Open(filepath.Join(cfg.StateDir, "vms"))
+	if err != nil {
+		return err
+	}
+	acc := accel.Detect()
+	log.Info("accelerator chosen", "accel", acc.Name, "reason", acc.Reason)
+	_, vsockErr := os.Stat("/dev/vhost-vsock")
+	vsock := vsockErr == nil
+	if !vsock {
+		log.Info("no /dev/vhost-vsock: guest agents are reached over virtio-serial")
+	}
+	drv := qemu.New(qemu.Config{Binary: cfg.QEMUBinary, Machine: cfg.Machine, Accelerator: acc.Name, Logger: log.With("subsystem", "qemu")})
+	mgr := vm.New(vm.Config{Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock})
+	if err := mgr.Reconcile(ctx); err != nil {
+		log.Error("reconcile", "err", err)
+	}
+	defer mgr.Close()
+
+	l, err := listen(cfg.Socket, log)
+	if err != nil {
+		return err
+	}
+	b := &builder{cfg: cfg, images: images, log: log}
+	h := api.Handler(api.Config{
+		Manager: mgr,
+		Images:  images,
+		Build:   b.build,
+		Logger:  log,
+		Info: func() api.Info {
+			return api.Info{Version: Version, Accelerator: acc.Name, StateDir: cfg.StateDir, Vsock: vsock}
+		},
+	})
+	systemd.Ready(status(mgr))
+	log.Info("carreld serving", "socket", l.Addr().String(), "version", Version)
+	go systemd.Watchdog(ctx, func() bool { return true })
+	go func() {
+		t := time.NewTicker(5 * time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				systemd.Status(status(mgr))
+			}
+		}
+	}()
+	err = api.Serve(ctx, l, h)
+	systemd.Stopping()
+	return err
+}
+
+func status(m *vm.Manager) string {
+	n := m.Running()
+	if n == 1 {
+		return "1 vm running"
+	}
+	return strconv.Itoa(n) + " vms running"
+}
+
+// lockStateDir takes an exclusive lock so that two carreld never manage the
+// same VMs.
+func lockStateDir(dir string) (func(), error) {
+	f, err := os.OpenFile(filepath.Join(dir, "carreld.lock"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("open state lock: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("state dir %s is in use by another carreld: %w", dir, err)
+	}
+	return func() { f.Close() }, nil
+}
+
+// listen returns the socket-activated listener, or a fresh unix socket at
+// path (mode 0660; a stale socket file is replaced, a live one is an error).
+func listen(path string, log *slog.Logger) (net.Listener, error) {
+	l, err := systemd.Listener()
+	if err != nil {
+		return nil, err
+	}
+	if l != nil {
+		log.Info("using socket-activated listener", "addr", l.Addr().String())
+		return l, nil
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("create socket dir: %w", err)
+	}
+	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
+		c.Close()
+		return nil, fmt.Errorf("%s: another carreld is serving there", path)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("remove stale socket: %w", err)
+	}
+	l, err = net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("listen %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o660); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("chmod %s: %w", path, err)
+	}
+	return l, nil
+}
+
+// builder builds the development image into the store, one build at a time.
+type builder struct {
+	cfg    Config
+	images *store.Store
+	log    *slog.Logger
+	mu     sync.Mutex
+}
+
+func (b *builder) build(ctx context.Context, tag string) (string, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	tmp, err := os.MkdirTemp(b.cfg.StateDir, ".build-")
+	if err != nil {
+		return "", fmt.Errorf("build dir: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	res, err := devimage.Build(ctx, devimage.Options{
+		CacheDir:    b.cfg.CacheDir,
+		OutDir:      tmp,
+		AgentBinary: b.cfg.AgentBinary,
+		Logger:      b.log,
+	})
+	if err != nil {
+		return "", err
+	}
+	digest, err := devimage.StoreResult(b.images, res, tag)
+	if err != nil {
+		return "", err
+	}
+	b.log.Info("image built", "digest", digest, "tag", tag)
+	return digest, nil
+}

@@ -1,0 +1,81 @@
+// Package driver defines how carreld runs a VM, independent of the
+// hypervisor front end (straight QEMU here; libvirt later).
+//
+// A driver is composed of small interfaces, as Lima's is: a Lifecycle to
+// boot and end the VM, and dialers for the streams carreld needs into it.
+package driver
+
+import (
+	"context"
+	"errors"
+	"net"
+)
+
+// ErrNotRunning means the VM's process is gone.
+var ErrNotRunning = errors.New("vm is not running")
+
+// Spec describes a VM to boot.
+type Spec struct {
+	Name        string
+	Kernel      string
+	Initrd      string
+	Cmdline     string
+	MemoryBytes uint64
+	CPUs        uint32
+	// Dir holds the VM's sockets and pid file. It must exist.
+	Dir string
+	// CID is the guest's vsock context id; 0 means no vsock device.
+	CID uint32
+}
+
+// Instance is what a driver needs to find a running VM again, e.g. after
+// carreld restarts. It is persisted in the VM's record.
+type Instance struct {
+	Driver string `json:"driver"`
+	PID    int    `json:"pid"`
+	// StartTime is the process start time in clock ticks since boot
+	// (/proc/PID/stat field 22); it tells a reused pid from ours.
+	StartTime     uint64 `json:"start_time"`
+	QMPSocket     string `json:"qmp_socket"`
+	AgentSocket   string `json:"agent_socket"`
+	ConsoleSocket string `json:"console_socket"`
+	CID           uint32 `json:"cid,omitempty"`
+	Accelerator   string `json:"accelerator"`
+}
+
+// Lifecycle boots and ends VMs.
+type Lifecycle interface {
+	// Start launches the VM with its vCPUs paused, so that carreld can attach
+	// to the console and agent streams before the guest runs. On error
+	// nothing is left running.
+	Start(ctx context.Context, spec Spec) (Instance, error)
+	// Resume starts the vCPUs of a VM launched by Start.
+	Resume(ctx context.Context, inst Instance) error
+	// Adopt checks that inst is still our VM, running. It returns
+	// ErrNotRunning when the process is gone or the pid was reused.
+	Adopt(ctx context.Context, inst Instance) error
+	// Wait blocks until the VM's process has exited or ctx ends.
+	Wait(ctx context.Context, inst Instance) error
+	// Kill ends the VM at once (QMP quit, then SIGKILL). It returns nil if
+	// the VM is already gone.
+	Kill(ctx context.Context, inst Instance) error
+}
+
+// Dialer opens a new stream.
+type Dialer func(ctx context.Context) (net.Conn, error)
+
+// Streams opens the host ends of a VM's byte streams.
+type Streams interface {
+	// AgentDialer returns how to reach the guest agent: vsock when the VM
+	// has a CID, else its virtio-serial port.
+	AgentDialer(inst Instance) (dial Dialer, transport string)
+	// ConsoleDialer returns how to read the VM's serial console.
+	ConsoleDialer(inst Instance) Dialer
+}
+
+// Driver is a complete VM back end.
+type Driver interface {
+	Name() string
+	Lifecycle
+	Streams
+}

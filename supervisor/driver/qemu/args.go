@@ -1,0 +1,110 @@
+package qemu
+
+import (
+	"fmt"
+	"path/filepath"
+	"strconv"
+
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/accel"
+	"github.com/carrel-os/carrel/supervisor/driver"
+)
+
+// Machine types the driver can boot.
+const (
+	// MachineMicroVM has no PCI bus and no firmware to speak of: virtio
+	// devices sit on MMIO. It boots fastest.
+	MachineMicroVM = "microvm"
+	// MachineQ35 is a standard PC with PCIe, for guests that need PCI
+	// (e.g. VFIO passthrough).
+	MachineQ35 = "q35"
+)
+
+// Socket and file names inside a VM's directory.
+const (
+	qmpSocketName     = "qmp.sock"
+	agentSocketName   = "agent.sock"
+	consoleSocketName = "console.sock"
+	logFileName       = "qemu.log"
+)
+
+// File descriptors of the pre-opened listening sockets in the QEMU process
+// (os/exec's ExtraFiles start at 3).
+const (
+	fdQMP = 3 + iota
+	fdAgent
+	fdConsole
+)
+
+// maxSocketPath is sun_path's size less its terminating NUL.
+const maxSocketPath = 107
+
+// layout is where a VM's sockets live.
+type layout struct {
+	qmp, agent, console, log string
+}
+
+func newLayout(dir string) (layout, error) {
+	l := layout{
+		qmp:     filepath.Join(dir, qmpSocketName),
+		agent:   filepath.Join(dir, agentSocketName),
+		console: filepath.Join(dir, consoleSocketName),
+		log:     filepath.Join(dir, logFileName),
+	}
+	for _, p := range []string{l.qmp, l.agent, l.console} {
+		if len(p) > maxSocketPath {
+			return layout{}, fmt.Errorf("socket path %q is longer than %d bytes: use a shorter state dir", p, maxSocketPath)
+		}
+	}
+	return l, nil
+}
+
+// args builds the qemu-system-x86_64 command line. carreld creates the
+// listening sockets itself and passes them as file descriptors, so they can
+// be connected to before QEMU has even started, and the VM starts paused
+// (-S) so that nothing the guest prints or sends is missed.
+func args(spec driver.Spec, machine string, acc string, l layout) []string {
+	var machineOpt, serialDev, vsockDev string
+	switch machine {
+	case MachineQ35:
+		machineOpt = "q35,accel=" + acc
+		serialDev = "virtio-serial-pci,id=vser0"
+		vsockDev = "vhost-vsock-pci"
+	default:
+		// Keep microvm's legacy PIT and PIC: under TCG the kernel needs the
+		// PIT to calibrate the TSC, and hangs without it.
+		machineOpt = "microvm,accel=" + acc
+		serialDev = "virtio-serial-device,id=vser0"
+		vsockDev = "vhost-vsock-device"
+	}
+	cpu := "max"
+	if acc == accel.KVM {
+		cpu = "host"
+	}
+	a := []string{
+		"-name", "carrel-" + spec.Name + ",debug-threads=on",
+		"-machine", machineOpt,
+		"-cpu", cpu,
+		"-m", strconv.FormatUint(spec.MemoryBytes>>20, 10) + "M",
+		"-smp", strconv.FormatUint(uint64(spec.CPUs), 10),
+		"-nodefaults", "-no-user-config", "-display", "none",
+		"-no-reboot",
+		"-kernel", spec.Kernel,
+		"-initrd", spec.Initrd,
+		"-append", spec.Cmdline,
+		"-chardev", "socket,id=console,fd=" + strconv.Itoa(fdConsole) + ",server=on,wait=off",
+		"-serial", "chardev:console",
+		"-device", serialDev,
+		"-chardev", "socket,id=agent,fd=" + strconv.Itoa(fdAgent) + ",server=on,wait=off",
+		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + protocol.SerialPortName,
+		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP) + ",server=on,wait=off",
+		"-mon", "chardev=qmp,mode=control",
+		// QEMU's seccomp filter: no new privileges, no spawning helpers.
+		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+		"-S",
+	}
+	if spec.CID != 0 {
+		a = append(a, "-device", vsockDev+",guest-cid="+strconv.FormatUint(uint64(spec.CID), 10))
+	}
+	return a
+}

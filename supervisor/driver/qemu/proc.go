@@ -1,0 +1,105 @@
+package qemu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// procStartTime returns field 22 of /proc/PID/stat (start time in clock
+// ticks) and whether the process is a zombie.
+func procStartTime(pid int) (start uint64, zombie bool, err error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, false, err
+	}
+	// comm (field 2) may hold spaces and parens: parse after the last ')'.
+	s := string(b)
+	i := strings.LastIndexByte(s, ')')
+	if i < 0 {
+		return 0, false, fmt.Errorf("parse /proc/%d/stat: no comm", pid)
+	}
+	f := strings.Fields(s[i+1:])
+	// f[0] is field 3 (state), so field 22 is f[19].
+	if len(f) < 20 {
+		return 0, false, fmt.Errorf("parse /proc/%d/stat: %d fields", pid, len(f))
+	}
+	start, err = strconv.ParseUint(f[19], 10, 64)
+	if err != nil {
+		return 0, false, fmt.Errorf("parse /proc/%d/stat start time: %w", pid, err)
+	}
+	return start, f[0] == "Z" || f[0] == "X", nil
+}
+
+// alive reports whether pid is running and is the process that started at
+// start (so a reused pid is not mistaken for ours).
+func alive(pid int, start uint64) bool {
+	if pid <= 0 {
+		return false
+	}
+	got, zombie, err := procStartTime(pid)
+	return err == nil && !zombie && got == start
+}
+
+// waitExit blocks until the process exits or ctx ends. It uses a pidfd, so
+// it works for processes that are not our children (QEMU daemonizes).
+func waitExit(ctx context.Context, pid int, start uint64) error {
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		if errors.Is(err, unix.ESRCH) {
+			return nil
+		}
+		return fmt.Errorf("pidfd_open %d: %w", pid, err)
+	}
+	defer unix.Close(fd)
+	// The pid may have been reused between our caller's check and the
+	// pidfd_open: confirm the pidfd refers to the same process.
+	if !alive(pid, start) {
+		return nil
+	}
+	for {
+		n, err := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 100)
+		if err != nil && !errors.Is(err, unix.EINTR) {
+			return fmt.Errorf("poll pidfd: %w", err)
+		}
+		if n > 0 {
+			return nil
+		}
+		// A zombie whose parent does not reap it still counts as exited;
+		// the pidfd is readable then too, but check anyway.
+		if !alive(pid, start) {
+			return nil
+		}
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+	}
+}
+
+// kill sends SIGKILL through a pidfd, which cannot hit a reused pid, and
+// waits up to timeout for the exit.
+func kill(pid int, start uint64, timeout time.Duration) error {
+	fd, err := unix.PidfdOpen(pid, 0)
+	if err != nil {
+		if errors.Is(err, unix.ESRCH) {
+			return nil
+		}
+		return fmt.Errorf("pidfd_open %d: %w", pid, err)
+	}
+	defer unix.Close(fd)
+	if !alive(pid, start) {
+		return nil
+	}
+	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {
+		return fmt.Errorf("kill %d: %w", pid, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	return waitExit(ctx, pid, start)
+}

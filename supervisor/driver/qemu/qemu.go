@@ -1,0 +1,308 @@
+// Package qemu runs VMs by starting qemu-system-x86_64 directly and driving
+// it over QMP with go-qemu. It needs nothing but QEMU on the host.
+//
+// QEMU runs in a session of its own, so VMs outlive carreld: a restarted
+// carreld finds them again from the pid, its start time and the QMP socket
+// (Adopt).
+package qemu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/digitalocean/go-qemu/qmp"
+	"github.com/digitalocean/go-qemu/qmp/raw"
+	"github.com/mdlayher/vsock"
+
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/driver"
+)
+
+// Name is the driver's name in VM records.
+const Name = "qemu"
+
+// Config configures the driver.
+type Config struct {
+	// Binary is the QEMU program; default "qemu-system-x86_64".
+	Binary string
+	// Machine is MachineMicroVM (default) or MachineQ35.
+	Machine string
+	// Accelerator is "kvm" or "tcg" (see package accel).
+	Accelerator string
+	Logger      *slog.Logger
+	// NewMonitor opens a QMP monitor; tests replace it with qmptest.
+	NewMonitor func(socket string) (qmp.Monitor, error)
+}
+
+// Driver implements driver.Driver with QEMU.
+type Driver struct {
+	cfg Config
+}
+
+var _ driver.Driver = (*Driver)(nil)
+
+// New returns a driver. It does not check that QEMU is installed; Start
+// reports that.
+func New(cfg Config) *Driver {
+	if cfg.Binary == "" {
+		cfg.Binary = "qemu-system-x86_64"
+	}
+	if cfg.Machine == "" {
+		cfg.Machine = MachineMicroVM
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.NewMonitor == nil {
+		cfg.NewMonitor = func(socket string) (qmp.Monitor, error) {
+			return qmp.NewSocketMonitor("unix", socket, 5*time.Second)
+		}
+	}
+	return &Driver{cfg: cfg}
+}
+
+// Name implements driver.Driver.
+func (d *Driver) Name() string { return Name }
+
+// Start implements driver.Lifecycle.
+func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, error) {
+	l, err := newLayout(spec.Dir)
+	if err != nil {
+		return driver.Instance{}, err
+	}
+	files, err := listenAll(l.qmp, l.agent, l.console)
+	if err != nil {
+		return driver.Instance{}, err
+	}
+	logf, err := os.OpenFile(l.log, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err != nil {
+		closeAll(files)
+		return driver.Instance{}, fmt.Errorf("create qemu log: %w", err)
+	}
+	argv := args(spec, d.cfg.Machine, d.cfg.Accelerator, l)
+	// Not CommandContext: the VM must outlive this request (and carreld).
+	cmd := exec.Command(d.cfg.Binary, argv...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.Dir = spec.Dir
+	cmd.ExtraFiles = files
+	// Its own session: no signal aimed at carreld's group reaches QEMU.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	d.cfg.Logger.Debug("starting qemu", "vm", spec.Name, "argv", strings.Join(argv, " "))
+	err = cmd.Start()
+	// QEMU holds its own copies now. Dropping ours means a QEMU that dies
+	// resets every connection to its sockets instead of leaving it hanging.
+	closeAll(files)
+	logf.Close()
+	if err != nil {
+		removeSockets(l)
+		return driver.Instance{}, fmt.Errorf("start %s: %w", d.cfg.Binary, err)
+	}
+	exited := make(chan struct{})
+	go func() {
+		// carreld started QEMU, so carreld reaps it. After a carreld
+		// restart, QEMU belongs to init and Wait uses a pidfd instead.
+		_ = cmd.Wait()
+		close(exited)
+	}()
+	fail := func(err error) (driver.Instance, error) {
+		_ = cmd.Process.Kill()
+		<-exited
+		removeSockets(l)
+		return driver.Instance{}, fmt.Errorf("%w: %s", err, tailFile(l.log, 10))
+	}
+	// A bad argument, a missing kernel or a busy device makes QEMU exit
+	// before it answers QMP.
+	if err := d.awaitInit(ctx, l.qmp, exited); err != nil {
+		return fail(err)
+	}
+	start, zombie, err := procStartTime(cmd.Process.Pid)
+	if err != nil || zombie {
+		return fail(errors.New("qemu exited right after start"))
+	}
+	return driver.Instance{
+		Driver:        Name,
+		PID:           cmd.Process.Pid,
+		StartTime:     start,
+		QMPSocket:     l.qmp,
+		AgentSocket:   l.agent,
+		ConsoleSocket: l.console,
+		CID:           spec.CID,
+		Accelerator:   d.cfg.Accelerator,
+	}, nil
+}
+
+// listenAll creates a listening unix socket at each path and returns them
+// as files to hand to QEMU.
+func listenAll(paths ...string) ([]*os.File, error) {
+	var files []*os.File
+	for _, p := range paths {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			closeAll(files)
+			return nil, fmt.Errorf("remove stale socket: %w", err)
+		}
+		ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: p, Net: "unix"})
+		if err != nil {
+			closeAll(files)
+			return nil, fmt.Errorf("listen %s: %w", p, err)
+		}
+		ln.SetUnlinkOnClose(false)
+		f, err := ln.File()
+		ln.Close()
+		if err != nil {
+			closeAll(files)
+			return nil, fmt.Errorf("listener file %s: %w", p, err)
+		}
+		files = append(files, f)
+	}
+	return files, nil
+}
+
+func closeAll(files []*os.File) {
+	for _, f := range files {
+		f.Close()
+	}
+}
+
+func removeSockets(l layout) {
+	for _, p := range []string{l.qmp, l.agent, l.console} {
+		_ = os.Remove(p)
+	}
+}
+
+// awaitInit waits until QEMU answers a QMP command, racing its exit and
+// ctx. QEMU greets on QMP before it has loaded the kernel, so the greeting
+// alone proves nothing; a command answered from the main loop does.
+func (d *Driver) awaitInit(ctx context.Context, socket string, exited <-chan struct{}) error {
+	done := make(chan error, 1)
+	go func() {
+		done <- d.monitor(socket, func(m *raw.Monitor) error {
+			_, err := m.QueryStatus()
+			return err
+		})
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("qemu did not start: %w", err)
+		}
+		return nil
+	case <-exited:
+		return errors.New("qemu exited during start")
+	case <-ctx.Done():
+		return fmt.Errorf("qemu did not start: %w", ctx.Err())
+	}
+}
+
+// tailFile returns the last n lines of a small log file.
+func tailFile(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return ""
+	}
+	if len(b) > 64<<10 {
+		b = b[len(b)-64<<10:]
+	}
+	return strings.TrimSpace(lastLines(string(b), n))
+}
+
+// monitor runs fn on a fresh QMP connection. QEMU serves one QMP client at
+// a time, so connections are short-lived.
+func (d *Driver) monitor(socket string, fn func(*raw.Monitor) error) error {
+	mon, err := d.cfg.NewMonitor(socket)
+	if err != nil {
+		return fmt.Errorf("qmp %s: %w", socket, err)
+	}
+	if err := mon.Connect(); err != nil {
+		return fmt.Errorf("qmp connect %s: %w", socket, err)
+	}
+	defer mon.Disconnect()
+	return fn(raw.NewMonitor(mon))
+}
+
+// Resume implements driver.Lifecycle.
+func (d *Driver) Resume(ctx context.Context, inst driver.Instance) error {
+	return d.monitor(inst.QMPSocket, func(m *raw.Monitor) error {
+		if err := m.Cont(); err != nil {
+			return fmt.Errorf("qmp cont: %w", err)
+		}
+		return nil
+	})
+}
+
+// Adopt implements driver.Lifecycle.
+func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
+	if !alive(inst.PID, inst.StartTime) {
+		return driver.ErrNotRunning
+	}
+	return d.monitor(inst.QMPSocket, func(m *raw.Monitor) error {
+		st, err := m.QueryStatus()
+		if err != nil {
+			return fmt.Errorf("qmp query-status: %w", err)
+		}
+		d.cfg.Logger.Debug("adopted qemu", "pid", inst.PID, "status", st.Status.String(), "running", st.Running)
+		return nil
+	})
+}
+
+// Wait implements driver.Lifecycle.
+func (d *Driver) Wait(ctx context.Context, inst driver.Instance) error {
+	return waitExit(ctx, inst.PID, inst.StartTime)
+}
+
+// Kill implements driver.Lifecycle.
+func (d *Driver) Kill(ctx context.Context, inst driver.Instance) error {
+	if !alive(inst.PID, inst.StartTime) {
+		return nil
+	}
+	// Ask QEMU to quit first: it exits cleanly and removes its sockets.
+	qerr := d.monitor(inst.QMPSocket, func(m *raw.Monitor) error { return m.Quit() })
+	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	if qerr == nil && waitExit(wctx, inst.PID, inst.StartTime) == nil {
+		return nil
+	}
+	if err := kill(inst.PID, inst.StartTime, 10*time.Second); err != nil {
+		return fmt.Errorf("kill qemu %d: %w", inst.PID, err)
+	}
+	return nil
+}
+
+// AgentDialer implements driver.Streams.
+func (d *Driver) AgentDialer(inst driver.Instance) (driver.Dialer, string) {
+	if inst.CID != 0 {
+		return func(ctx context.Context) (net.Conn, error) {
+			// Dialling the VM's own CID is the host-side peer check: only
+			// that guest can answer on it.
+			return vsock.Dial(inst.CID, protocol.VsockPort, nil)
+		}, "vsock"
+	}
+	return unixDialer(inst.AgentSocket), "virtio-serial"
+}
+
+// ConsoleDialer implements driver.Streams.
+func (d *Driver) ConsoleDialer(inst driver.Instance) driver.Dialer {
+	return unixDialer(inst.ConsoleSocket)
+}
+
+func unixDialer(path string) driver.Dialer {
+	return func(ctx context.Context) (net.Conn, error) {
+		var nd net.Dialer
+		return nd.DialContext(ctx, "unix", path)
+	}
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}

@@ -1,0 +1,158 @@
+package qemu
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/digitalocean/go-qemu/qmp"
+	"github.com/digitalocean/go-qemu/qmp/qmptest"
+
+	"github.com/carrel-os/carrel/supervisor/driver"
+)
+
+func testSpec(dir string) driver.Spec {
+	return driver.Spec{Name: "demo", Kernel: "/k", Initrd: "/i", Cmdline: "console=ttyS0", MemoryBytes: 512 << 20, CPUs: 2, Dir: dir}
+}
+
+func argValue(a []string, flag string) []string {
+	var v []string
+	for i := 0; i+1 < len(a); i++ {
+		if a[i] == flag {
+			v = append(v, a[i+1])
+		}
+	}
+	return v
+}
+
+func TestArgs(t *testing.T) {
+	l, err := newLayout("/run/x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := testSpec("/run/x")
+	a := args(spec, MachineMicroVM, "tcg", l)
+	if got := argValue(a, "-machine"); len(got) != 1 || got[0] != "microvm,accel=tcg" {
+		t.Errorf("machine = %v", got)
+	}
+	if got := argValue(a, "-m"); got[0] != "512M" {
+		t.Errorf("-m = %v", got)
+	}
+	if got := argValue(a, "-smp"); got[0] != "2" {
+		t.Errorf("-smp = %v", got)
+	}
+	for _, want := range []string{"-S", "-nodefaults", "-no-reboot"} {
+		if !slices.Contains(a, want) {
+			t.Errorf("missing %s", want)
+		}
+	}
+	devs := strings.Join(argValue(a, "-device"), " ")
+	if !strings.Contains(devs, "virtio-serial-device") || strings.Contains(devs, "vsock") {
+		t.Errorf("devices = %s", devs)
+	}
+	if strings.Contains(strings.Join(a, " "), "netdev") {
+		t.Errorf("a VM must have no NIC: %v", a)
+	}
+
+	spec.CID = 7
+	a = args(spec, MachineQ35, "kvm", l)
+	devs = strings.Join(argValue(a, "-device"), " ")
+	if !strings.Contains(devs, "virtio-serial-pci") || !strings.Contains(devs, "vhost-vsock-pci,guest-cid=7") {
+		t.Errorf("q35 devices = %s", devs)
+	}
+	if got := argValue(a, "-cpu"); got[0] != "host" {
+		t.Errorf("kvm cpu = %v", got)
+	}
+}
+
+func TestLayoutRejectsLongPaths(t *testing.T) {
+	_, err := newLayout("/" + strings.Repeat("x", 120))
+	if err == nil || !strings.Contains(err.Error(), "longer than") {
+		t.Fatalf("err = %v", err)
+	}
+}
+
+func TestResumeAndAdoptUseQMP(t *testing.T) {
+	var cmds []string
+	d := New(Config{Accelerator: "tcg", NewMonitor: func(string) (qmp.Monitor, error) {
+		return qmptest.NewMonitor(func(cmd qmp.Command) (any, error) {
+			cmds = append(cmds, cmd.Execute)
+			switch cmd.Execute {
+			case "query-status":
+				return map[string]any{"return": map[string]any{"running": true, "status": "running"}}, nil
+			default:
+				return map[string]any{"return": map[string]any{}}, nil
+			}
+		}), nil
+	}})
+	// Our own process stands in for a running QEMU.
+	start, _, err := procStartTime(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst := driver.Instance{PID: os.Getpid(), StartTime: start, QMPSocket: "unused"}
+	if err := d.Resume(context.Background(), inst); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Adopt(context.Background(), inst); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(cmds, []string{"cont", "query-status"}) {
+		t.Errorf("qmp commands = %v", cmds)
+	}
+	// A reused pid (same pid, different start time) is not ours.
+	inst.StartTime++
+	if err := d.Adopt(context.Background(), inst); !errors.Is(err, driver.ErrNotRunning) {
+		t.Errorf("adopt with wrong start time: %v", err)
+	}
+}
+
+func TestWaitAndKillProcess(t *testing.T) {
+	cmd := exec.Command("sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go cmd.Wait() // reap, as init would for an adopted QEMU
+	start, _, err := procStartTime(cmd.Process.Pid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inst := driver.Instance{PID: cmd.Process.Pid, StartTime: start, QMPSocket: filepath.Join(t.TempDir(), "none.sock")}
+	d := New(Config{})
+	// No QMP socket: Kill falls back to SIGKILL.
+	if err := d.Kill(context.Background(), inst); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Wait(context.Background(), inst); err != nil {
+		t.Fatal(err)
+	}
+	if alive(inst.PID, inst.StartTime) {
+		t.Fatal("process still alive after Kill")
+	}
+	if err := d.Kill(context.Background(), inst); err != nil {
+		t.Errorf("kill of a dead VM: %v", err)
+	}
+}
+
+func TestStartFailureReportsQEMUError(t *testing.T) {
+	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
+		t.Skip("qemu-system-x86_64 not installed: run `make deps`")
+	}
+	dir := t.TempDir()
+	spec := testSpec(dir)
+	spec.Kernel = filepath.Join(dir, "no-such-kernel")
+	_, err := New(Config{Accelerator: "tcg"}).Start(context.Background(), spec)
+	if err == nil || !strings.Contains(err.Error(), "no-such-kernel") {
+		t.Fatalf("err = %v, want qemu's complaint about the kernel", err)
+	}
+	for _, s := range []string{qmpSocketName, agentSocketName, consoleSocketName} {
+		if _, err := os.Stat(filepath.Join(dir, s)); err == nil {
+			t.Errorf("socket %s left behind", s)
+		}
+	}
+}

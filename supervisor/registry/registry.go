@@ -1,0 +1,207 @@
+// Package registry persists VM records under carreld's state directory, one
+// directory per VM (<dir>/<name>/vm.json). Writes are atomic: a crash leaves
+// either the old record or the new one, never a torn file.
+package registry
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"time"
+
+	"github.com/carrel-os/carrel/supervisor/driver"
+)
+
+// State is a VM's lifecycle state.
+type State string
+
+// States. A record in StateCreating after a restart belongs to a create
+// that never finished; reconcile removes it.
+const (
+	StateCreating State = "creating"
+	StateRunning  State = "running"
+	StateStopping State = "stopping"
+	StateStopped  State = "stopped"
+)
+
+// ErrNotFound means no VM has that name.
+var ErrNotFound = errors.New("no such vm")
+
+// Record is everything carreld keeps about one VM.
+type Record struct {
+	Name        string    `json:"name"`
+	ID          string    `json:"id"`
+	ImageDigest string    `json:"image_digest"`
+	MemoryBytes uint64    `json:"memory_bytes"`
+	CPUs        uint32    `json:"cpus"`
+	Driver      string    `json:"driver"`
+	State       State     `json:"state"`
+	CreatedAt   time.Time `json:"created_at"`
+	// Instance locates the running VM; nil when stopped.
+	Instance *driver.Instance `json:"instance,omitempty"`
+	// LastError says why the VM stopped when it stopped on its own.
+	LastError string `json:"last_error,omitempty"`
+}
+
+var nameRE = regexp.MustCompile(`^[a-z][a-z0-9-]{0,62}$`)
+
+// ValidName reports whether name can name a VM: 1-63 characters of
+// lower-case letters, digits and '-', starting with a letter.
+func ValidName(name string) error {
+	if !nameRE.MatchString(name) {
+		return fmt.Errorf("invalid vm name %q: use 1-63 lower-case letters, digits and '-', starting with a letter", name)
+	}
+	return nil
+}
+
+// maxRecordBytes caps a record file; anything larger is corrupt.
+const maxRecordBytes = 1 << 20
+
+// Registry stores records in a directory.
+type Registry struct {
+	dir string
+}
+
+// Open returns the registry rooted at dir, creating it if needed.
+func Open(dir string) (*Registry, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("create vm registry: %w", err)
+	}
+	return &Registry{dir: dir}, nil
+}
+
+// Dir returns the directory of the VM called name, which holds its record,
+// sockets and logs.
+func (r *Registry) Dir(name string) string { return filepath.Join(r.dir, name) }
+
+// Put writes rec atomically, creating the VM's directory if needed.
+func (r *Registry) Put(rec *Record) error {
+	if err := ValidName(rec.Name); err != nil {
+		return err
+	}
+	dir := r.Dir(rec.Name)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("create vm dir: %w", err)
+	}
+	b, err := json.MarshalIndent(rec, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encode vm %q: %w", rec.Name, err)
+	}
+	return writeAtomic(filepath.Join(dir, "vm.json"), append(b, '\n'))
+}
+
+func writeAtomic(path string, b []byte) error {
+	f, err := os.CreateTemp(filepath.Dir(path), ".vm.json-*")
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	tmp := f.Name()
+	_, err = f.Write(b)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	d, err := os.Open(filepath.Dir(path))
+	if err != nil {
+		return fmt.Errorf("sync dir of %s: %w", path, err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("sync dir of %s: %w", path, err)
+	}
+	return nil
+}
+
+// Get reads the record of the VM called name.
+func (r *Registry) Get(name string) (*Record, error) {
+	if err := ValidName(name); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrNotFound, err)
+	}
+	path := filepath.Join(r.Dir(name), "vm.json")
+	f, err := os.Open(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w: %q", ErrNotFound, name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("read vm %q: %w", name, err)
+	}
+	defer f.Close()
+	var rec Record
+	dec := json.NewDecoder(&limitedReader{f, maxRecordBytes})
+	if err := dec.Decode(&rec); err != nil {
+		return nil, fmt.Errorf("decode %s: %w", path, err)
+	}
+	if rec.Name != name {
+		return nil, fmt.Errorf("decode %s: record names %q", path, rec.Name)
+	}
+	return &rec, nil
+}
+
+type limitedReader struct {
+	f *os.File
+	n int64
+}
+
+func (l *limitedReader) Read(p []byte) (int, error) {
+	if l.n <= 0 {
+		return 0, errors.New("record too large")
+	}
+	if int64(len(p)) > l.n {
+		p = p[:l.n]
+	}
+	n, err := l.f.Read(p)
+	l.n -= int64(n)
+	return n, err
+}
+
+// List returns all records sorted by name. Unreadable records are returned
+// as errors joined together, alongside the readable ones.
+func (r *Registry) List() ([]*Record, error) {
+	ents, err := os.ReadDir(r.dir)
+	if err != nil {
+		return nil, fmt.Errorf("list vms: %w", err)
+	}
+	var recs []*Record
+	var errs []error
+	for _, e := range ents {
+		if !e.IsDir() || ValidName(e.Name()) != nil {
+			continue
+		}
+		rec, err := r.Get(e.Name())
+		if errors.Is(err, ErrNotFound) {
+			continue // a directory whose record was never written
+		}
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		recs = append(recs, rec)
+	}
+	sort.Slice(recs, func(i, j int) bool { return recs[i].Name < recs[j].Name })
+	return recs, errors.Join(errs...)
+}
+
+// Delete removes the VM's directory and everything in it. It returns nil
+// if the VM does not exist.
+func (r *Registry) Delete(name string) error {
+	if err := ValidName(name); err != nil {
+		return err
+	}
+	if err := os.RemoveAll(r.Dir(name)); err != nil {
+		return fmt.Errorf("delete vm %q: %w", name, err)
+	}
+	return nil
+}
