@@ -127,8 +127,8 @@ func (l *Link) markReady(info *agentv1.HealthResponse) {
 	if info != nil {
 		l.info = info
 	}
-	if l.state != Ready {
-		l.log.Info("guest agent ready", "subsystem", "agentlink")
+	if l.state == Unhealthy {
+		l.log.Info("guest agent healthy again", "subsystem", "agentlink")
 	}
 	l.state, l.lastErr = Ready, nil
 }

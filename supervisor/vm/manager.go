@@ -236,7 +236,7 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 		return fail(err, nil)
 	}
 	dial, transport := m.cfg.Driver.AgentDialer(inst)
-	link := agentlink.New(dial, m.log.With("vm", name, "transport", transport))
+	link := agentlink.New(dial, m.cfg.Logger.With("vm", name, "transport", transport))
 	if err := m.cfg.Driver.Resume(ctx, inst); err != nil {
 		link.Close()
 		return fail(err, rec)

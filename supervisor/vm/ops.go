@@ -283,7 +283,7 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 		log.Warn("console not attached", "err", err)
 	}
 	dial, transport := m.cfg.Driver.AgentDialer(inst)
-	link := agentlink.New(dial, m.log.With("vm", rec.Name, "transport", transport))
+	link := agentlink.New(dial, m.cfg.Logger.With("vm", rec.Name, "transport", transport))
 	mc.mu.Lock()
 	mc.link, mc.console, mc.cancel = link, rc, cancel
 	mc.mu.Unlock()

@@ -1,0 +1,79 @@
+# carrel's front door. `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+export CGO_ENABLED := 0
+GO      ?= go
+VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
+LDFLAGS := -s -w -X github.com/carrel-os/carrel/supervisor/daemon.Version=$(VERSION) -X github.com/carrel-os/carrel/guest-agent/server.Version=$(VERSION)
+BIN     := $(CURDIR)/out/bin
+# Downloaded kernel and busybox packages are cached here between runs.
+CACHE   ?= $(CURDIR)/.cache/carrel
+
+# System packages: QEMU to run VMs, nix-bin to check our .nix files,
+# protoc for `make generate`, cpio for the initramfs tests.
+DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio
+
+.PHONY: help
+help: ## List the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-18s %s\n", $$1, $$2}'
+
+.PHONY: deps
+deps: ## Install missing system packages (Debian, as root)
+	@missing=""; for p in $(DEB_PACKAGES); do dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'ok installed' || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "deps: installing$$missing"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	else echo "deps: all system packages present ($(DEB_PACKAGES))"; fi
+
+.PHONY: build
+build: ## Build carreld, carrel and carrel-agent (static) into out/bin
+	@mkdir -p $(BIN)
+	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/carreld ./cmd/carrel ./cmd/carrel-agent
+
+.PHONY: run
+run: deps build ## Build, start carreld, build the dev image, boot a VM, run a short session, tear down
+	@BIN=$(BIN) CACHE=$(CACHE) ./tests/run-demo.sh
+
+.PHONY: test
+test: deps build lint check-generated nix-check unit integration ## Run every test: lint, generated code, nix syntax, unit and real-VM end-to-end
+
+.PHONY: unit
+unit: ## Unit tests (no VM needed)
+	$(GO) test -count=1 $$($(GO) list ./... | grep -v '/tests')
+
+.PHONY: integration
+integration: deps build ## End-to-end tests: a real carreld boots real VMs under QEMU
+	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 20m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
+
+.PHONY: bench
+bench: deps build ## Benchmarks: boot to agent-ready vs bare QEMU, warm exec latency
+	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) run ./tests/bench $(BENCH_ARGS)
+
+.PHONY: lint
+lint: ## gofmt and go vet
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+PROTOS := guest-agent/proto/carrel/agent/v1/agent.proto supervisor/proto/carrel/api/v1/api.proto
+
+.PHONY: generate
+generate: ## Regenerate protobuf and connect code
+	@mkdir -p .bin
+	GOBIN=$(CURDIR)/.bin $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go connectrpc.com/connect/cmd/protoc-gen-connect-go
+	PATH=$(CURDIR)/.bin:$$PATH protoc -I guest-agent/proto -I supervisor/proto \
+		--go_out=. --go_opt=module=github.com/carrel-os/carrel \
+		--connect-go_out=. --connect-go_opt=module=github.com/carrel-os/carrel $(PROTOS)
+
+.PHONY: check-generated
+check-generated: generate ## Fail if generated code is not what `make generate` gives
+	@git diff --exit-code --stat -- guest-agent/gen supervisor/gen || { echo "generated code is stale: run make generate and commit"; exit 1; }
+
+.PHONY: nix-check
+nix-check: ## Parse every .nix file
+	@for f in $$(git ls-files '*.nix'); do nix-instantiate --parse $$f >/dev/null || exit 1; echo "nix-instantiate --parse $$f: ok"; done
+
+.PHONY: clean
+clean: ## Remove build outputs (keeps the package cache)
+	rm -rf out .bin

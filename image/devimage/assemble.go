@@ -1,0 +1,295 @@
+package devimage
+
+import (
+	"bufio"
+	"compress/gzip"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/carrel-os/carrel/image/initramfs"
+	"github.com/carrel-os/carrel/image/kmod"
+	"github.com/carrel-os/carrel/image/manifest"
+)
+
+// Guest paths and accounts the agent relies on.
+const (
+	guestModuleList = "etc/carrel/modules"
+	agentUID        = 1000
+)
+
+// guestDirs are created in every image, with their modes. /tmp and /var/tmp
+// are world-writable with the sticky bit; /root is private.
+var guestDirs = []struct {
+	name string
+	mode fs.FileMode
+}{
+	{"bin", 0o755}, {"sbin", 0o755}, {"usr/bin", 0o755}, {"usr/sbin", 0o755},
+	{"dev", 0o755}, {"proc", 0o555}, {"sys", 0o555}, {"run", 0o755},
+	{"tmp", 0o777 | fs.ModeSticky}, {"var/tmp", 0o777 | fs.ModeSticky},
+	{"etc", 0o755}, {"etc/carrel", 0o755}, {"root", 0o700}, {"home", 0o755},
+}
+
+// agentDirs belong to the unprivileged user commands run as.
+var agentDirs = []string{"home/agent", "workspace"}
+
+// assemble writes the kernel, the initramfs and the manifest to o.OutDir.
+func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, error) {
+	start := time.Now()
+	tree, err := kmod.Open(in.moduleRoot)
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range o.Modules {
+		if tree.Builtin(m) {
+			o.Logger.Info("module is built into the kernel; not loading it", "module", m)
+		}
+	}
+	mods, err := tree.Closure(o.Modules...)
+	if err != nil {
+		return nil, err
+	}
+	applets, err := busyboxApplets(ctx, run, in.busybox)
+	if err != nil {
+		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	a, guestMods, err := buildArchive(o, tree.Release(), mods, applets, in.busybox)
+	if err != nil {
+		return nil, err
+	}
+
+	if err := os.MkdirAll(o.OutDir, 0o755); err != nil {
+		return nil, fmt.Errorf("create output dir: %w", err)
+	}
+	res := &Result{
+		KernelPath:   filepath.Join(o.OutDir, KernelFile),
+		InitrdPath:   filepath.Join(o.OutDir, InitrdFile),
+		ManifestPath: filepath.Join(o.OutDir, ManifestFile),
+		Modules:      guestMods,
+	}
+	kernel, err := writeAtomic(res.KernelPath, func(w io.Writer) error {
+		f, err := os.Open(in.kernel)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		_, err = io.Copy(w, f)
+		return err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("write kernel: %w", err)
+	}
+	initrd, err := writeAtomic(res.InitrdPath, func(w io.Writer) error {
+		if !o.Compress {
+			_, err := a.WriteTo(w)
+			return err
+		}
+		// A zero gzip header (no name, no mtime) keeps the output
+		// reproducible for a given Go release.
+		zw, err := gzip.NewWriterLevel(w, gzip.BestCompression)
+		if err != nil {
+			return err
+		}
+		if _, err := a.WriteTo(zw); err != nil {
+			return err
+		}
+		return zw.Close()
+	})
+	if err != nil {
+		return nil, fmt.Errorf("write initramfs: %w", err)
+	}
+	res.Manifest = &manifest.Manifest{
+		SchemaVersion: manifest.SchemaVersion,
+		Name:          o.Name,
+		Arch:          arch,
+		KernelVersion: tree.Release(),
+		Kernel:        kernel,
+		Initrd:        initrd,
+		Cmdline:       o.Cmdline,
+	}
+	b, err := res.Manifest.Marshal()
+	if err != nil {
+		return nil, err
+	}
+	if _, err := writeAtomic(res.ManifestPath, func(w io.Writer) error {
+		_, err := w.Write(b)
+		return err
+	}); err != nil {
+		return nil, fmt.Errorf("write manifest: %w", err)
+	}
+	o.Logger.Info("built dev image", "dir", o.OutDir, "release", tree.Release(),
+		"modules", len(guestMods), "applets", len(applets),
+		"initrd_bytes", initrd.Size, "compressed", o.Compress,
+		"digest", manifest.DigestBytes(b), "assemble_time", time.Since(start).Round(time.Millisecond))
+	return res, nil
+}
+
+// busyboxApplets lists the applet links busybox wants, keeping only those in
+// the four bin directories (its list also has "linuxrc", which must not
+// shadow /init).
+func busyboxApplets(ctx context.Context, run runFunc, busybox string) ([]string, error) {
+	out, err := run(ctx, filepath.Dir(busybox), busybox, "--list-full")
+	if err != nil {
+		return nil, fmt.Errorf("list busybox applets: %w", err)
+	}
+	applets, err := parseApplets(string(out))
+	if err != nil {
+		return nil, fmt.Errorf("list busybox applets: %w", err)
+	}
+	return applets, nil
+}
+
+func parseApplets(out string) ([]string, error) {
+	var applets []string
+	for _, line := range strings.Split(out, "\n") {
+		line = strings.TrimSpace(line)
+		dir, base := path.Split(line)
+		switch {
+		case line == "" || line == "bin/busybox":
+		case dir != "bin/" && dir != "sbin/" && dir != "usr/bin/" && dir != "usr/sbin/":
+		case base == "" || base == "." || base == "..":
+		default:
+			applets = append(applets, line)
+		}
+	}
+	slices.Sort(applets)
+	applets = slices.Compact(applets)
+	if !slices.Contains(applets, "bin/sh") {
+		return nil, errors.New("busybox provides no bin/sh applet")
+	}
+	return applets, nil
+}
+
+// buildArchive lays out the initramfs and returns it with the guest paths of
+// the modules in load order.
+func buildArchive(o Options, release string, mods []*kmod.Module, applets []string, busybox string) (*initramfs.Archive, []string, error) {
+	a := initramfs.New()
+	var errs []error
+	for _, d := range guestDirs {
+		errs = append(errs, a.Dir(d.name, d.mode))
+	}
+	for _, d := range agentDirs {
+		errs = append(errs, a.Add(initramfs.Entry{Name: d, Mode: fs.ModeDir | 0o755, UID: agentUID, GID: agentUID}))
+	}
+	// The kernel opens /dev/console for /init's stdio before anything can
+	// mount devtmpfs.
+	errs = append(errs, a.CharDev("dev/console", 0o600, 5, 1))
+	errs = append(errs, a.FileFrom("init", 0o755, o.AgentBinary))
+	errs = append(errs, a.FileFrom("bin/busybox", 0o755, busybox))
+	for _, ap := range applets {
+		if !a.Has(ap) {
+			errs = append(errs, a.Symlink(ap, "/bin/busybox"))
+		}
+	}
+
+	var guestMods []string
+	modRoot := path.Join("lib/modules", release)
+	for _, m := range mods {
+		data, err := kmod.ReadFile(m.File)
+		if err != nil {
+			return nil, nil, err
+		}
+		p := path.Join(modRoot, m.Rel)
+		errs = append(errs, a.File(p, 0o644, data))
+		guestMods = append(guestMods, "/"+p)
+	}
+	var list strings.Builder
+	for _, p := range guestMods {
+		list.WriteString(p + "\n")
+	}
+	errs = append(errs, a.File(guestModuleList, 0o644, []byte(list.String())))
+
+	errs = append(errs,
+		a.File("etc/passwd", 0o644, []byte(fmt.Sprintf(
+			"root:x:0:0:root:/root:/bin/sh\nagent:x:%d:%d:agent:/home/agent:/bin/sh\n", agentUID, agentUID))),
+		a.File("etc/group", 0o644, []byte(fmt.Sprintf("root:x:0:\nagent:x:%d:\n", agentUID))),
+		a.File("etc/hostname", 0o644, []byte("carrel\n")),
+		a.File("etc/os-release", 0o644, []byte(osRelease(o.Name, release))),
+	)
+	if err := errors.Join(errs...); err != nil {
+		return nil, nil, fmt.Errorf("lay out initramfs: %w", err)
+	}
+	return a, guestMods, nil
+}
+
+func osRelease(name, release string) string {
+	return fmt.Sprintf(`NAME="carrel"
+ID=carrel
+VARIANT="development image"
+VARIANT_ID=dev
+IMAGE_ID=%s
+PRETTY_NAME="carrel development image (Debian kernel %s)"
+HOME_URL="https://github.com/carrel-os/carrel"
+`, name, release)
+}
+
+// writeAtomic writes dst through a synced temp file in its directory and a
+// rename, and returns the digest and size of what was written.
+func writeAtomic(dst string, fill func(w io.Writer) error) (_ manifest.Part, err error) {
+	f, err := os.CreateTemp(filepath.Dir(dst), "."+filepath.Base(dst)+"-*")
+	if err != nil {
+		return manifest.Part{}, err
+	}
+	defer func() {
+		if err != nil {
+			f.Close()
+			os.Remove(f.Name())
+		}
+	}()
+	h := sha256.New()
+	bw := bufio.NewWriterSize(io.MultiWriter(f, h), 1<<20)
+	cw := &countWriter{w: bw}
+	if err := fill(cw); err != nil {
+		return manifest.Part{}, err
+	}
+	if err := bw.Flush(); err != nil {
+		return manifest.Part{}, err
+	}
+	if cw.n == 0 {
+		return manifest.Part{}, errors.New("nothing written")
+	}
+	if err := f.Chmod(0o644); err != nil {
+		return manifest.Part{}, err
+	}
+	if err := f.Sync(); err != nil {
+		return manifest.Part{}, err
+	}
+	if err := f.Close(); err != nil {
+		return manifest.Part{}, err
+	}
+	if err := os.Rename(f.Name(), dst); err != nil {
+		return manifest.Part{}, err
+	}
+	if d, err := os.Open(filepath.Dir(dst)); err == nil {
+		err = d.Sync()
+		d.Close()
+		if err != nil {
+			return manifest.Part{}, fmt.Errorf("sync %s: %w", filepath.Dir(dst), err)
+		}
+	}
+	return manifest.Part{Digest: manifest.DigestPrefix + hex.EncodeToString(h.Sum(nil)), Size: cw.n}, nil
+}
+
+type countWriter struct {
+	w io.Writer
+	n int64
+}
+
+func (c *countWriter) Write(p []byte) (int, error) {
+	n, err := c.w.Write(p)
+	c.n += int64(n)
+	return n, err
+}

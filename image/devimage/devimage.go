@@ -1,0 +1,220 @@
+// Package devimage builds the development image: Debian's stock kernel plus
+// an initramfs whose /init is carrel-agent, with busybox for a shell and the
+// virtio and vsock modules the agent loads at boot. Production images are
+// built with Nix instead (see nix/).
+//
+// Build fetches packages with apt-get download and unpacks them with
+// dpkg-deb -x into a cache it reuses, so it needs a Debian host but never
+// installs anything on it. The same inputs always give byte-identical
+// files and the same manifest digest.
+package devimage
+
+import (
+	"context"
+	"debug/elf"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"github.com/carrel-os/carrel/image/manifest"
+)
+
+const (
+	// DefaultName is the manifest name of the development image.
+	DefaultName = "carrel-dev"
+	// DefaultKernelPackage is Debian's meta package for the current kernel.
+	DefaultKernelPackage = "linux-image-amd64"
+	// DefaultCmdline is the kernel command line the manifest records: the
+	// console on the first serial port, and a reboot (which QEMU run with
+	// -no-reboot turns into an exit) as soon as the kernel panics, e.g.
+	// because /init, the agent, died.
+	DefaultCmdline = "console=ttyS0 quiet panic=-1"
+	// BusyboxPackage provides the image's shell and core utilities.
+	BusyboxPackage = "busybox-static"
+
+	// KernelFile, InitrdFile and ManifestFile are the names Build writes
+	// in Options.OutDir.
+	KernelFile   = "vmlinuz"
+	InitrdFile   = "initrd.img"
+	ManifestFile = "manifest.json"
+
+	arch = "amd64"
+)
+
+// DefaultModules are the modules loaded at boot, before their dependencies
+// are added: the Debian kernel builds all of virtio and vsock as modules.
+var DefaultModules = []string{
+	"virtio_mmio",
+	"virtio_pci",
+	"virtio_console",
+	"virtio_blk",
+	"vsock",
+	"vmw_vsock_virtio_transport",
+}
+
+// Options configures Build. CacheDir, OutDir and AgentBinary are required.
+type Options struct {
+	// CacheDir keeps downloaded packages and their unpacked trees between
+	// builds; a package is downloaded only when the cache lacks it.
+	CacheDir string
+	// OutDir receives KernelFile, InitrdFile and ManifestFile; it is created
+	// if needed and existing files are replaced atomically.
+	OutDir string
+	// AgentBinary is the static carrel-agent executable, installed as /init.
+	AgentBinary string
+	// KernelPackage is the Debian package providing the kernel and its
+	// modules; meta packages are followed. Default DefaultKernelPackage.
+	KernelPackage string
+	// Modules are loaded at boot, with their dependencies first. Nil means
+	// DefaultModules; an empty non-nil slice means none.
+	Modules []string
+	// Name is the manifest's image name. Default DefaultName.
+	Name string
+	// Cmdline is the manifest's kernel command line. Default DefaultCmdline.
+	Cmdline string
+	// Compress gzips the initramfs. It is off by default: under TCG the
+	// kernel spends longer decompressing than it saves reading.
+	Compress bool
+	// Logger receives progress; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// Result is what Build produced.
+type Result struct {
+	KernelPath   string
+	InitrdPath   string
+	ManifestPath string
+	// Manifest records the kernel's and initrd's digests and sizes.
+	Manifest *manifest.Manifest
+	// Modules are the guest paths of the modules in /etc/carrel/modules, in
+	// load order.
+	Modules []string
+}
+
+func (o *Options) withDefaults() (Options, error) {
+	c := *o
+	if c.CacheDir == "" {
+		return c, errors.New("cache dir is required")
+	}
+	if c.OutDir == "" {
+		return c, errors.New("output dir is required")
+	}
+	if c.AgentBinary == "" {
+		return c, errors.New("agent binary is required")
+	}
+	if c.KernelPackage == "" {
+		c.KernelPackage = DefaultKernelPackage
+	}
+	if c.Modules == nil {
+		c.Modules = DefaultModules
+	}
+	c.Modules = slices.Clone(c.Modules)
+	if c.Name == "" {
+		c.Name = DefaultName
+	}
+	if !manifest.ValidName(c.Name) {
+		return c, fmt.Errorf("image name %q: want [a-z0-9][a-z0-9._-]{0,62}", c.Name)
+	}
+	if c.Cmdline == "" {
+		c.Cmdline = DefaultCmdline
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	c.Logger = c.Logger.With("subsystem", "devimage")
+	return c, nil
+}
+
+// Build fetches the kernel and busybox packages, assembles the initramfs
+// and writes the image to opts.OutDir. It checks that the agent is a static
+// x86-64 executable, since a dynamic one cannot run as /init.
+func Build(ctx context.Context, opts Options) (*Result, error) {
+	o, err := opts.withDefaults()
+	if err != nil {
+		return nil, fmt.Errorf("build dev image: %w", err)
+	}
+	if err := checkAgent(o.AgentBinary); err != nil {
+		return nil, fmt.Errorf("build dev image: %w", err)
+	}
+	f, err := newFetcher(o.CacheDir, o.Logger, execRun)
+	if err != nil {
+		return nil, fmt.Errorf("build dev image: %w", err)
+	}
+	in, err := fetchInputs(ctx, f, o.KernelPackage)
+	if err != nil {
+		return nil, fmt.Errorf("build dev image: %w", err)
+	}
+	res, err := assemble(ctx, in, o, execRun)
+	if err != nil {
+		return nil, fmt.Errorf("build dev image: %w", err)
+	}
+	return res, nil
+}
+
+// inputs are the host files an image is assembled from.
+type inputs struct {
+	kernel     string // vmlinuz-<release>
+	moduleRoot string // lib/modules/<release>
+	busybox    string // static busybox executable
+}
+
+func fetchInputs(ctx context.Context, f *fetcher, kernelPkg string) (inputs, error) {
+	pkgs, err := f.fetch(ctx, kernelPkg, BusyboxPackage)
+	if err != nil {
+		return inputs{}, err
+	}
+	ktree, kpkg := pkgs[0].tree, pkgs[0].pkg
+	btree, bpkg := pkgs[1].tree, pkgs[1].pkg
+	kernels, err := filepath.Glob(filepath.Join(ktree, "boot", "vmlinuz-*"))
+	if err != nil || len(kernels) != 1 {
+		return inputs{}, fmt.Errorf("package %s %s: want one boot/vmlinuz-*, found %d", kpkg.Name, kpkg.Version, len(kernels))
+	}
+	release := filepath.Base(kernels[0])[len("vmlinuz-"):]
+	in := inputs{kernel: kernels[0]}
+	for _, dir := range []string{"lib/modules", "usr/lib/modules"} {
+		p := filepath.Join(ktree, dir, release)
+		if fi, err := os.Stat(p); err == nil && fi.IsDir() {
+			in.moduleRoot = p
+			break
+		}
+	}
+	if in.moduleRoot == "" {
+		return inputs{}, fmt.Errorf("package %s %s: no modules for release %s", kpkg.Name, kpkg.Version, release)
+	}
+	for _, p := range []string{"bin/busybox", "usr/bin/busybox"} {
+		if fi, err := os.Stat(filepath.Join(btree, p)); err == nil && fi.Mode().IsRegular() {
+			in.busybox = filepath.Join(btree, p)
+			break
+		}
+	}
+	if in.busybox == "" {
+		return inputs{}, fmt.Errorf("package %s %s: no busybox binary", bpkg.Name, bpkg.Version)
+	}
+	f.log.Info("image inputs", "kernel_package", kpkg.Name, "kernel_version", kpkg.Version,
+		"release", release, "busybox_version", bpkg.Version)
+	return in, nil
+}
+
+// checkAgent returns nil if path is a statically linked x86-64 executable.
+func checkAgent(path string) error {
+	f, err := elf.Open(path)
+	if err != nil {
+		return fmt.Errorf("agent binary %s: %w", path, err)
+	}
+	defer f.Close()
+	if f.Machine != elf.EM_X86_64 || f.Class != elf.ELFCLASS64 {
+		return fmt.Errorf("agent binary %s: built for %v, want x86-64", path, f.Machine)
+	}
+	if f.Type != elf.ET_EXEC && f.Type != elf.ET_DYN {
+		return fmt.Errorf("agent binary %s: ELF type %v is not an executable", path, f.Type)
+	}
+	for _, p := range f.Progs {
+		if p.Type == elf.PT_INTERP {
+			return fmt.Errorf("agent binary %s: dynamically linked; build it with CGO_ENABLED=0", path)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,247 @@
+package agentlink
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+)
+
+// fakeAgent is a guest agent whose Exec replies are scripted.
+type fakeAgent struct {
+	agentv1connect.UnimplementedAgentServiceHandler
+	exec func(*connect.ServerStream[agentv1.ExecResponse]) error
+}
+
+func (f *fakeAgent) Health(context.Context, *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error) {
+	return connect.NewResponse(&agentv1.HealthResponse{Version: "test", Transport: "unix"}), nil
+}
+
+func (f *fakeAgent) Exec(_ context.Context, _ *connect.Request[agentv1.ExecRequest], s *connect.ServerStream[agentv1.ExecResponse]) error {
+	return f.exec(s)
+}
+
+// serve runs a fake agent on a unix socket and returns a dialer for it.
+func serve(t *testing.T, f *fakeAgent) func(context.Context) (net.Conn, error) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "agent.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, h := agentv1connect.NewAgentServiceHandler(f, connect.WithReadMaxBytes(64<<20), connect.WithSendMaxBytes(64<<20))
+	srv := protocol.NewHTTPServer(h)
+	go srv.Serve(l)
+	t.Cleanup(func() { srv.Close() })
+	return func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", path)
+	}
+}
+
+// logCounter counts log records containing a substring.
+type logCounter struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (c *logCounter) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.buf.Write(p)
+}
+
+func (c *logCounter) count(s string) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return strings.Count(c.buf.String(), s)
+}
+
+func TestExecStreamsEvents(t *testing.T) {
+	dial := serve(t, &fakeAgent{exec: func(s *connect.ServerStream[agentv1.ExecResponse]) error {
+		s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: []byte("hi")}})
+		return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 4}}})
+	}})
+	l := New(dial, nil)
+	defer l.Close()
+	ctx := context.Background()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s, err := l.Exec(ctx, &agentv1.ExecRequest{Argv: []string{"x"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for {
+		ev, ok, err := s.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			break
+		}
+		got = append(got, ev.String())
+	}
+	if len(got) != 2 || !strings.Contains(got[0], "hi") || !strings.Contains(got[1], "code:4") {
+		t.Errorf("events = %q", got)
+	}
+	if st, _ := l.State(); st != Ready {
+		t.Errorf("state = %v", st)
+	}
+}
+
+func TestWaitReadyRetriesUntilAgentServes(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "late.sock")
+	var ready sync.WaitGroup
+	ready.Add(1)
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		l, err := net.Listen("unix", path)
+		if err != nil {
+			panic(err)
+		}
+		_, h := agentv1connect.NewAgentServiceHandler(&fakeAgent{})
+		srv := protocol.NewHTTPServer(h)
+		t.Cleanup(func() { srv.Close() })
+		ready.Done()
+		srv.Serve(l)
+	}()
+	l := New(func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", path)
+	}, nil)
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ready.Wait()
+}
+
+func TestWaitReadyGivesUp(t *testing.T) {
+	l := New(func(ctx context.Context) (net.Conn, error) { return nil, errors.New("nobody home") }, nil)
+	defer l.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	err := l.WaitReady(ctx)
+	if !errors.Is(err, ErrNotReady) || !strings.Contains(err.Error(), "nobody home") {
+		t.Errorf("err = %v", err)
+	}
+}
+
+// garbageGuest answers every connection with bytes that are not HTTP/2.
+func garbageGuest(reply []byte) func(context.Context) (net.Conn, error) {
+	return func(context.Context) (net.Conn, error) {
+		host, guest := net.Pipe()
+		go func() {
+			go io.Copy(io.Discard, guest)
+			guest.Write(reply)
+			time.Sleep(100 * time.Millisecond)
+			guest.Close()
+		}()
+		return host, nil
+	}
+}
+
+func TestGarbledGuestMarksUnhealthyAndLogsOnce(t *testing.T) {
+	var logs logCounter
+	l := New(garbageGuest([]byte("\x00\x00\x12\x04garbage that is no HTTP/2 frame at all")), slog.New(slog.NewTextHandler(&logs, nil)))
+	defer l.Close()
+	ctx := context.Background()
+	// The first failure happens before the agent was ever ready.
+	for i := 0; i < 3; i++ {
+		if _, err := l.Health(ctx); err == nil {
+			t.Fatal("health over a garbled stream succeeded")
+		}
+	}
+	st, err := l.State()
+	if st != Unhealthy || err == nil {
+		t.Errorf("state = %v, %v", st, err)
+	}
+	if n := logs.count("guest agent unhealthy"); n != 1 {
+		t.Errorf("logged %d times, want once:\n%s", n, logs.buf.String())
+	}
+}
+
+func TestOversizedFrameClosesLink(t *testing.T) {
+	// An HTTP/2 frame header announcing 16 MiB, far over MaxFrameBytes.
+	l := New(garbageGuest([]byte{0xff, 0xff, 0xff, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00}), nil)
+	defer l.Close()
+	if _, err := l.Health(context.Background()); err == nil {
+		t.Fatal("health succeeded")
+	}
+	if st, _ := l.State(); st != Unhealthy {
+		t.Errorf("state = %v", st)
+	}
+}
+
+func TestOversizedMessageMarksUnhealthy(t *testing.T) {
+	dial := serve(t, &fakeAgent{exec: func(s *connect.ServerStream[agentv1.ExecResponse]) error {
+		return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: make([]byte, protocol.MaxMessageBytes+1)}})
+	}})
+	var logs logCounter
+	l := New(dial, slog.New(slog.NewTextHandler(&logs, nil)))
+	defer l.Close()
+	ctx := context.Background()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s, err := l.Exec(ctx, &agentv1.ExecRequest{Argv: []string{"x"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, ok, err := s.Recv()
+	if ok || connect.CodeOf(err) != connect.CodeResourceExhausted {
+		t.Fatalf("recv: ok=%v err=%v", ok, err)
+	}
+	if st, _ := l.State(); st != Unhealthy {
+		t.Errorf("state = %v", st)
+	}
+	// The link recovers on a fresh connection once the agent behaves.
+	if _, err := l.Health(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := l.State(); st != Ready {
+		t.Errorf("state after recovery = %v", st)
+	}
+	if logs.count("guest agent unhealthy") != 1 {
+		t.Errorf("logs:\n%s", logs.buf.String())
+	}
+}
+
+func TestApplicationErrorsKeepLinkHealthy(t *testing.T) {
+	dial := serve(t, &fakeAgent{exec: func(s *connect.ServerStream[agentv1.ExecResponse]) error {
+		return connect.NewError(connect.CodeNotFound, errors.New(`exec: "foo": executable file not found`))
+	}})
+	l := New(dial, nil)
+	defer l.Close()
+	ctx := context.Background()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s, err := l.Exec(ctx, &agentv1.ExecRequest{Argv: []string{"foo"}})
+	if err == nil {
+		_, _, err = s.Recv()
+	}
+	if connect.CodeOf(err) != connect.CodeNotFound {
+		t.Fatalf("err = %v", err)
+	}
+	if st, _ := l.State(); st != Ready {
+		t.Errorf("state = %v", st)
+	}
+}

@@ -1,0 +1,53 @@
+package tests
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/carrel-os/carrel/image/store"
+)
+
+// openStore opens the daemon's image store, as a second writer: the store
+// is safe for that (every write is an atomic rename).
+func openStore(t *testing.T, d *daemon) *store.Store {
+	t.Helper()
+	st, err := store.Open(filepath.Join(d.state, "images"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
+// brokenImage stores a copy of the dev image under tag with its kernel
+// command line and/or initrd replaced, and returns its digest.
+func brokenImage(t *testing.T, st *store.Store, tag, cmdline string, initrd []byte) string {
+	t.Helper()
+	dev, err := st.Resolve("dev")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := *dev.Manifest
+	if cmdline != "" {
+		m.Cmdline = cmdline
+	}
+	if initrd != nil {
+		p := filepath.Join(t.TempDir(), "initrd")
+		if err := os.WriteFile(p, initrd, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		part, err := st.PutBlob(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m.Initrd = part
+	}
+	digest, err := st.PutManifest(&m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Tag(tag, digest); err != nil {
+		t.Fatal(err)
+	}
+	return digest
+}

@@ -1,0 +1,264 @@
+package tests
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+type vmJSON struct {
+	Name        string `json:"name"`
+	State       string `json:"state"`
+	AgentState  string `json:"agentState"`
+	ImageDigest string `json:"imageDigest"`
+	Pid         int    `json:"pid"`
+	Cpus        int    `json:"cpus"`
+	MemoryBytes string `json:"memoryBytes"`
+	LastError   string `json:"lastError"`
+}
+
+func (d *daemon) list() []vmJSON {
+	d.t.Helper()
+	var out struct {
+		Vms []vmJSON `json:"vms"`
+	}
+	if err := json.Unmarshal([]byte(d.must("vm", "ls", "--output", "json")), &out); err != nil {
+		d.t.Fatal(err)
+	}
+	return out.Vms
+}
+
+func (d *daemon) vm(name string) (vmJSON, bool) {
+	for _, v := range d.list() {
+		if v.Name == name {
+			return v, true
+		}
+	}
+	return vmJSON{}, false
+}
+
+// TestVMEndToEnd walks the operator's flow from the README on one VM:
+// build, create, list, exec (streams, exit codes, megabytes of output),
+// carreld crash and re-adoption, stop, start, rm.
+func TestVMEndToEnd(t *testing.T) {
+	d := newDaemon(t)
+	d.start()
+	digest := d.buildImage()
+
+	start := time.Now()
+	d.must("vm", "create", "demo", "--image", "dev", "--memory", "512M", "--cpus", "1")
+	t.Logf("create to agent-ready took %s", time.Since(start).Round(time.Millisecond))
+	v, ok := d.vm("demo")
+	if !ok || v.State != "VM_STATE_RUNNING" || v.AgentState != "AGENT_STATE_READY" || v.ImageDigest != digest || v.Pid == 0 {
+		t.Fatalf("after create: %+v", v)
+	}
+	if v.MemoryBytes != "536870912" || v.Cpus != 1 {
+		t.Errorf("resources: %+v", v)
+	}
+	if pids := qemuPids(d.state); len(pids) != 1 || pids[0] != v.Pid {
+		t.Fatalf("qemu processes %v, want just %d", pids, v.Pid)
+	}
+	// The VM records the image digest it booted.
+	rec, err := os.ReadFile(filepath.Join(d.state, "vms", "demo", "vm.json"))
+	if err != nil || !strings.Contains(string(rec), digest) {
+		t.Errorf("vm record lacks the image digest: %s %v", rec, err)
+	}
+
+	t.Run("exec", func(t *testing.T) {
+		if out := d.must("exec", "demo", "--", "uname", "-a"); !strings.HasPrefix(out, "Linux carrel ") {
+			t.Errorf("uname -a = %q", out)
+		}
+		r := d.carrel("exec", "demo", "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+		if r.code != 3 || r.stdout != "out\n" || r.stderr != "err\n" {
+			t.Errorf("exit/streams: %+v", r)
+		}
+		r = d.carrel("exec", "demo", "--env", "GREETING=hi there", "--cwd", "/tmp", "--", "sh", "-c", `echo "$GREETING from $(pwd)"`)
+		if r.code != 0 || r.stdout != "hi there from /tmp\n" {
+			t.Errorf("env/cwd: %+v", r)
+		}
+		r = d.carrel("exec", "demo", "--", "sh", "-c", "kill -9 $$")
+		if r.code != 137 {
+			t.Errorf("killed by signal: exit %d, want 137", r.code)
+		}
+		r = d.carrel("exec", "demo", "--", "no-such-command")
+		if r.code == 0 || !strings.Contains(r.stderr, "no-such-command") {
+			t.Errorf("missing command: %+v", r)
+		}
+		r = d.carrel("exec", "nope", "--", "true")
+		if r.code != 125 || !strings.Contains(r.stderr, "nope") {
+			t.Errorf("exec in a missing vm: %+v", r)
+		}
+	})
+
+	t.Run("megabytes of output", func(t *testing.T) {
+		const size = 24 << 20
+		sum := d.must("exec", "demo", "--", "sh", "-c", "head -c 25165824 /dev/urandom > /tmp/blob && sha256sum /tmp/blob")
+		out := d.must("exec", "demo", "--", "cat", "/tmp/blob")
+		if len(out) != size {
+			t.Fatalf("got %d bytes, want %d", len(out), size)
+		}
+		h := sha256.Sum256([]byte(out))
+		if got := hex.EncodeToString(h[:]); !strings.HasPrefix(sum, got) {
+			t.Errorf("sha256 of streamed output %s, guest says %s", got, sum)
+		}
+	})
+
+	t.Run("carreld crash re-adopts the running vm", func(t *testing.T) {
+		before, _ := d.vm("demo")
+		d.must("exec", "demo", "--", "sh", "-c", "echo survived > /workspace/marker")
+		d.kill()
+		if pids := qemuPids(d.state); len(pids) != 1 || pids[0] != before.Pid {
+			t.Fatalf("after carreld was killed: qemu processes %v, want %d still running", pids, before.Pid)
+		}
+		d.start()
+		after, ok := d.vm("demo")
+		if !ok || after.State != "VM_STATE_RUNNING" || after.Pid != before.Pid {
+			t.Fatalf("after restart: %+v (before %+v)", after, before)
+		}
+		// Same VM, same guest memory: the workspace file is still there.
+		if out := d.must("exec", "demo", "--", "cat", "/workspace/marker"); out != "survived\n" {
+			t.Errorf("marker = %q", out)
+		}
+		if pids := qemuPids(d.state); len(pids) != 1 {
+			t.Errorf("qemu processes after re-adoption: %v", pids)
+		}
+	})
+
+	t.Run("stop start rm", func(t *testing.T) {
+		v, _ := d.vm("demo")
+		d.must("vm", "stop", "demo")
+		st, _ := d.vm("demo")
+		if st.State != "VM_STATE_STOPPED" || st.Pid != 0 {
+			t.Errorf("after stop: %+v", st)
+		}
+		if pids := qemuPids(d.state); len(pids) != 0 {
+			t.Errorf("qemu still running after stop: %v (was %d)", pids, v.Pid)
+		}
+		if r := d.carrel("exec", "demo", "--", "true"); r.code != 125 || !strings.Contains(r.stderr, "not running") {
+			t.Errorf("exec in a stopped vm: %+v", r)
+		}
+		d.must("vm", "start", "demo")
+		if out := d.must("exec", "demo", "--", "echo", "back"); out != "back\n" {
+			t.Errorf("after restart: %q", out)
+		}
+		if r := d.carrel("vm", "rm", "demo"); r.code == 0 {
+			t.Error("rm of a running vm succeeded without --force")
+		}
+		d.must("vm", "stop", "demo")
+		d.must("vm", "rm", "demo")
+		if _, ok := d.vm("demo"); ok {
+			t.Error("vm still listed after rm")
+		}
+		if _, err := os.Stat(filepath.Join(d.state, "vms", "demo")); !os.IsNotExist(err) {
+			t.Errorf("vm state left after rm: %v", err)
+		}
+	})
+}
+
+// TestCreateRejectsBadArguments checks that each bad create gives a clear
+// error and creates nothing.
+func TestCreateRejectsBadArguments(t *testing.T) {
+	d := newDaemon(t)
+	d.start()
+	d.buildImage()
+	d.must("vm", "create", "taken", "--memory", "256M")
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"vm", "create", "Bad_Name"}, "invalid vm name"},
+		{[]string{"vm", "create", "../escape"}, "invalid vm name"},
+		{[]string{"vm", "create", "taken"}, "already exists"},
+		{[]string{"vm", "create", "x1", "--image", "nosuch"}, "unknown image"},
+		{[]string{"vm", "create", "x2", "--image", "sha256:" + strings.Repeat("0", 64)}, "unknown image"},
+		{[]string{"vm", "create", "x3", "--memory", "1M"}, "out of range"},
+		{[]string{"vm", "create", "x4", "--memory", "lots"}, "invalid size"},
+		{[]string{"vm", "create", "x5", "--cpus", "1000"}, "out of range"},
+	}
+	for _, c := range cases {
+		r := d.carrel(c.args...)
+		if r.code == 0 || !strings.Contains(r.stderr, c.want) {
+			t.Errorf("carrel %v: exit %d, stderr %q; want an error with %q", c.args, r.code, r.stderr, c.want)
+		}
+	}
+	vms := d.list()
+	if len(vms) != 1 || vms[0].Name != "taken" {
+		t.Errorf("vms after bad creates: %+v", vms)
+	}
+	ents, _ := os.ReadDir(filepath.Join(d.state, "vms"))
+	if len(ents) != 1 {
+		t.Errorf("state dirs after bad creates: %v", ents)
+	}
+	if pids := qemuPids(d.state); len(pids) != 1 {
+		t.Errorf("qemu processes: %v, want 1", pids)
+	}
+	d.must("vm", "rm", "--force", "taken")
+}
+
+// TestBootFailures checks that a guest that panics, or never becomes
+// ready, fails create within a bounded time with the console's last lines,
+// leaving no QEMU and no state behind.
+func TestBootFailures(t *testing.T) {
+	d := newDaemon(t, "--boot-timeout", "20s")
+	d.start()
+	d.buildImage()
+	st := openStore(t, d)
+
+	cases := []struct {
+		name, tag string
+		make      func() string // returns the digest of a broken image
+		want      string
+	}{
+		{"initrd is garbage", "garbage", func() string { return brokenImage(t, st, "garbage", "", []byte("not a cpio archive")) }, "Kernel panic"},
+		{"init never serves", "hang", func() string {
+			// /bin/cat as init waits on the console forever: the kernel is
+			// fine, the agent never answers.
+			return brokenImage(t, st, "hang", "console=ttyS0 panic=-1 rdinit=/bin/cat", nil)
+		}, "did not become ready"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			c.make()
+			start := time.Now()
+			r := d.carrel("vm", "create", "broken", "--image", c.tag)
+			took := time.Since(start)
+			if r.code == 0 {
+				t.Fatal("create succeeded")
+			}
+			if !strings.Contains(r.stderr, c.want) || !strings.Contains(r.stderr, "serial console") {
+				t.Errorf("error lacks %q or the console tail:\n%s", c.want, r.stderr)
+			}
+			if took > 60*time.Second {
+				t.Errorf("create took %s to fail", took)
+			}
+			if pids := qemuPids(d.state); len(pids) != 0 {
+				t.Errorf("qemu left running: %v", pids)
+			}
+			if _, ok := d.vm("broken"); ok {
+				t.Error("broken vm is listed")
+			}
+			if _, err := os.Stat(filepath.Join(d.state, "vms", "broken")); !os.IsNotExist(err) {
+				t.Errorf("state left behind: %v", err)
+			}
+		})
+	}
+}
+
+func TestQEMUFailsToStart(t *testing.T) {
+	// A bad binary stands in for a QEMU that cannot start at all.
+	d := newDaemon(t, "--qemu", "/bin/false")
+	d.start()
+	d.buildImage()
+	r := d.carrel("vm", "create", "demo")
+	if r.code == 0 || !strings.Contains(r.stderr, "qemu") {
+		t.Errorf("create with a failing qemu: %+v", r)
+	}
+	if _, err := os.Stat(filepath.Join(d.state, "vms", "demo")); !os.IsNotExist(err) {
+		t.Errorf("state left behind: %v", err)
+	}
+}
