@@ -6,13 +6,14 @@ import (
 	"testing"
 
 	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/tests/harness"
 )
 
 // openStore opens the daemon's image store, as a second writer: the store
 // is safe for that (every write is an atomic rename).
-func openStore(t *testing.T, d *daemon) *store.Store {
+func openStore(t *testing.T, d *harness.Daemon) *store.Store {
 	t.Helper()
-	st, err := store.Open(filepath.Join(d.state, "images"))
+	st, err := store.Open(filepath.Join(d.State, "images"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/carrel-os/carrel/tests/harness"
 )
 
 type vmJSON struct {
@@ -22,19 +24,19 @@ type vmJSON struct {
 	LastError   string `json:"lastError"`
 }
 
-func (d *daemon) list() []vmJSON {
-	d.t.Helper()
+func list(t *testing.T, d *harness.Daemon) []vmJSON {
+	t.Helper()
 	var out struct {
 		Vms []vmJSON `json:"vms"`
 	}
-	if err := json.Unmarshal([]byte(d.must("vm", "ls", "--output", "json")), &out); err != nil {
-		d.t.Fatal(err)
+	if err := json.Unmarshal([]byte(d.Must("vm", "ls", "--output", "json")), &out); err != nil {
+		t.Fatal(err)
 	}
 	return out.Vms
 }
 
-func (d *daemon) vm(name string) (vmJSON, bool) {
-	for _, v := range d.list() {
+func vmNamed(t *testing.T, d *harness.Daemon, name string) (vmJSON, bool) {
+	for _, v := range list(t, d) {
 		if v.Name == name {
 			return v, true
 		}
@@ -46,59 +48,59 @@ func (d *daemon) vm(name string) (vmJSON, bool) {
 // build, create, list, exec (streams, exit codes, megabytes of output),
 // carreld crash and re-adoption, stop, start, rm.
 func TestVMEndToEnd(t *testing.T) {
-	d := newDaemon(t)
-	d.start()
-	digest := d.buildImage()
+	d := harness.New(t)
+	d.Start()
+	digest := d.BuildImage()
 
 	start := time.Now()
-	d.must("vm", "create", "demo", "--image", "dev", "--memory", "512M", "--cpus", "1")
+	d.Must("vm", "create", "demo", "--image", "dev", "--memory", "512M", "--cpus", "1")
 	t.Logf("create to agent-ready took %s", time.Since(start).Round(time.Millisecond))
-	v, ok := d.vm("demo")
+	v, ok := vmNamed(t, d, "demo")
 	if !ok || v.State != "VM_STATE_RUNNING" || v.AgentState != "AGENT_STATE_READY" || v.ImageDigest != digest || v.Pid == 0 {
 		t.Fatalf("after create: %+v", v)
 	}
 	if v.MemoryBytes != "536870912" || v.Cpus != 1 {
 		t.Errorf("resources: %+v", v)
 	}
-	if pids := qemuPids(d.state); len(pids) != 1 || pids[0] != v.Pid {
+	if pids := harness.QEMUPids(d.State); len(pids) != 1 || pids[0] != v.Pid {
 		t.Fatalf("qemu processes %v, want just %d", pids, v.Pid)
 	}
 	// The VM records the image digest it booted.
-	rec, err := os.ReadFile(filepath.Join(d.state, "vms", "demo", "vm.json"))
+	rec, err := os.ReadFile(filepath.Join(d.State, "vms", "demo", "vm.json"))
 	if err != nil || !strings.Contains(string(rec), digest) {
 		t.Errorf("vm record lacks the image digest: %s %v", rec, err)
 	}
 
 	t.Run("exec", func(t *testing.T) {
-		if out := d.must("exec", "demo", "--", "uname", "-a"); !strings.HasPrefix(out, "Linux carrel ") {
+		if out := d.Must("exec", "demo", "--", "uname", "-a"); !strings.HasPrefix(out, "Linux carrel ") {
 			t.Errorf("uname -a = %q", out)
 		}
-		r := d.carrel("exec", "demo", "--", "sh", "-c", "echo out; echo err >&2; exit 3")
-		if r.code != 3 || r.stdout != "out\n" || r.stderr != "err\n" {
+		r := d.Carrel("exec", "demo", "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+		if r.Code != 3 || r.Stdout != "out\n" || r.Stderr != "err\n" {
 			t.Errorf("exit/streams: %+v", r)
 		}
-		r = d.carrel("exec", "demo", "--env", "GREETING=hi there", "--cwd", "/tmp", "--", "sh", "-c", `echo "$GREETING from $(pwd)"`)
-		if r.code != 0 || r.stdout != "hi there from /tmp\n" {
+		r = d.Carrel("exec", "demo", "--env", "GREETING=hi there", "--cwd", "/tmp", "--", "sh", "-c", `echo "$GREETING from $(pwd)"`)
+		if r.Code != 0 || r.Stdout != "hi there from /tmp\n" {
 			t.Errorf("env/cwd: %+v", r)
 		}
-		r = d.carrel("exec", "demo", "--", "sh", "-c", "kill -9 $$")
-		if r.code != 137 {
-			t.Errorf("killed by signal: exit %d, want 137", r.code)
+		r = d.Carrel("exec", "demo", "--", "sh", "-c", "kill -9 $$")
+		if r.Code != 137 {
+			t.Errorf("killed by signal: exit %d, want 137", r.Code)
 		}
-		r = d.carrel("exec", "demo", "--", "no-such-command")
-		if r.code == 0 || !strings.Contains(r.stderr, "no-such-command") {
+		r = d.Carrel("exec", "demo", "--", "no-such-command")
+		if r.Code == 0 || !strings.Contains(r.Stderr, "no-such-command") {
 			t.Errorf("missing command: %+v", r)
 		}
-		r = d.carrel("exec", "nope", "--", "true")
-		if r.code != 125 || !strings.Contains(r.stderr, "nope") {
+		r = d.Carrel("exec", "nope", "--", "true")
+		if r.Code != 125 || !strings.Contains(r.Stderr, "nope") {
 			t.Errorf("exec in a missing vm: %+v", r)
 		}
 	})
 
 	t.Run("megabytes of output", func(t *testing.T) {
 		const size = 24 << 20
-		sum := d.must("exec", "demo", "--", "sh", "-c", "head -c 25165824 /dev/urandom > /tmp/blob && sha256sum /tmp/blob")
-		out := d.must("exec", "demo", "--", "cat", "/tmp/blob")
+		sum := d.Must("exec", "demo", "--", "sh", "-c", "head -c 25165824 /dev/urandom > /tmp/blob && sha256sum /tmp/blob")
+		out := d.Must("exec", "demo", "--", "cat", "/tmp/blob")
 		if len(out) != size {
 			t.Fatalf("got %d bytes, want %d", len(out), size)
 		}
@@ -109,52 +111,52 @@ func TestVMEndToEnd(t *testing.T) {
 	})
 
 	t.Run("carreld crash re-adopts the running vm", func(t *testing.T) {
-		before, _ := d.vm("demo")
-		d.must("exec", "demo", "--", "sh", "-c", "echo survived > /workspace/marker")
-		d.kill()
-		if pids := qemuPids(d.state); len(pids) != 1 || pids[0] != before.Pid {
+		before, _ := vmNamed(t, d, "demo")
+		d.Must("exec", "demo", "--", "sh", "-c", "echo survived > /workspace/marker")
+		d.Kill()
+		if pids := harness.QEMUPids(d.State); len(pids) != 1 || pids[0] != before.Pid {
 			t.Fatalf("after carreld was killed: qemu processes %v, want %d still running", pids, before.Pid)
 		}
-		d.start()
-		after, ok := d.vm("demo")
+		d.Start()
+		after, ok := vmNamed(t, d, "demo")
 		if !ok || after.State != "VM_STATE_RUNNING" || after.Pid != before.Pid {
 			t.Fatalf("after restart: %+v (before %+v)", after, before)
 		}
 		// Same VM, same guest memory: the workspace file is still there.
-		if out := d.must("exec", "demo", "--", "cat", "/workspace/marker"); out != "survived\n" {
+		if out := d.Must("exec", "demo", "--", "cat", "/workspace/marker"); out != "survived\n" {
 			t.Errorf("marker = %q", out)
 		}
-		if pids := qemuPids(d.state); len(pids) != 1 {
+		if pids := harness.QEMUPids(d.State); len(pids) != 1 {
 			t.Errorf("qemu processes after re-adoption: %v", pids)
 		}
 	})
 
 	t.Run("stop start rm", func(t *testing.T) {
-		v, _ := d.vm("demo")
-		d.must("vm", "stop", "demo")
-		st, _ := d.vm("demo")
+		v, _ := vmNamed(t, d, "demo")
+		d.Must("vm", "stop", "demo")
+		st, _ := vmNamed(t, d, "demo")
 		if st.State != "VM_STATE_STOPPED" || st.Pid != 0 {
 			t.Errorf("after stop: %+v", st)
 		}
-		if pids := qemuPids(d.state); len(pids) != 0 {
+		if pids := harness.QEMUPids(d.State); len(pids) != 0 {
 			t.Errorf("qemu still running after stop: %v (was %d)", pids, v.Pid)
 		}
-		if r := d.carrel("exec", "demo", "--", "true"); r.code != 125 || !strings.Contains(r.stderr, "not running") {
+		if r := d.Carrel("exec", "demo", "--", "true"); r.Code != 125 || !strings.Contains(r.Stderr, "not running") {
 			t.Errorf("exec in a stopped vm: %+v", r)
 		}
-		d.must("vm", "start", "demo")
-		if out := d.must("exec", "demo", "--", "echo", "back"); out != "back\n" {
+		d.Must("vm", "start", "demo")
+		if out := d.Must("exec", "demo", "--", "echo", "back"); out != "back\n" {
 			t.Errorf("after restart: %q", out)
 		}
-		if r := d.carrel("vm", "rm", "demo"); r.code == 0 {
+		if r := d.Carrel("vm", "rm", "demo"); r.Code == 0 {
 			t.Error("rm of a running vm succeeded without --force")
 		}
-		d.must("vm", "stop", "demo")
-		d.must("vm", "rm", "demo")
-		if _, ok := d.vm("demo"); ok {
+		d.Must("vm", "stop", "demo")
+		d.Must("vm", "rm", "demo")
+		if _, ok := vmNamed(t, d, "demo"); ok {
 			t.Error("vm still listed after rm")
 		}
-		if _, err := os.Stat(filepath.Join(d.state, "vms", "demo")); !os.IsNotExist(err) {
+		if _, err := os.Stat(filepath.Join(d.State, "vms", "demo")); !os.IsNotExist(err) {
 			t.Errorf("vm state left after rm: %v", err)
 		}
 	})
@@ -163,10 +165,10 @@ func TestVMEndToEnd(t *testing.T) {
 // TestCreateRejectsBadArguments checks that each bad create gives a clear
 // error and creates nothing.
 func TestCreateRejectsBadArguments(t *testing.T) {
-	d := newDaemon(t)
-	d.start()
-	d.buildImage()
-	d.must("vm", "create", "taken", "--memory", "256M")
+	d := harness.New(t)
+	d.Start()
+	d.BuildImage()
+	d.Must("vm", "create", "taken", "--memory", "256M")
 	cases := []struct {
 		args []string
 		want string
@@ -181,32 +183,32 @@ func TestCreateRejectsBadArguments(t *testing.T) {
 		{[]string{"vm", "create", "x5", "--cpus", "1000"}, "out of range"},
 	}
 	for _, c := range cases {
-		r := d.carrel(c.args...)
-		if r.code == 0 || !strings.Contains(r.stderr, c.want) {
-			t.Errorf("carrel %v: exit %d, stderr %q; want an error with %q", c.args, r.code, r.stderr, c.want)
+		r := d.Carrel(c.args...)
+		if r.Code == 0 || !strings.Contains(r.Stderr, c.want) {
+			t.Errorf("carrel %v: exit %d, stderr %q; want an error with %q", c.args, r.Code, r.Stderr, c.want)
 		}
 	}
-	vms := d.list()
+	vms := list(t, d)
 	if len(vms) != 1 || vms[0].Name != "taken" {
 		t.Errorf("vms after bad creates: %+v", vms)
 	}
-	ents, _ := os.ReadDir(filepath.Join(d.state, "vms"))
+	ents, _ := os.ReadDir(filepath.Join(d.State, "vms"))
 	if len(ents) != 1 {
 		t.Errorf("state dirs after bad creates: %v", ents)
 	}
-	if pids := qemuPids(d.state); len(pids) != 1 {
+	if pids := harness.QEMUPids(d.State); len(pids) != 1 {
 		t.Errorf("qemu processes: %v, want 1", pids)
 	}
-	d.must("vm", "rm", "--force", "taken")
+	d.Must("vm", "rm", "--force", "taken")
 }
 
 // TestBootFailures checks that a guest that panics, or never becomes
 // ready, fails create within a bounded time with the console's last lines,
 // leaving no QEMU and no state behind.
 func TestBootFailures(t *testing.T) {
-	d := newDaemon(t, "--boot-timeout", "20s")
-	d.start()
-	d.buildImage()
+	d := harness.New(t, "--boot-timeout", "20s")
+	d.Start()
+	d.BuildImage()
 	st := openStore(t, d)
 
 	cases := []struct {
@@ -225,24 +227,24 @@ func TestBootFailures(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			c.make()
 			start := time.Now()
-			r := d.carrel("vm", "create", "broken", "--image", c.tag)
+			r := d.Carrel("vm", "create", "broken", "--image", c.tag)
 			took := time.Since(start)
-			if r.code == 0 {
+			if r.Code == 0 {
 				t.Fatal("create succeeded")
 			}
-			if !strings.Contains(r.stderr, c.want) || !strings.Contains(r.stderr, "serial console") {
-				t.Errorf("error lacks %q or the console tail:\n%s", c.want, r.stderr)
+			if !strings.Contains(r.Stderr, c.want) || !strings.Contains(r.Stderr, "serial console") {
+				t.Errorf("error lacks %q or the console tail:\n%s", c.want, r.Stderr)
 			}
 			if took > 60*time.Second {
 				t.Errorf("create took %s to fail", took)
 			}
-			if pids := qemuPids(d.state); len(pids) != 0 {
+			if pids := harness.QEMUPids(d.State); len(pids) != 0 {
 				t.Errorf("qemu left running: %v", pids)
 			}
-			if _, ok := d.vm("broken"); ok {
+			if _, ok := vmNamed(t, d, "broken"); ok {
 				t.Error("broken vm is listed")
 			}
-			if _, err := os.Stat(filepath.Join(d.state, "vms", "broken")); !os.IsNotExist(err) {
+			if _, err := os.Stat(filepath.Join(d.State, "vms", "broken")); !os.IsNotExist(err) {
 				t.Errorf("state left behind: %v", err)
 			}
 		})
@@ -251,14 +253,14 @@ func TestBootFailures(t *testing.T) {
 
 func TestQEMUFailsToStart(t *testing.T) {
 	// A bad binary stands in for a QEMU that cannot start at all.
-	d := newDaemon(t, "--qemu", "/bin/false")
-	d.start()
-	d.buildImage()
-	r := d.carrel("vm", "create", "demo")
-	if r.code == 0 || !strings.Contains(r.stderr, "qemu") {
+	d := harness.New(t, "--qemu", "/bin/false")
+	d.Start()
+	d.BuildImage()
+	r := d.Carrel("vm", "create", "demo")
+	if r.Code == 0 || !strings.Contains(r.Stderr, "qemu") {
 		t.Errorf("create with a failing qemu: %+v", r)
 	}
-	if _, err := os.Stat(filepath.Join(d.state, "vms", "demo")); !os.IsNotExist(err) {
+	if _, err := os.Stat(filepath.Join(d.State, "vms", "demo")); !os.IsNotExist(err) {
 		t.Errorf("state left behind: %v", err)
 	}
 }

@@ -24,7 +24,7 @@ func main() {
 	flag.StringVar(&cfg.CacheDir, "cache-dir", "/var/cache/carrel", "directory for downloaded packages used by image builds")
 	flag.StringVar(&cfg.AgentBinary, "agent", defaultAgent(), "static carrel-agent binary put into development images")
 	flag.StringVar(&cfg.QEMUBinary, "qemu", "qemu-system-x86_64", "QEMU binary")
-	flag.StringVar(&cfg.Machine, "machine", "microvm", "QEMU machine type: microvm or q35")
+	flag.StringVar(&cfg.Machine, "machine", "auto", "QEMU machine type: microvm, q35, or auto (microvm under KVM, q35 under TCG)")
 	flag.DurationVar(&cfg.BootTimeout, "boot-timeout", 90*time.Second, "longest a VM may take from start to agent ready")
 	flag.StringVar(&level, "log-level", "info", "debug, info, warn or error")
 	version := flag.Bool("version", false, "print the version and exit")
@@ -38,8 +38,8 @@ func main() {
 		fmt.Fprintln(os.Stderr, "carreld: bad --log-level:", err)
 		os.Exit(2)
 	}
-	if cfg.Machine != "microvm" && cfg.Machine != "q35" {
-		fmt.Fprintln(os.Stderr, "carreld: --machine must be microvm or q35")
+	if cfg.Machine != "auto" && cfg.Machine != "microvm" && cfg.Machine != "q35" {
+		fmt.Fprintln(os.Stderr, "carreld: --machine must be auto, microvm or q35")
 		os.Exit(2)
 	}
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lv}))

@@ -179,14 +179,17 @@ func (l *Link) Health(ctx context.Context) (*agentv1.HealthResponse, error) {
 	return resp.Msg, nil
 }
 
-// WaitReady returns once the agent answers a health probe. Until then it
-// retries whenever a probe fails; a probe to a booting guest simply waits
-// (the port buffers the request until the guest opens it), so there is no
-// blind sleep. It gives up when ctx ends.
+// WaitReady returns once the agent answers a health probe. A probe to a
+// booting guest simply waits (the port buffers the request until the guest
+// opens it), so there is no blind sleep. A probe that fails, or that gets
+// no answer within an attempt's time (the handshake can be lost if the
+// guest opens the port while an old connection is torn down), is retried on
+// a fresh connection. It gives up when ctx ends.
 func (l *Link) WaitReady(ctx context.Context) error {
 	var last error
+	attempt := firstAttempt
 	for {
-		pctx, cancel := context.WithCancel(ctx)
+		pctx, cancel := context.WithTimeout(ctx, attempt)
 		resp, err := l.client.Health(pctx, connect.NewRequest(&agentv1.HealthRequest{}))
 		cancel()
 		if err == nil {
@@ -194,9 +197,10 @@ func (l *Link) WaitReady(ctx context.Context) error {
 			return nil
 		}
 		last = err
-		// A failed handshake (e.g. bytes left over from an earlier
-		// connection) is retried on a fresh connection.
 		l.resetConn()
+		if attempt < time.Minute {
+			attempt *= 2
+		}
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("%w: %w (last error: %v)", ErrNotReady, ctx.Err(), last)
@@ -204,6 +208,10 @@ func (l *Link) WaitReady(ctx context.Context) error {
 		}
 	}
 }
+
+// firstAttempt is how long the first readiness probe waits: longer than a
+// TCG boot takes, so a normal boot is one probe.
+const firstAttempt = 15 * time.Second
 
 func (l *Link) resetConn() {
 	l.mu.Lock()

@@ -38,7 +38,7 @@ type Config struct {
 	// AgentBinary is the static carrel-agent put into dev images.
 	AgentBinary string
 	QEMUBinary  string
-	// Machine is the QEMU machine type: microvm or q35.
+	// Machine is the QEMU machine type: auto, microvm or q35.
 	Machine     string
 	BootTimeout time.Duration
 	Logger      *slog.Logger
@@ -75,6 +75,7 @@ func Run(ctx context.Context, cfg Config) error {
 		log.Info("no /dev/vhost-vsock: guest agents are reached over virtio-serial")
 	}
 	drv := qemu.New(qemu.Config{Binary: cfg.QEMUBinary, Machine: cfg.Machine, Accelerator: acc.Name, Logger: log.With("subsystem", "qemu")})
+	log.Info("qemu machine type", "machine", drv.Machine())
 	mgr := vm.New(vm.Config{Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock})
 	if err := mgr.Reconcile(ctx); err != nil {
 		log.Error("reconcile", "err", err)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"strconv"
+	"strings"
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/accel"
@@ -18,6 +19,8 @@ const (
 	// MachineQ35 is a standard PC with PCIe, for guests that need PCI
 	// (e.g. VFIO passthrough).
 	MachineQ35 = "q35"
+	// MachineAuto picks by accelerator: see DefaultMachine.
+	MachineAuto = "auto"
 )
 
 // Socket and file names inside a VM's directory.
@@ -77,6 +80,13 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		serialDev = "virtio-serial-device,id=vser0"
 		vsockDev = "vhost-vsock-device"
 	}
+	cmdline := spec.Cmdline
+	if machine != MachineQ35 && !hasParam(cmdline, "reboot") {
+		// microvm has neither a keyboard controller nor an ACPI reset
+		// register: only a triple fault resets it, and without one a
+		// panicking guest (panic=-1) spins instead of letting QEMU exit.
+		cmdline = strings.TrimSpace(cmdline + " reboot=t")
+	}
 	cpu := "max"
 	if acc == accel.KVM {
 		cpu = "host"
@@ -91,7 +101,7 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		"-no-reboot",
 		"-kernel", spec.Kernel,
 		"-initrd", spec.Initrd,
-		"-append", spec.Cmdline,
+		"-append", cmdline,
 		"-chardev", "socket,id=console,fd=" + strconv.Itoa(fdConsole) + ",server=on,wait=off",
 		"-serial", "chardev:console",
 		"-device", serialDev,
@@ -107,4 +117,14 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		a = append(a, "-device", vsockDev+",guest-cid="+strconv.FormatUint(uint64(spec.CID), 10))
 	}
 	return a
+}
+
+// hasParam reports whether the kernel command line sets name.
+func hasParam(cmdline, name string) bool {
+	for _, f := range strings.Fields(cmdline) {
+		if k, _, _ := strings.Cut(f, "="); k == name {
+			return true
+		}
+	}
+	return false
 }

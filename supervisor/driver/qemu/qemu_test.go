@@ -40,6 +40,9 @@ func TestArgs(t *testing.T) {
 	if got := argValue(a, "-machine"); len(got) != 1 || got[0] != "microvm,accel=tcg" {
 		t.Errorf("machine = %v", got)
 	}
+	if got := argValue(a, "-append"); got[0] != "console=ttyS0 reboot=t" {
+		t.Errorf("microvm cmdline = %v", got)
+	}
 	if got := argValue(a, "-m"); got[0] != "512M" {
 		t.Errorf("-m = %v", got)
 	}
@@ -64,6 +67,9 @@ func TestArgs(t *testing.T) {
 	devs = strings.Join(argValue(a, "-device"), " ")
 	if !strings.Contains(devs, "virtio-serial-pci") || !strings.Contains(devs, "vhost-vsock-pci,guest-cid=7") {
 		t.Errorf("q35 devices = %s", devs)
+	}
+	if got := argValue(a, "-append"); got[0] != "console=ttyS0" {
+		t.Errorf("q35 cmdline = %v", got)
 	}
 	if got := argValue(a, "-cpu"); got[0] != "host" {
 		t.Errorf("kvm cpu = %v", got)

@@ -1,10 +1,6 @@
-// Package tests holds carrel's end-to-end tests: a real carreld, the real
-// carrel CLI and real VMs under QEMU (TCG on machines without usable KVM).
-//
-// They need qemu-system-x86_64 and apt access for the dev image (make deps).
-// Without QEMU they skip, unless CARREL_REQUIRE_VM=1 (set by make test) makes
-// that a failure.
-package tests
+// Package harness runs a real carreld and the real carrel CLI for the
+// end-to-end tests and the benchmarks in tests/.
+package harness
 
 import (
 	"bytes"
@@ -19,13 +15,24 @@ import (
 	"strings"
 	"sync"
 	"syscall"
-	"testing"
 	"time"
 )
 
-// requireVM skips (or fails, under CARREL_REQUIRE_VM=1) when the host cannot
+// TB is the part of testing.TB the harness uses, so that the benchmark
+// program can drive it too.
+type TB interface {
+	Helper()
+	Fatal(args ...any)
+	Fatalf(format string, args ...any)
+	Logf(format string, args ...any)
+	Skip(args ...any)
+	Cleanup(func())
+	Failed() bool
+}
+
+// RequireVM skips (or fails, under CARREL_REQUIRE_VM=1) when the host cannot
 // run the end-to-end tier.
-func requireVM(t testing.TB) {
+func RequireVM(t TB) {
 	t.Helper()
 	if _, err := exec.LookPath("qemu-system-x86_64"); err != nil {
 		if os.Getenv("CARREL_REQUIRE_VM") == "1" {
@@ -35,9 +42,10 @@ func requireVM(t testing.TB) {
 	}
 }
 
-func repoRoot() string {
+// RepoRoot is the repository's top directory.
+func RepoRoot() string {
 	_, file, _, _ := runtime.Caller(0)
-	return filepath.Dir(filepath.Dir(file))
+	return filepath.Dir(filepath.Dir(filepath.Dir(file)))
 }
 
 var (
@@ -46,9 +54,9 @@ var (
 	binErr  error
 )
 
-// bins returns a directory with carreld, carrel and carrel-agent: the ones
+// Bins returns a directory with carreld, carrel and carrel-agent: the ones
 // `make` built (CARREL_BIN_DIR), else freshly built ones.
-func bins(t testing.TB) string {
+func Bins(t TB) string {
 	t.Helper()
 	binOnce.Do(func() {
 		if d := os.Getenv("CARREL_BIN_DIR"); d != "" {
@@ -60,7 +68,7 @@ func bins(t testing.TB) string {
 			return
 		}
 		cmd := exec.Command("go", "build", "-o", binDir+"/", "./cmd/carreld", "./cmd/carrel", "./cmd/carrel-agent")
-		cmd.Dir = repoRoot()
+		cmd.Dir = RepoRoot()
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := cmd.CombinedOutput(); err != nil {
 			binErr = fmt.Errorf("go build: %v\n%s", err, out)
@@ -72,25 +80,26 @@ func bins(t testing.TB) string {
 	return binDir
 }
 
-func cacheDir() string {
+// CacheDir is where downloaded packages for image builds are kept.
+func CacheDir() string {
 	if d := os.Getenv("CARREL_CACHE_DIR"); d != "" {
 		return d
 	}
-	return filepath.Join(repoRoot(), ".cache", "carrel")
+	return filepath.Join(RepoRoot(), ".cache", "carrel")
 }
 
-// daemon is one carreld under test.
-type daemon struct {
-	t        testing.TB
-	bin      string
-	dir      string // short, so socket paths fit in sun_path
-	state    string
-	socket   string
-	args     []string
-	cmd      *exec.Cmd
-	log      *bytes.Buffer
-	logMu    sync.Mutex
-	exited   chan struct{}
+// Daemon is one carreld under test.
+type Daemon struct {
+	t      TB
+	Bin    string
+	dir    string // short, so socket paths fit in sun_path
+	State  string
+	Socket string
+	args   []string
+	cmd    *exec.Cmd
+	log    *bytes.Buffer
+	logMu  sync.Mutex
+	exited chan struct{}
 }
 
 type lockedBuffer struct {
@@ -104,36 +113,36 @@ func (w lockedBuffer) Write(p []byte) (int, error) {
 	return w.b.Write(p)
 }
 
-// newDaemon prepares a carreld with its own state dir; extra flags are
+// New prepares a carreld with its own state dir; extra flags are
 // appended to its command line.
-func newDaemon(t testing.TB, extra ...string) *daemon {
+func New(t TB, extra ...string) *Daemon {
 	t.Helper()
-	requireVM(t)
+	RequireVM(t)
 	dir, err := os.MkdirTemp("/tmp", "ce2e-")
 	if err != nil {
 		t.Fatal(err)
 	}
-	d := &daemon{t: t, bin: bins(t), dir: dir, state: filepath.Join(dir, "s"), socket: filepath.Join(dir, "api.sock"), args: extra, log: &bytes.Buffer{}}
+	d := &Daemon{t: t, Bin: Bins(t), dir: dir, State: filepath.Join(dir, "s"), Socket: filepath.Join(dir, "api.sock"), args: extra, log: &bytes.Buffer{}}
 	t.Cleanup(func() {
-		d.killAllVMs()
-		d.stop()
+		d.KillAllVMs()
+		d.Stop()
 		if t.Failed() {
-			t.Logf("carreld log:\n%s", d.logs())
+			t.Logf("carreld log:\n%s", d.Logs())
 		}
 		os.RemoveAll(dir)
 	})
 	return d
 }
 
-func (d *daemon) logs() string {
+func (d *Daemon) Logs() string {
 	d.logMu.Lock()
 	defer d.logMu.Unlock()
 	return d.log.String()
 }
 
-// start runs carreld and returns once it has told systemd (a datagram
+// Start runs carreld and returns once it has told systemd (a datagram
 // socket standing in for it, via NOTIFY_SOCKET) READY=1.
-func (d *daemon) start() {
+func (d *Daemon) Start() {
 	d.t.Helper()
 	notifyPath := filepath.Join(d.dir, "notify.sock")
 	os.Remove(notifyPath)
@@ -142,9 +151,9 @@ func (d *daemon) start() {
 		d.t.Fatal(err)
 	}
 	defer nc.Close()
-	args := append([]string{"--state-dir", d.state, "--socket", d.socket, "--cache-dir", cacheDir(),
-		"--agent", filepath.Join(d.bin, "carrel-agent"), "--log-level", "debug"}, d.args...)
-	d.cmd = exec.Command(filepath.Join(d.bin, "carreld"), args...)
+	args := append([]string{"--state-dir", d.State, "--socket", d.Socket, "--cache-dir", CacheDir(),
+		"--agent", filepath.Join(d.Bin, "carrel-agent"), "--log-level", "debug"}, d.args...)
+	d.cmd = exec.Command(filepath.Join(d.Bin, "carreld"), args...)
 	d.cmd.Env = append(os.Environ(), "NOTIFY_SOCKET="+notifyPath)
 	w := lockedBuffer{&d.logMu, d.log}
 	d.cmd.Stdout, d.cmd.Stderr = w, w
@@ -158,7 +167,7 @@ func (d *daemon) start() {
 	for {
 		n, err := nc.Read(buf)
 		if err != nil {
-			d.t.Fatalf("carreld never sent READY=1: %v\n%s", err, d.logs())
+			d.t.Fatalf("carreld never sent READY=1: %v\n%s", err, d.Logs())
 		}
 		if strings.Contains(string(buf[:n]), "READY=1") {
 			return
@@ -166,8 +175,8 @@ func (d *daemon) start() {
 	}
 }
 
-// kill ends carreld with SIGKILL, as a crash would.
-func (d *daemon) kill() {
+// Kill ends carreld with SIGKILL, as a crash would.
+func (d *Daemon) Kill() {
 	if d.cmd == nil || d.cmd.Process == nil {
 		return
 	}
@@ -176,8 +185,8 @@ func (d *daemon) kill() {
 	d.cmd = nil
 }
 
-// stop ends carreld with SIGTERM.
-func (d *daemon) stop() {
+// Stop ends carreld with SIGTERM.
+func (d *Daemon) Stop() {
 	if d.cmd == nil || d.cmd.Process == nil {
 		return
 	}
@@ -191,16 +200,16 @@ func (d *daemon) stop() {
 	d.cmd = nil
 }
 
-// killAllVMs kills any QEMU whose VM lives under this daemon's state dir,
+// KillAllVMs kills any QEMU whose VM lives under this daemon's state dir,
 // so a failed test leaves nothing running.
-func (d *daemon) killAllVMs() {
-	for _, pid := range qemuPids(d.state) {
+func (d *Daemon) KillAllVMs() {
+	for _, pid := range QEMUPids(d.State) {
 		syscall.Kill(pid, syscall.SIGKILL)
 	}
 }
 
-// qemuPids lists QEMU processes whose command line mentions dir.
-func qemuPids(dir string) []int {
+// QEMUPids lists QEMU processes whose command line mentions dir.
+func QEMUPids(dir string) []int {
 	ents, _ := os.ReadDir("/proc")
 	var pids []int
 	for _, e := range ents {
@@ -223,53 +232,53 @@ func qemuPids(dir string) []int {
 	return pids
 }
 
-// result is what one carrel invocation did.
-type result struct {
-	stdout, stderr string
-	code           int
+// Result is what one carrel invocation did.
+type Result struct {
+	Stdout, Stderr string
+	Code           int
 }
 
-// carrel runs the CLI against this daemon.
-func (d *daemon) carrel(args ...string) result {
+// Carrel runs the CLI against this daemon.
+func (d *Daemon) Carrel(args ...string) Result {
 	d.t.Helper()
-	return d.carrelTimeout(3*time.Minute, args...)
+	return d.CarrelTimeout(3*time.Minute, args...)
 }
 
-func (d *daemon) carrelTimeout(timeout time.Duration, args ...string) result {
+func (d *Daemon) CarrelTimeout(timeout time.Duration, args ...string) Result {
 	d.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, filepath.Join(d.bin, "carrel"), args...)
-	cmd.Env = append(os.Environ(), "CARREL_SOCKET="+d.socket)
+	cmd := exec.CommandContext(ctx, filepath.Join(d.Bin, "carrel"), args...)
+	cmd.Env = append(os.Environ(), "CARREL_SOCKET="+d.Socket)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	err := cmd.Run()
-	r := result{stdout: out.String(), stderr: errb.String()}
+	r := Result{Stdout: out.String(), Stderr: errb.String()}
 	var ee *exec.ExitError
 	switch {
 	case err == nil:
 	case errors.As(err, &ee):
-		r.code = ee.ExitCode()
+		r.Code = ee.ExitCode()
 	default:
 		d.t.Fatalf("carrel %v: %v", args, err)
 	}
 	return r
 }
 
-// must runs the CLI and fails the test unless it exits 0.
-func (d *daemon) must(args ...string) string {
+// Must runs the CLI and fails the test unless it exits 0.
+func (d *Daemon) Must(args ...string) string {
 	d.t.Helper()
-	r := d.carrel(args...)
-	if r.code != 0 {
-		d.t.Fatalf("carrel %s: exit %d\nstdout: %s\nstderr: %s", strings.Join(args, " "), r.code, r.stdout, r.stderr)
+	r := d.Carrel(args...)
+	if r.Code != 0 {
+		d.t.Fatalf("carrel %s: exit %d\nstdout: %s\nstderr: %s", strings.Join(args, " "), r.Code, r.Stdout, r.Stderr)
 	}
-	return r.stdout
+	return r.Stdout
 }
 
-// buildImage builds the dev image in this daemon's store.
-func (d *daemon) buildImage() string {
+// BuildImage builds the dev image in this daemon's store.
+func (d *Daemon) BuildImage() string {
 	d.t.Helper()
-	out := strings.TrimSpace(d.must("image", "build", "--dev"))
+	out := strings.TrimSpace(d.Must("image", "build", "--dev"))
 	if !strings.HasPrefix(out, "sha256:") {
 		d.t.Fatalf("image build printed %q, want a digest", out)
 	}

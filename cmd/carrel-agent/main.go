@@ -1,0 +1,233 @@
+//go:build linux
+
+// Command carrel-agent is the in-guest agent. In the minimal image it is
+// PID 1 (/init): it sets the system up, then serves the agent API to the host
+// over vsock or virtio-serial. Run as any other pid (on a development host)
+// it only serves, and can listen on a unix socket.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/carrel-os/carrel/guest-agent/initsys"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/guest-agent/reaper"
+	"github.com/carrel-os/carrel/guest-agent/server"
+	"github.com/carrel-os/carrel/guest-agent/transport"
+)
+
+// deviceWait bounds how long we wait for the transport's device to appear
+// after its module loads (probing is asynchronous).
+const deviceWait = 2 * time.Second
+
+type options struct {
+	transport  string
+	vsockPort  uint
+	serialName string
+	listen     string
+}
+
+func main() {
+	pid1 := os.Getpid() == 1
+	log := newLogger(os.Stderr)
+
+	var o options
+	fs := flag.NewFlagSet("carrel-agent", flag.ContinueOnError)
+	fs.StringVar(&o.transport, "transport", "auto", "auto, vsock, serial, or unix (not as pid 1); auto prefers vsock")
+	fs.UintVar(&o.vsockPort, "vsock-port", protocol.VsockPort, "vsock port to listen on")
+	fs.StringVar(&o.serialName, "serial-name", protocol.SerialPortName, "name of the virtio-serial port")
+	fs.StringVar(&o.listen, "listen", "", "unix socket path, for --transport unix")
+	if err := fs.Parse(os.Args[1:]); err != nil {
+		if !pid1 {
+			os.Exit(2)
+		}
+		// The kernel passes unknown command-line words to init; never die
+		// over them.
+		log.Warn("bad arguments; using defaults for the rest", "args", os.Args[1:], "err", err)
+	}
+
+	switch o.transport {
+	case "auto", transport.Vsock, "serial", transport.Serial, transport.Unix:
+	default:
+		log.Error("unknown --transport; using auto", "transport", o.transport)
+		if !pid1 {
+			os.Exit(2)
+		}
+		o.transport = "auto"
+	}
+
+	ctx := context.Background()
+	if pid1 {
+		if err := initsys.Setup(log); err != nil {
+			log.Error("setup", "err", err)
+		}
+		if err := useConsole(); err != nil {
+			log.Error("open console", "err", err)
+		}
+		ignoreSignals(log)
+	} else {
+		var stop context.CancelFunc
+		ctx, stop = signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+		defer stop()
+		// Orphans of our commands come back to us, as they would to PID 1.
+		_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+	}
+	reaper.Default()
+	log.Info("starting", "version", server.Version, "pid1", pid1, "transport", o.transport)
+
+	backoff := time.Second
+	for {
+		err := serve(ctx, log, o, pid1)
+		if ctx.Err() != nil {
+			return
+		}
+		if err == nil {
+			continue // only after a Shutdown whose power-off returned
+		}
+		if !pid1 {
+			log.Error("serve", "err", err)
+			os.Exit(1)
+		}
+		// PID 1 exiting panics the kernel: keep trying.
+		log.Error("serve; retrying", "err", err, "in", backoff)
+		time.Sleep(backoff)
+		backoff = min(2*backoff, 10*time.Second)
+	}
+}
+
+// serve listens on the chosen transport, prints the ready line, and serves
+// until ctx ends or serving fails.
+func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool) error {
+	l, name, err := listen(ctx, log, o, pid1)
+	if err != nil {
+		return err
+	}
+	log.Info("listening", "transport", name, "addr", l.Addr())
+	fmt.Printf("%s transport=%s\n", protocol.ReadyMarker, name)
+	return server.Serve(ctx, l, server.Config{
+		Transport: name,
+		Log:       log,
+		PowerOff:  func(reboot bool) { powerOff(log, pid1, reboot) },
+	})
+}
+
+func listen(ctx context.Context, log *slog.Logger, o options, pid1 bool) (net.Listener, string, error) {
+	kind := o.transport
+	if kind == "auto" {
+		var err error
+		if kind, err = transport.Detect(ctx, o.serialName, deviceWait); err != nil {
+			return nil, "", err
+		}
+	}
+	switch kind {
+	case transport.Vsock:
+		l, err := transport.ListenVsock(uint32(o.vsockPort), log)
+		return l, transport.Vsock, err
+	case "serial", transport.Serial:
+		// Wait for the port (and its name) to show up.
+		wctx, cancel := context.WithTimeout(ctx, deviceWait)
+		defer cancel()
+		for {
+			_, err := transport.FindSerialPort(o.serialName)
+			if err == nil || wctx.Err() != nil {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		l, err := transport.ListenSerial(o.serialName)
+		return l, transport.Serial, err
+	case transport.Unix:
+		if pid1 || o.listen == "" {
+			return nil, "", errors.New("--transport unix needs --listen and is for development hosts only")
+		}
+		if fi, err := os.Lstat(o.listen); err == nil && fi.Mode()&os.ModeSocket != 0 {
+			os.Remove(o.listen) // stale socket from an earlier run
+		}
+		l, err := net.Listen("unix", o.listen)
+		return l, transport.Unix, err
+	}
+	return nil, "", fmt.Errorf("unknown transport %q", o.transport)
+}
+
+func powerOff(log *slog.Logger, pid1, reboot bool) {
+	if !pid1 {
+		log.Info("not pid 1: exiting instead of powering off", "reboot", reboot)
+		os.Exit(0)
+	}
+	var err error
+	if reboot {
+		err = initsys.Reboot(log)
+	} else {
+		err = initsys.PowerOff(log)
+	}
+	log.Error("power off", "err", err)
+}
+
+// useConsole points stdin at /dev/null and stdout and stderr at
+// /dev/console, whatever the kernel gave us (which depends on whether the
+// initramfs has /dev/console).
+func useConsole() error {
+	console, err := os.OpenFile("/dev/console", os.O_WRONLY|unix.O_NOCTTY, 0)
+	if err != nil {
+		return err
+	}
+	defer console.Close()
+	null, err := os.Open(os.DevNull)
+	if err != nil {
+		return err
+	}
+	defer null.Close()
+	return errors.Join(
+		unix.Dup3(int(null.Fd()), 0, 0),
+		unix.Dup3(int(console.Fd()), 1, 0),
+		unix.Dup3(int(console.Fd()), 2, 0),
+	)
+}
+
+// ignoreSignals keeps signals that would end the Go program from killing
+// PID 1 (which would panic the kernel). Handlers, unlike SIG_IGN, are not
+// inherited by the commands we start.
+func ignoreSignals(log *slog.Logger) {
+	c := make(chan os.Signal, 4)
+	signal.Notify(c, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT, syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGPWR)
+	go func() {
+		for sig := range c {
+			log.Warn("ignoring signal", "signal", sig)
+		}
+	}()
+}
+
+func newLogger(w io.Writer) *slog.Logger {
+	return slog.New(slog.NewTextHandler(&prefixWriter{w: w, prefix: []byte("carrel-agent: ")}, nil))
+}
+
+// prefixWriter prefixes each write (one slog record) with prefix.
+type prefixWriter struct {
+	mu     sync.Mutex
+	w      io.Writer
+	prefix []byte
+	buf    []byte
+}
+
+func (p *prefixWriter) Write(b []byte) (int, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.buf = append(append(p.buf[:0], p.prefix...), b...)
+	if _, err := p.w.Write(p.buf); err != nil {
+		return 0, err
+	}
+	return len(b), nil
+}

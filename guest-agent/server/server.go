@@ -1,0 +1,162 @@
+//go:build linux
+
+// Package server serves carrel.agent.v1.AgentService on any net.Listener:
+// vsock or virtio-serial in the guest, a unix socket in tests.
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"golang.org/x/sys/unix"
+
+	"github.com/carrel-os/carrel/guest-agent/exec"
+	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/guest-agent/reaper"
+)
+
+// Version is the agent's build version, set with
+// -ldflags "-X github.com/carrel-os/carrel/guest-agent/server.Version=...".
+var Version = "dev"
+
+// started is when the agent started, for Health's uptime.
+var started = time.Now()
+
+// shutdownGrace bounds how long in-flight calls may run after a Shutdown
+// call before the connection is cut and PowerOff runs.
+const shutdownGrace = 2 * time.Second
+
+// Config configures Serve.
+type Config struct {
+	// Transport is reported by Health: "vsock", "virtio-serial" or "unix".
+	Transport string
+	// Runner runs Exec calls; nil means one using reaper.Default().
+	Runner *exec.Runner
+	// PowerOff is called once a Shutdown call has been answered and the
+	// server has stopped; nil makes Shutdown fail with CodeUnimplemented.
+	PowerOff func(reboot bool)
+	// Log receives server logs; nil means slog.Default().
+	Log *slog.Logger
+}
+
+// Serve serves the agent API on l until ctx ends (then it returns nil) or a
+// Shutdown call has been answered (then it calls cfg.PowerOff and, if that
+// returns, returns nil). It returns an error if accepting fails. l is
+// closed when Serve returns.
+func Serve(ctx context.Context, l net.Listener, cfg Config) error {
+	if cfg.Runner == nil {
+		cfg.Runner = &exec.Runner{Reaper: reaper.Default()}
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	svc := &service{cfg: cfg, shutdown: make(chan bool, 1)}
+	srv := protocol.NewHTTPServer(NewHandler(svc))
+	srv.ErrorLog = slog.NewLogLogger(cfg.Log.Handler(), slog.LevelWarn)
+	srv.BaseContext = func(net.Listener) context.Context { return ctx }
+
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(l) }()
+	select {
+	case err := <-errc:
+		return fmt.Errorf("serve %s: %w", l.Addr(), err)
+	case <-ctx.Done():
+		srv.Close()
+		<-errc
+		return nil
+	case reboot := <-svc.shutdown:
+		// Shutdown waits until every call, the Shutdown call included,
+		// has finished writing its response.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), shutdownGrace)
+		defer cancel()
+		if err := srv.Shutdown(sctx); err != nil {
+			cfg.Log.Warn("graceful shutdown cut short", "err", err)
+			srv.Close()
+		}
+		<-errc
+		cfg.Log.Info("powering off", "reboot", reboot)
+		cfg.PowerOff(reboot)
+		return nil
+	}
+}
+
+// NewHandler returns the HTTP handler for svc: the agent service and a 404
+// (which connect clients see as CodeUnimplemented) for every other path.
+func NewHandler(svc agentv1connect.AgentServiceHandler) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle(agentv1connect.NewAgentServiceHandler(svc, protocol.HandlerOptions()...))
+	return mux
+}
+
+type service struct {
+	cfg      Config
+	shutdown chan bool // the reboot flag of the first Shutdown call
+}
+
+var _ agentv1connect.AgentServiceHandler = (*service)(nil)
+
+func (s *service) Health(context.Context, *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error) {
+	return connect.NewResponse(&agentv1.HealthResponse{
+		Version:   Version,
+		Kernel:    kernelRelease(),
+		UptimeMs:  time.Since(started).Milliseconds(),
+		Transport: s.cfg.Transport,
+	}), nil
+}
+
+func (s *service) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], stream *connect.ServerStream[agentv1.ExecResponse]) error {
+	start := time.Now()
+	var exit *agentv1.ExitStatus
+	err := s.cfg.Runner.Run(ctx, req.Msg, func(m *agentv1.ExecResponse) error {
+		if e := m.GetExit(); e != nil {
+			exit = e
+		}
+		return stream.Send(m)
+	})
+	log := s.cfg.Log.With("rpc", "Exec", "argv0", firstArg(req.Msg.GetArgv()), "duration", time.Since(start))
+	switch {
+	case err != nil:
+		log.Info("exec failed", "err", err)
+	case exit != nil:
+		log.Info("exec done", "code", exit.Code, "signal", exit.Signal)
+	}
+	return err
+}
+
+func (s *service) Shutdown(_ context.Context, req *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
+	if s.cfg.PowerOff == nil {
+		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("shutdown is not supported here"))
+	}
+	select {
+	case s.shutdown <- req.Msg.GetReboot():
+	default: // already shutting down
+	}
+	return connect.NewResponse(&agentv1.ShutdownResponse{}), nil
+}
+
+func firstArg(argv []string) string {
+	if len(argv) == 0 {
+		return ""
+	}
+	if len(argv[0]) > 128 {
+		return argv[0][:128]
+	}
+	return argv[0]
+}
+
+func kernelRelease() string {
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		return ""
+	}
+	return strings.TrimRight(string(u.Release[:]), "\x00")
+}
