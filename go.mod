@@ -1,6 +1,6 @@
 module github.com/carrel-os/carrel
 
-go 1.26.8
+go 1.26.0
 
 require (
 	connectrpc.com/connect v1.19.1

@@ -1,0 +1,221 @@
+package api
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/supervisor/client"
+	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
+	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
+	"github.com/carrel-os/carrel/supervisor/registry"
+	"github.com/carrel-os/carrel/supervisor/vm"
+)
+
+// serveAPI runs the API over a fake driver and returns the socket path.
+func serveAPI(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	img, err := store.Open(filepath.Join(dir, "images"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var parts []manifest.Part
+	for _, name := range []string{"kernel", "initrd"} {
+		p := filepath.Join(dir, name)
+		os.WriteFile(p, []byte(name), 0o644)
+		part, err := img.PutBlob(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		parts = append(parts, part)
+	}
+	digest, err := img.PutManifest(&manifest.Manifest{SchemaVersion: 1, Name: "t", Arch: "amd64", KernelVersion: "6.1", Kernel: parts[0], Initrd: parts[1], Cmdline: "console=ttyS0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	img.Tag("dev", digest)
+	reg, _ := registry.Open(filepath.Join(dir, "vms"))
+	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drivertest.New(), BootTimeout: 2 * time.Second})
+	t.Cleanup(func() { m.Close() })
+	sock := filepath.Join(dir, "api.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error)
+	go func() { done <- Serve(ctx, l, Handler(Config{Manager: m, Images: img})) }()
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	return sock
+}
+
+func TestVMServiceOverGRPC(t *testing.T) {
+	c := client.New(serveAPI(t))
+	ctx := context.Background()
+	resp, err := c.VMs.CreateVM(ctx, connect.NewRequest(&apiv1.CreateVMRequest{Name: "demo", Image: "dev"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := resp.Msg.Vm
+	if v.State != apiv1.VMState_VM_STATE_RUNNING || v.AgentState != apiv1.AgentState_AGENT_STATE_READY || v.Pid == 0 || v.MemoryBytes != vm.DefaultMemory {
+		t.Errorf("created vm = %v", v)
+	}
+
+	codes := []struct {
+		req  *apiv1.CreateVMRequest
+		code connect.Code
+	}{
+		{&apiv1.CreateVMRequest{Name: "demo", Image: "dev"}, connect.CodeAlreadyExists},
+		{&apiv1.CreateVMRequest{Name: "UPPER", Image: "dev"}, connect.CodeInvalidArgument},
+		{&apiv1.CreateVMRequest{Name: "x", Image: "missing"}, connect.CodeNotFound},
+		{&apiv1.CreateVMRequest{Name: "x", Image: "dev", Cpus: 1000}, connect.CodeInvalidArgument},
+	}
+	for _, c2 := range codes {
+		if _, err := c.VMs.CreateVM(ctx, connect.NewRequest(c2.req)); connect.CodeOf(err) != c2.code {
+			t.Errorf("%v: %v, want %v", c2.req, err, c2.code)
+		}
+	}
+
+	stream, err := c.VMs.Exec(ctx, connect.NewRequest(&apiv1.ExecRequest{Vm: "demo", Argv: []string{"a", "b"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out string
+	var exit *apiv1.ExitStatus
+	for stream.Receive() {
+		out += string(stream.Msg().GetStdout())
+		if e := stream.Msg().GetExit(); e != nil {
+			exit = e
+		}
+	}
+	if err := stream.Err(); err != nil || out != "a\nb\n" || exit == nil || exit.Code != 0 {
+		t.Errorf("exec: out %q exit %v err %v", out, exit, err)
+	}
+
+	stream, _ = c.VMs.Exec(ctx, connect.NewRequest(&apiv1.ExecRequest{Vm: "demo"}))
+	for stream.Receive() {
+	}
+	if connect.CodeOf(stream.Err()) != connect.CodeInvalidArgument {
+		t.Errorf("exec without argv: %v", stream.Err())
+	}
+	stream, _ = c.VMs.Exec(ctx, connect.NewRequest(&apiv1.ExecRequest{Vm: "nope", Argv: []string{"x"}}))
+	for stream.Receive() {
+	}
+	if connect.CodeOf(stream.Err()) != connect.CodeNotFound {
+		t.Errorf("exec in missing vm: %v", stream.Err())
+	}
+
+	if _, err := c.VMs.DeleteVM(ctx, connect.NewRequest(&apiv1.DeleteVMRequest{Name: "demo"})); connect.CodeOf(err) != connect.CodeFailedPrecondition {
+		t.Errorf("delete running: %v", err)
+	}
+	if _, err := c.VMs.DeleteVM(ctx, connect.NewRequest(&apiv1.DeleteVMRequest{Name: "demo", Force: true})); err != nil {
+		t.Fatal(err)
+	}
+	list, err := c.VMs.ListVMs(ctx, connect.NewRequest(&apiv1.ListVMsRequest{}))
+	if err != nil || len(list.Msg.Vms) != 0 {
+		t.Errorf("list after delete: %v %v", list, err)
+	}
+}
+
+// TestPlainHTTPJSON shows that curl-style clients work: HTTP/1.1, JSON.
+func TestPlainHTTPJSON(t *testing.T) {
+	sock := serveAPI(t)
+	hc := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", sock)
+	}}}
+	post := func(path, body string) (int, string) {
+		resp, err := hc.Post("http://carreld"+path, "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	code, body := post("/carrel.api.v1.VMService/CreateVM", `{"name":"web","image":"dev"}`)
+	if code != 200 || !strings.Contains(body, `"VM_STATE_RUNNING"`) {
+		t.Errorf("create: %d %s", code, body)
+	}
+	code, body = post("/carrel.api.v1.VMService/ListVMs", `{}`)
+	if code != 200 || !strings.Contains(body, `"name":"web"`) {
+		t.Errorf("list: %d %s", code, body)
+	}
+	code, body = post("/carrel.api.v1.VMService/GetVM", `{"name":"nope"}`)
+	if code != 404 || !strings.Contains(body, "not_found") {
+		t.Errorf("get missing: %d %s", code, body)
+	}
+	if code, _ = post("/carrel.api.v1.VMService/NoSuchMethod", `{}`); code != 404 {
+		t.Errorf("unknown method: %d", code)
+	}
+	if code, _ = post("/carrel.api.v1.VMService/CreateVM", strings.Repeat("x", maxRequestBytes+1)); code == 200 {
+		t.Errorf("oversized request accepted")
+	}
+}
+
+func TestRelayEventValidatesGuestMessages(t *testing.T) {
+	bad := []*agentv1.ExecResponse{
+		{},
+		{Event: &agentv1.ExecResponse_Exit{}},
+		{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: -1}}},
+		{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 256}}},
+		{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 9, Signal: strings.Repeat("S", 100)}}},
+	}
+	for _, ev := range bad {
+		if _, _, err := relayEvent(ev); connect.CodeOf(err) != connect.CodeDataLoss {
+			t.Errorf("%v: %v", ev, err)
+		}
+	}
+	resp, last, err := relayEvent(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 137, Signal: "SIGKILL"}}})
+	if err != nil || !last || resp.GetExit().Signal != "SIGKILL" {
+		t.Errorf("valid exit: %v %v %v", resp, last, err)
+	}
+}
+
+// FuzzRelayEvent feeds arbitrary guest bytes, decoded as an exec event,
+// through the relay: it must never panic, and whatever it passes on must
+// be a well-formed event.
+func FuzzRelayEvent(f *testing.F) {
+	for _, ev := range []*agentv1.ExecResponse{
+		{Event: &agentv1.ExecResponse_Stdout{Stdout: []byte("out")}},
+		{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 3}}},
+		{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: 7}}},
+	} {
+		b, _ := proto.Marshal(ev)
+		f.Add(b)
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var ev agentv1.ExecResponse
+		if err := proto.Unmarshal(b, &ev); err != nil {
+			return
+		}
+		resp, last, err := relayEvent(&ev)
+		if err != nil {
+			return
+		}
+		if resp.Event == nil {
+			t.Fatal("relayed an empty event")
+		}
+		if x := resp.GetExit(); last != (x != nil) || (x != nil && (x.Code < 0 || x.Code > 255)) {
+			t.Fatalf("bad exit relayed: %v last=%v", x, last)
+		}
+	})
+}

@@ -1,0 +1,319 @@
+// Package drivertest provides a fake driver.Driver for unit tests of the
+// code around drivers. Each fake VM serves a scripted guest agent over
+// in-memory pipes, so no QEMU is needed.
+package drivertest
+
+import (
+	"context"
+	"errors"
+	"net"
+	"sync"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/driver"
+)
+
+// Behavior scripts what the next started VM does.
+type Behavior struct {
+	// StartErr makes Start fail.
+	StartErr error
+	// Console is printed on the serial console when the VM resumes.
+	Console string
+	// ExitOnResume makes the VM exit right after it resumes (a panic).
+	ExitOnResume bool
+	// Silent makes the agent never answer.
+	Silent bool
+}
+
+// Driver is a fake driver. Its zero value is not usable: call New.
+type Driver struct {
+	mu      sync.Mutex
+	next    Behavior
+	nextPID int
+	vms     map[int]*VM
+	// Killed counts Kill calls on live VMs.
+	Killed int
+}
+
+var _ driver.Driver = (*Driver)(nil)
+
+// New returns a fake driver.
+func New() *Driver { return &Driver{nextPID: 1000, vms: map[int]*VM{}} }
+
+// VM is one fake VM.
+type VM struct {
+	Spec     driver.Spec
+	behavior Behavior
+	exited   chan struct{}
+	once     sync.Once
+	console  chan net.Conn
+	agent    *pipeListener
+}
+
+// Exit ends the VM as if QEMU had exited.
+func (v *VM) Exit() {
+	v.once.Do(func() {
+		close(v.exited)
+		v.agent.Close()
+	})
+}
+
+// SetNext scripts the next Start.
+func (d *Driver) SetNext(b Behavior) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.next = b
+}
+
+// VM returns the fake VM with pid, or nil.
+func (d *Driver) VM(pid int) *VM {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.vms[pid]
+}
+
+// Running counts VMs that have not exited.
+func (d *Driver) Running() int {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	n := 0
+	for _, v := range d.vms {
+		select {
+		case <-v.exited:
+		default:
+			n++
+		}
+	}
+	return n
+}
+
+// Name implements driver.Driver.
+func (d *Driver) Name() string { return "fake" }
+
+// Start implements driver.Lifecycle.
+func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, error) {
+	d.mu.Lock()
+	b := d.next
+	d.next = Behavior{}
+	if b.StartErr != nil {
+		d.mu.Unlock()
+		return driver.Instance{}, b.StartErr
+	}
+	d.nextPID++
+	pid := d.nextPID
+	v := &VM{Spec: spec, behavior: b, exited: make(chan struct{}), console: make(chan net.Conn, 1), agent: newPipeListener()}
+	d.vms[pid] = v
+	d.mu.Unlock()
+	serveAgent(v)
+	return driver.Instance{Driver: "fake", PID: pid, StartTime: 1, QMPSocket: "fake"}, nil
+}
+
+func (d *Driver) vm(inst driver.Instance) (*VM, error) {
+	v := d.VM(inst.PID)
+	if v == nil {
+		return nil, driver.ErrNotRunning
+	}
+	return v, nil
+}
+
+// Resume implements driver.Lifecycle.
+func (d *Driver) Resume(ctx context.Context, inst driver.Instance) error {
+	v, err := d.vm(inst)
+	if err != nil {
+		return err
+	}
+	go func() {
+		if v.behavior.Console != "" {
+			select {
+			case c := <-v.console:
+				c.Write([]byte(v.behavior.Console))
+			case <-v.exited:
+			}
+		}
+		// A panicking guest exits only after printing its last words.
+		if v.behavior.ExitOnResume {
+			v.Exit()
+		}
+	}()
+	return nil
+}
+
+// Adopt implements driver.Lifecycle.
+func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
+	v, err := d.vm(inst)
+	if err != nil {
+		return err
+	}
+	select {
+	case <-v.exited:
+		return driver.ErrNotRunning
+	default:
+		return nil
+	}
+}
+
+// Wait implements driver.Lifecycle.
+func (d *Driver) Wait(ctx context.Context, inst driver.Instance) error {
+	v, err := d.vm(inst)
+	if err != nil {
+		return nil
+	}
+	select {
+	case <-v.exited:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Kill implements driver.Lifecycle.
+func (d *Driver) Kill(ctx context.Context, inst driver.Instance) error {
+	v, err := d.vm(inst)
+	if err != nil {
+		return nil
+	}
+	select {
+	case <-v.exited:
+	default:
+		d.mu.Lock()
+		d.Killed++
+		d.mu.Unlock()
+		v.Exit()
+	}
+	return nil
+}
+
+// AgentDialer implements driver.Streams.
+func (d *Driver) AgentDialer(inst driver.Instance) (driver.Dialer, string) {
+	return func(ctx context.Context) (net.Conn, error) {
+		v, err := d.vm(inst)
+		if err != nil {
+			return nil, err
+		}
+		return v.agent.dial(ctx)
+	}, "fake"
+}
+
+// ConsoleDialer implements driver.Streams.
+func (d *Driver) ConsoleDialer(inst driver.Instance) driver.Dialer {
+	return func(ctx context.Context) (net.Conn, error) {
+		v, err := d.vm(inst)
+		if err != nil {
+			return nil, err
+		}
+		host, guest := net.Pipe()
+		select {
+		case v.console <- guest:
+		default:
+			guest.Close()
+		}
+		go func() { <-v.exited; guest.Close() }()
+		return host, nil
+	}
+}
+
+// agent is the fake guest agent: Exec echoes its argv, Shutdown powers off.
+type agent struct {
+	agentv1connect.UnimplementedAgentServiceHandler
+	vm *VM
+}
+
+func (a *agent) Health(context.Context, *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error) {
+	return connect.NewResponse(&agentv1.HealthResponse{Version: "fake", Transport: "fake"}), nil
+}
+
+func (a *agent) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], s *connect.ServerStream[agentv1.ExecResponse]) error {
+	for _, arg := range req.Msg.Argv {
+		if err := s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: []byte(arg + "\n")}}); err != nil {
+			return err
+		}
+	}
+	return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 0}}})
+}
+
+func (a *agent) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
+	// Like the real agent, power off once the reply is on its way.
+	time.AfterFunc(50*time.Millisecond, a.vm.Exit)
+	return connect.NewResponse(&agentv1.ShutdownResponse{}), nil
+}
+
+// serveAgent serves the fake agent until the VM exits.
+func serveAgent(v *VM) {
+	if v.behavior.Silent {
+		go func() {
+			for {
+				c, err := v.agent.Accept()
+				if err != nil {
+					return
+				}
+				go func() { <-v.exited; c.Close() }()
+			}
+		}()
+		return
+	}
+	_, h := agentv1connect.NewAgentServiceHandler(&agent{vm: v}, protocol.HandlerOptions()...)
+	srv := protocol.NewHTTPServer(h)
+	go srv.Serve(v.agent)
+	go func() { <-v.exited; srv.Close() }()
+}
+
+// pipeListener hands out the guest ends of in-memory connections.
+type pipeListener struct {
+	conns  chan net.Conn
+	closed chan struct{}
+	once   sync.Once
+}
+
+var _ net.Listener = (*pipeListener)(nil)
+
+func newPipeListener() *pipeListener {
+	return &pipeListener{conns: make(chan net.Conn), closed: make(chan struct{})}
+}
+
+func (l *pipeListener) dial(ctx context.Context) (net.Conn, error) {
+	host, guest := net.Pipe()
+	select {
+	case l.conns <- guest:
+		return host, nil
+	case <-l.closed:
+		return nil, errors.New("fake vm is gone")
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+func (l *pipeListener) Accept() (net.Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-l.closed:
+		return nil, net.ErrClosed
+	}
+}
+
+func (l *pipeListener) Close() error {
+	l.once.Do(func() { close(l.closed) })
+	return nil
+}
+
+func (l *pipeListener) Addr() net.Addr { return pipeAddr{} }
+
+type pipeAddr struct{}
+
+func (pipeAddr) Network() string { return "pipe" }
+func (pipeAddr) String() string  { return "fake-vm" }
+
+// Adopt reports whether the VM is still running.
+func (v *VM) Adopt() bool {
+	select {
+	case <-v.exited:
+		return false
+	default:
+		return true
+	}
+}

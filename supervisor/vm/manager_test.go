@@ -1,0 +1,286 @@
+package vm
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/supervisor/agentlink"
+	"github.com/carrel-os/carrel/supervisor/driver"
+	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
+	"github.com/carrel-os/carrel/supervisor/registry"
+)
+
+type env struct {
+	m   *Manager
+	drv *drivertest.Driver
+	reg *registry.Registry
+	img *store.Store
+	dir string
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	dir := t.TempDir()
+	img, err := store.Open(filepath.Join(dir, "images"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var parts []manifest.Part
+	for _, name := range []string{"kernel", "initrd"} {
+		p := filepath.Join(dir, name)
+		os.WriteFile(p, []byte("fake "+name), 0o644)
+		part, err := img.PutBlob(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		parts = append(parts, part)
+	}
+	digest, err := img.PutManifest(&manifest.Manifest{SchemaVersion: 1, Name: "test", Arch: "amd64", KernelVersion: "6.1.0-test", Kernel: parts[0], Initrd: parts[1], Cmdline: "console=ttyS0"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := img.Tag("dev", digest); err != nil {
+		t.Fatal(err)
+	}
+	reg, err := registry.Open(filepath.Join(dir, "vms"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &env{drv: drivertest.New(), reg: reg, img: img, dir: dir}
+	e.m = e.manager()
+	t.Cleanup(func() { e.m.Close() })
+	return e
+}
+
+func (e *env) manager() *Manager {
+	return New(Config{Registry: e.reg, Images: e.img, Driver: e.drv, BootTimeout: 2 * time.Second, StopTimeout: time.Second})
+}
+
+func (e *env) create(t *testing.T, name string) registry.Record {
+	t.Helper()
+	rec, err := e.m.Create(context.Background(), CreateParams{Name: name, Image: "dev"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rec
+}
+
+func TestCreateExecStopDelete(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	rec := e.create(t, "demo")
+	if rec.State != registry.StateRunning || rec.MemoryBytes != DefaultMemory || rec.CPUs != 1 || !strings.HasPrefix(rec.ImageDigest, "sha256:") {
+		t.Errorf("record = %+v", rec)
+	}
+	st, err := e.m.Get("demo")
+	if err != nil || st.Agent != agentlink.Ready {
+		t.Fatalf("status = %+v, %v", st, err)
+	}
+	onDisk, err := e.reg.Get("demo")
+	if err != nil || onDisk.State != registry.StateRunning || onDisk.Instance == nil {
+		t.Fatalf("persisted = %+v, %v", onDisk, err)
+	}
+
+	s, err := e.m.Exec(ctx, "demo", &agentv1.ExecRequest{Argv: []string{"echo", "hi"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out strings.Builder
+	for {
+		ev, ok, err := s.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !ok {
+			break
+		}
+		out.Write(ev.GetStdout())
+	}
+	if out.String() != "echo\nhi\n" {
+		t.Errorf("exec output %q", out.String())
+	}
+
+	if err := e.m.Delete(ctx, "demo", false); !errors.Is(err, ErrRunning) {
+		t.Errorf("delete running: %v", err)
+	}
+	if _, err := e.m.Stop(ctx, "demo", false); err != nil {
+		t.Fatal(err)
+	}
+	if e.drv.Killed != 0 {
+		t.Errorf("graceful stop killed the vm")
+	}
+	if st, _ := e.m.Get("demo"); st.State != registry.StateStopped || st.Instance != nil {
+		t.Errorf("after stop: %+v", st)
+	}
+	if _, err := e.m.Exec(ctx, "demo", &agentv1.ExecRequest{Argv: []string{"x"}}); !errors.Is(err, ErrNotRunning) {
+		t.Errorf("exec in stopped vm: %v", err)
+	}
+	if _, err := e.m.Start(ctx, "demo"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.m.Start(ctx, "demo"); !errors.Is(err, ErrRunning) {
+		t.Errorf("start of running vm: %v", err)
+	}
+	if err := e.m.Delete(ctx, "demo", true); err != nil {
+		t.Fatal(err)
+	}
+	if e.drv.Killed != 1 || e.drv.Running() != 0 {
+		t.Errorf("forced delete: killed %d, running %d", e.drv.Killed, e.drv.Running())
+	}
+	if _, err := e.m.Get("demo"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("get after delete: %v", err)
+	}
+	if _, err := os.Stat(e.reg.Dir("demo")); !os.IsNotExist(err) {
+		t.Errorf("state dir left: %v", err)
+	}
+}
+
+func TestCreateRejectsBadArgumentsAndCreatesNothing(t *testing.T) {
+	e := newEnv(t)
+	e.create(t, "taken")
+	cases := []struct {
+		p    CreateParams
+		want error
+	}{
+		{CreateParams{Name: "Bad", Image: "dev"}, ErrInvalid},
+		{CreateParams{Name: "../x", Image: "dev"}, ErrInvalid},
+		{CreateParams{Name: "a", Image: ""}, ErrInvalid},
+		{CreateParams{Name: "a", Image: "dev", MemoryBytes: 1 << 20}, ErrInvalid},
+		{CreateParams{Name: "a", Image: "dev", MemoryBytes: (512 << 20) + 1}, ErrInvalid},
+		{CreateParams{Name: "a", Image: "dev", CPUs: 65}, ErrInvalid},
+		{CreateParams{Name: "a", Image: "nope"}, ErrImageMissing},
+		{CreateParams{Name: "taken", Image: "dev"}, ErrExists},
+	}
+	for _, c := range cases {
+		if _, err := e.m.Create(context.Background(), c.p); !errors.Is(err, c.want) {
+			t.Errorf("%+v: err %v, want %v", c.p, err, c.want)
+		}
+	}
+	if got := e.m.List(); len(got) != 1 {
+		t.Errorf("vms: %+v", got)
+	}
+	recs, _ := e.reg.List()
+	if len(recs) != 1 || e.drv.Running() != 1 {
+		t.Errorf("records %d, running %d", len(recs), e.drv.Running())
+	}
+}
+
+func TestBootFailureLeavesNothing(t *testing.T) {
+	cases := []struct {
+		name string
+		b    drivertest.Behavior
+		want string
+	}{
+		{"start fails", drivertest.Behavior{StartErr: errors.New("qemu: could not open kernel")}, "could not open kernel"},
+		{"guest panics", drivertest.Behavior{Console: "booting\nKernel panic - not syncing: VFS\n", ExitOnResume: true}, "Kernel panic"},
+		{"agent never answers", drivertest.Behavior{Console: "stuck in early boot\n", Silent: true}, "stuck in early boot"},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			e := newEnv(t)
+			e.drv.SetNext(c.b)
+			start := time.Now()
+			_, err := e.m.Create(context.Background(), CreateParams{Name: "broken", Image: "dev"})
+			if err == nil || !strings.Contains(err.Error(), c.want) {
+				t.Fatalf("err = %v, want it to contain %q", err, c.want)
+			}
+			if time.Since(start) > 5*time.Second {
+				t.Errorf("create took %s to fail", time.Since(start))
+			}
+			if e.drv.Running() != 0 {
+				t.Error("a fake qemu is still running")
+			}
+			if _, err := os.Stat(e.reg.Dir("broken")); !os.IsNotExist(err) {
+				t.Errorf("state left: %v", err)
+			}
+			if len(e.m.List()) != 0 {
+				t.Error("vm listed")
+			}
+		})
+	}
+}
+
+func TestVMThatExitsOnItsOwnIsMarkedStopped(t *testing.T) {
+	e := newEnv(t)
+	rec := e.create(t, "demo")
+	e.drv.VM(rec.Instance.PID).Exit()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		st, _ := e.m.Get("demo")
+		if st.State == registry.StateStopped {
+			if st.LastError == "" {
+				t.Error("no last error recorded")
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("state = %s", st.State)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if r, _ := e.reg.Get("demo"); r.State != registry.StateStopped {
+		t.Errorf("persisted state %s", r.State)
+	}
+}
+
+func TestReconcile(t *testing.T) {
+	e := newEnv(t)
+	alive := e.create(t, "alive")
+	dead := e.create(t, "dead")
+	stopping := e.create(t, "stopping")
+	e.m.Close() // carreld goes away; the VMs stay
+
+	e.drv.VM(dead.Instance.PID).Exit()
+	r, _ := e.reg.Get("stopping")
+	r.State = registry.StateStopping
+	e.reg.Put(r)
+	// A create that was interrupted: record in state creating, VM running.
+	inst, _ := e.drv.Start(context.Background(), driver.Spec{Name: "half"})
+	e.reg.Put(&registry.Record{Name: "half", State: registry.StateCreating, Instance: &inst})
+
+	m := e.manager()
+	defer m.Close()
+	if err := m.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := m.Get("alive"); err != nil || st.State != registry.StateRunning || st.Instance.PID != alive.Instance.PID {
+		t.Errorf("alive: %+v %v", st, err)
+	}
+	if st, _ := m.Get("dead"); st.State != registry.StateStopped || st.LastError == "" {
+		t.Errorf("dead: %+v", st)
+	}
+	if st, _ := m.Get("stopping"); st.State != registry.StateStopped {
+		t.Errorf("stopping: %+v", st)
+	}
+	if e.drv.VM(stopping.Instance.PID).Adopt() {
+		t.Error("interrupted stop was not finished")
+	}
+	if _, err := m.Get("half"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("half-created vm kept: %v", err)
+	}
+	if e.drv.VM(inst.PID).Adopt() {
+		t.Error("half-created vm still running")
+	}
+	// The adopted VM's agent link comes back without a new boot.
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if st, _ := m.Get("alive"); st.Agent == agentlink.Ready {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("adopted vm's agent never ready")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if e.drv.Running() != 1 {
+		t.Errorf("running fake vms: %d, want 1", e.drv.Running())
+	}
+}
