@@ -11,8 +11,9 @@ BIN     := $(CURDIR)/out/bin
 CACHE   ?= $(CURDIR)/.cache/carrel
 
 # System packages: QEMU to run VMs, nix-bin to check our .nix files,
-# protoc for `make generate`, cpio for the initramfs tests.
-DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio
+# protoc for `make generate`, cpio for the initramfs tests, xxd for the
+# Nix vendor hash check.
+DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd
 
 .PHONY: help
 help: ## List the targets
@@ -71,8 +72,9 @@ check-generated: generate ## Fail if generated code is not what `make generate` 
 	@git diff --exit-code --stat -- guest-agent/gen supervisor/gen || { echo "generated code is stale: run make generate and commit"; exit 1; }
 
 .PHONY: nix-check
-nix-check: ## Parse every .nix file
+nix-check: ## Parse every .nix file and check the flake's Go vendor hash
 	@for f in $$(git ls-files '*.nix'); do nix-instantiate --parse $$f >/dev/null || exit 1; echo "nix-instantiate --parse $$f: ok"; done
+	@nix/update-vendor-hash.sh --check
 
 .PHONY: clean
 clean: ## Remove build outputs (keeps the package cache)
