@@ -38,11 +38,21 @@ run: deps build ## Build, start carreld, build the dev image, boot a VM, run a s
 	@BIN=$(BIN) CACHE=$(CACHE) ./tests/run-demo.sh
 
 .PHONY: test
-test: deps build lint check-generated nix-check unit integration ## Run every test: lint, generated code, nix syntax, unit and real-VM end-to-end
+test: deps build lint check-generated nix-check unit fuzz integration ## Run every test: lint, generated code, nix syntax, unit, fuzz and real-VM end-to-end
 
 .PHONY: unit
 unit: ## Unit tests (no VM needed)
 	$(GO) test -count=1 $$($(GO) list ./... | grep -v '/tests')
+
+FUZZTIME ?= 5s
+.PHONY: fuzz
+fuzz: ## Run every fuzz target for FUZZTIME (default 5s) on top of its seed corpus
+	@set -e; for d in $$(git grep -l '^func Fuzz' -- '*_test.go' | xargs -n1 dirname | sort -u); do \
+		for f in $$(grep -h '^func Fuzz' $$d/*_test.go | sed 's/^func \(Fuzz[A-Za-z0-9_]*\).*/\1/'); do \
+			echo "fuzz ./$$d $$f ($(FUZZTIME))"; \
+			$(GO) test -run '^$$' -fuzz "^$$f$$" -fuzztime $(FUZZTIME) ./$$d; \
+		done; \
+	done
 
 .PHONY: integration
 integration: deps build ## End-to-end tests: a real carreld boots real VMs under QEMU

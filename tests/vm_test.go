@@ -131,6 +131,22 @@ func TestVMEndToEnd(t *testing.T) {
 		}
 	})
 
+	t.Run("carreld stopped by SIGTERM leaves the vm running", func(t *testing.T) {
+		before, _ := vmNamed(t, d, "demo")
+		d.Stop()
+		if pids := harness.QEMUPids(d.State); len(pids) != 1 || pids[0] != before.Pid {
+			t.Fatalf("after SIGTERM: qemu processes %v, want %d", pids, before.Pid)
+		}
+		d.Start()
+		after, _ := vmNamed(t, d, "demo")
+		if after.State != "VM_STATE_RUNNING" || after.Pid != before.Pid {
+			t.Fatalf("after restart: %+v", after)
+		}
+		if out := d.Must("exec", "demo", "--", "cat", "/workspace/marker"); out != "survived\n" {
+			t.Errorf("marker = %q", out)
+		}
+	})
+
 	t.Run("stop start rm", func(t *testing.T) {
 		v, _ := vmNamed(t, d, "demo")
 		d.Must("vm", "stop", "demo")

@@ -61,17 +61,27 @@ var ErrNotReady = errors.New("guest agent did not become ready")
 
 // Link is the host end of one agent connection.
 type Link struct {
-	log       *slog.Logger
-	dial      func(ctx context.Context) (net.Conn, error)
-	transport *http.Transport
-	client    agentv1connect.AgentServiceClient
+	log  *slog.Logger
+	dial func(ctx context.Context) (net.Conn, error)
 
 	mu      sync.Mutex
-	conn    net.Conn // the live connection, closed by reset
+	cur     *session
 	state   State
 	lastErr error
 	info    *agentv1.HealthResponse
 	closed  bool
+}
+
+// session is one HTTP/2 connection to the agent and the client bound to
+// it. A broken session is dropped whole and the next call makes a new one,
+// so no call is ever handed to a connection already known to be dead.
+type session struct {
+	transport *http.Transport
+	client    agentv1connect.AgentServiceClient
+
+	mu   sync.Mutex
+	conn net.Conn
+	dead bool
 }
 
 // New returns a link that dials with dial. It does not connect yet.
@@ -79,14 +89,26 @@ func New(dial func(ctx context.Context) (net.Conn, error), log *slog.Logger) *Li
 	if log == nil {
 		log = slog.Default()
 	}
-	l := &Link{log: log, dial: dial}
-	httpClient, t := protocol.NewHTTPClient(l.dialTracked)
-	l.transport = t
-	l.client = agentv1connect.NewAgentServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
-	return l
+	return &Link{log: log, dial: dial}
 }
 
-func (l *Link) dialTracked(ctx context.Context) (net.Conn, error) {
+// session returns the current session, making one if needed.
+func (l *Link) session() *session {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.cur == nil {
+		s := &session{}
+		httpClient, t := protocol.NewHTTPClient(func(ctx context.Context) (net.Conn, error) {
+			return l.dialFor(ctx, s)
+		})
+		s.transport = t
+		s.client = agentv1connect.NewAgentServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+		l.cur = s
+	}
+	return l.cur
+}
+
+func (l *Link) dialFor(ctx context.Context, s *session) (net.Conn, error) {
 	l.mu.Lock()
 	closed := l.closed
 	l.mu.Unlock()
@@ -97,14 +119,36 @@ func (l *Link) dialTracked(ctx context.Context) (net.Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.closed {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.dead {
 		c.Close()
 		return nil, net.ErrClosed
 	}
-	l.conn = c
+	s.conn = c
 	return c, nil
+}
+
+func (s *session) close() {
+	s.mu.Lock()
+	s.dead = true
+	c := s.conn
+	s.conn = nil
+	s.mu.Unlock()
+	if c != nil {
+		c.Close()
+	}
+	s.transport.CloseIdleConnections()
+}
+
+// drop ends session s if it is still the current one.
+func (l *Link) drop(s *session) {
+	l.mu.Lock()
+	if l.cur == s {
+		l.cur = nil
+	}
+	l.mu.Unlock()
+	s.close()
 }
 
 // State returns the agent's health and the error that made it unhealthy.
@@ -114,7 +158,8 @@ func (l *Link) State() (State, error) {
 	return l.state, l.lastErr
 }
 
-// Info returns the agent's last health reply, or nil.
+// Info returns the agent's last health reply, or nil. Its fields come from
+// the guest: display them only after sanitizing.
 func (l *Link) Info() *agentv1.HealthResponse {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -133,25 +178,24 @@ func (l *Link) markReady(info *agentv1.HealthResponse) {
 	l.state, l.lastErr = Ready, nil
 }
 
-// fail records err. Protocol violations and transport failures close the
-// connection and mark the agent unhealthy; the transition is logged once.
-func (l *Link) fail(err error) {
+// fail ends session s and marks the agent unhealthy; the transition is
+// logged once.
+func (l *Link) fail(s *session, err error) {
+	l.drop(s)
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.conn != nil {
-		l.conn.Close()
-		l.conn = nil
-	}
 	if l.state != Unhealthy && !l.closed {
 		l.log.Warn("guest agent unhealthy: link closed", "subsystem", "agentlink", "err", err)
 	}
 	l.state, l.lastErr = Unhealthy, err
 }
 
-// check classifies an RPC error. Application errors (bad argument, no such
-// command) leave the link alone; anything that means the stream can no
-// longer be trusted ends it.
-func (l *Link) check(ctx context.Context, err error) error {
+// check classifies an RPC error. An error the agent sent as a proper
+// response (a wire error: bad argument, no such command, even an internal
+// error of its own) leaves the link alone. An error raised on this side,
+// i.e. a broken connection, an oversized frame or message, or bytes that
+// do not decode, means the stream can no longer be trusted: it ends.
+func (l *Link) check(ctx context.Context, s *session, err error) error {
 	if err == nil {
 		return nil
 	}
@@ -159,10 +203,8 @@ func (l *Link) check(ctx context.Context, err error) error {
 		// The caller gave up (deadline or cancel); not the guest's fault.
 		return err
 	}
-	switch connect.CodeOf(err) {
-	case connect.CodeUnavailable, connect.CodeInternal, connect.CodeUnknown,
-		connect.CodeResourceExhausted, connect.CodeDataLoss, connect.CodeUnimplemented:
-		l.fail(err)
+	if !connect.IsWireError(err) {
+		l.fail(s, err)
 	}
 	return err
 }
@@ -171,8 +213,9 @@ func (l *Link) check(ctx context.Context, err error) error {
 func (l *Link) Health(ctx context.Context) (*agentv1.HealthResponse, error) {
 	ctx, cancel := context.WithTimeout(ctx, HealthTimeout)
 	defer cancel()
-	resp, err := l.client.Health(ctx, connect.NewRequest(&agentv1.HealthRequest{}))
-	if err := l.check(ctx, err); err != nil {
+	s := l.session()
+	resp, err := s.client.Health(ctx, connect.NewRequest(&agentv1.HealthRequest{}))
+	if err := l.check(ctx, s, err); err != nil {
 		return nil, err
 	}
 	l.markReady(resp.Msg)
@@ -189,15 +232,16 @@ func (l *Link) WaitReady(ctx context.Context) error {
 	var last error
 	attempt := firstAttempt
 	for {
+		s := l.session()
 		pctx, cancel := context.WithTimeout(ctx, attempt)
-		resp, err := l.client.Health(pctx, connect.NewRequest(&agentv1.HealthRequest{}))
+		resp, err := s.client.Health(pctx, connect.NewRequest(&agentv1.HealthRequest{}))
 		cancel()
 		if err == nil {
 			l.markReady(resp.Msg)
 			return nil
 		}
 		last = err
-		l.resetConn()
+		l.drop(s)
 		if attempt < time.Minute {
 			attempt *= 2
 		}
@@ -213,15 +257,6 @@ func (l *Link) WaitReady(ctx context.Context) error {
 // TCG boot takes, so a normal boot is one probe.
 const firstAttempt = 15 * time.Second
 
-func (l *Link) resetConn() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.conn != nil {
-		l.conn.Close()
-		l.conn = nil
-	}
-}
-
 // Keepalive probes the agent every interval until ctx ends, keeping State
 // current. Failed probes mark the agent unhealthy; a later success marks it
 // ready again.
@@ -235,7 +270,14 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 		case <-t.C:
 		}
 		if _, err := l.Health(ctx); err != nil && ctx.Err() == nil {
-			l.fail(err)
+			l.mu.Lock()
+			s := l.cur
+			l.mu.Unlock()
+			if s != nil {
+				l.fail(s, err)
+			} else {
+				l.markUnhealthy(err)
+			}
 		}
 	}
 }
@@ -243,17 +285,19 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 // ExecStream is an exec call's stream of events from the guest.
 type ExecStream struct {
 	l      *Link
+	s      *session
 	ctx    context.Context
 	stream *connect.ServerStreamForClient[agentv1.ExecResponse]
 }
 
 // Exec starts a command in the guest.
 func (l *Link) Exec(ctx context.Context, req *agentv1.ExecRequest) (*ExecStream, error) {
-	s, err := l.client.Exec(ctx, connect.NewRequest(req))
-	if err := l.check(ctx, err); err != nil {
+	s := l.session()
+	st, err := s.client.Exec(ctx, connect.NewRequest(req))
+	if err := l.check(ctx, s, err); err != nil {
 		return nil, err
 	}
-	return &ExecStream{l: l, ctx: ctx, stream: s}, nil
+	return &ExecStream{l: l, s: s, ctx: ctx, stream: st}, nil
 }
 
 // Recv returns the next event. It returns io.EOF-free semantics: ok is
@@ -262,7 +306,7 @@ func (s *ExecStream) Recv() (msg *agentv1.ExecResponse, ok bool, err error) {
 	if s.stream.Receive() {
 		return s.stream.Msg(), true, nil
 	}
-	return nil, false, s.l.check(s.ctx, s.stream.Err())
+	return nil, false, s.l.check(s.ctx, s.s, s.stream.Err())
 }
 
 // Close ends the stream.
@@ -270,20 +314,29 @@ func (s *ExecStream) Close() error { return s.stream.Close() }
 
 // Shutdown asks the guest to power off (or reboot).
 func (l *Link) Shutdown(ctx context.Context, reboot bool) error {
-	_, err := l.client.Shutdown(ctx, connect.NewRequest(&agentv1.ShutdownRequest{Reboot: reboot}))
-	return l.check(ctx, err)
+	s := l.session()
+	_, err := s.client.Shutdown(ctx, connect.NewRequest(&agentv1.ShutdownRequest{Reboot: reboot}))
+	return l.check(ctx, s, err)
 }
 
 // Close ends the link; calls in flight fail.
 func (l *Link) Close() error {
 	l.mu.Lock()
 	l.closed = true
-	c := l.conn
-	l.conn = nil
+	s := l.cur
+	l.cur = nil
 	l.mu.Unlock()
-	if c != nil {
-		c.Close()
+	if s != nil {
+		s.close()
 	}
-	l.transport.CloseIdleConnections()
 	return nil
+}
+
+func (l *Link) markUnhealthy(err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.state != Unhealthy && !l.closed {
+		l.log.Warn("guest agent unhealthy", "subsystem", "agentlink", "err", err)
+	}
+	l.state, l.lastErr = Unhealthy, err
 }

@@ -2,6 +2,8 @@ package api
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -218,4 +220,34 @@ func FuzzRelayEvent(f *testing.F) {
 			t.Fatalf("bad exit relayed: %v last=%v", x, last)
 		}
 	})
+}
+
+func TestGuestErrorsAreSanitized(t *testing.T) {
+	// What a hostile guest could send: a code that poses as carreld's,
+	// terminal escapes, a huge message, and headers to smuggle through.
+	ge := connect.NewWireError(connect.CodeUnauthenticated, errors.New("\x1b[2Jlog in again"+strings.Repeat("x", 5000)))
+	ge.Meta().Set("Set-Cookie", "evil=1")
+	err := toConnect(ge)
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		t.Fatalf("not a connect error: %v", err)
+	}
+	if ce.Code() != connect.CodeInternal {
+		t.Errorf("code = %v, want internal", ce.Code())
+	}
+	if strings.ContainsRune(ce.Message(), 0x1b) || len(ce.Message()) > maxGuestMessage+32 || !strings.HasPrefix(ce.Message(), "guest agent: ") {
+		t.Errorf("message not sanitized: %q", ce.Message()[:40])
+	}
+	if len(ce.Meta()) != 0 {
+		t.Errorf("guest metadata passed through: %v", ce.Meta())
+	}
+	ok := toConnect(connect.NewWireError(connect.CodeNotFound, errors.New(`exec: "foo": executable file not found`)))
+	if connect.CodeOf(ok) != connect.CodeNotFound {
+		t.Errorf("allowed code changed: %v", ok)
+	}
+	// Manager sentinels win over any wrapped connect error.
+	wrapped := fmt.Errorf("%w: %w", vm.ErrNotRunning, connect.NewError(connect.CodeUnavailable, errors.New("x")))
+	if connect.CodeOf(toConnect(wrapped)) != connect.CodeFailedPrecondition {
+		t.Errorf("sentinel lost: %v", toConnect(wrapped))
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -61,7 +62,9 @@ func Handler(cfg Config) http.Handler {
 	return mux
 }
 
-// Serve serves h on l until ctx ends, then shuts down gracefully.
+// Serve serves h on l until ctx ends, then shuts down gracefully. Requests
+// are not tied to ctx: a create in flight runs to its end (or is cut off
+// when its connection closes) and cleans up after itself either way.
 func Serve(ctx context.Context, l net.Listener, h http.Handler) error {
 	p := new(http.Protocols)
 	p.SetHTTP1(true)
@@ -71,7 +74,6 @@ func Serve(ctx context.Context, l net.Listener, h http.Handler) error {
 		Protocols:         p,
 		MaxHeaderBytes:    maxHeaderBytes,
 		ReadHeaderTimeout: 10 * time.Second,
-		BaseContext:       func(net.Listener) context.Context { return ctx },
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()
@@ -120,10 +122,6 @@ func toConnect(err error) error {
 	if err == nil {
 		return nil
 	}
-	var ce *connect.Error
-	if errors.As(err, &ce) {
-		return err
-	}
 	code := connect.CodeInternal
 	switch {
 	case errors.Is(err, vm.ErrInvalid):
@@ -136,10 +134,68 @@ func toConnect(err error) error {
 		code = connect.CodeFailedPrecondition
 	case errors.Is(err, vm.ErrBusy):
 		code = connect.CodeAborted
+	case errors.Is(err, vm.ErrClosing):
+		code = connect.CodeUnavailable
 	case errors.Is(err, context.DeadlineExceeded):
 		code = connect.CodeDeadlineExceeded
 	case errors.Is(err, context.Canceled):
 		code = connect.CodeCanceled
+	default:
+		if connect.IsWireError(err) {
+			return guestError(err)
+		}
+		var ce *connect.Error
+		if errors.As(err, &ce) {
+			code = ce.Code()
+		}
 	}
 	return connect.NewError(code, err)
+}
+
+// guestCodes are the codes a guest agent may give its errors; anything
+// else it sends becomes Internal, so a guest cannot pose as carreld (e.g.
+// with Unauthenticated).
+var guestCodes = map[connect.Code]bool{
+	connect.CodeInvalidArgument:    true,
+	connect.CodeNotFound:           true,
+	connect.CodePermissionDenied:   true,
+	connect.CodeFailedPrecondition: true,
+	connect.CodeDeadlineExceeded:   true,
+	connect.CodeCanceled:           true,
+	connect.CodeResourceExhausted:  true,
+}
+
+// maxGuestMessage caps the guest's part of an error message.
+const maxGuestMessage = 1024
+
+// guestError rebuilds an error the guest agent sent: its code is limited to
+// guestCodes, its message is truncated and stripped of control characters,
+// and its metadata and details are dropped, since connect would otherwise
+// copy the guest's headers and trailers into the response to our client.
+func guestError(err error) error {
+	var ce *connect.Error
+	if !errors.As(err, &ce) {
+		return connect.NewError(connect.CodeInternal, err)
+	}
+	code := ce.Code()
+	if !guestCodes[code] {
+		code = connect.CodeInternal
+	}
+	return connect.NewError(code, errors.New("guest agent: "+sanitize(ce.Message(), maxGuestMessage)))
+}
+
+// sanitize makes guest text safe to show: valid UTF-8, no control
+// characters (no terminal escapes), at most n bytes.
+func sanitize(s string, n int) string {
+	s = strings.ToValidUTF8(s, "?")
+	s = strings.Map(func(r rune) rune {
+		if r < ' ' || r == 0x7f || (r >= 0x80 && r < 0xa0) {
+			return -1
+		}
+		return r
+	}, s)
+	if len(s) > n {
+		s = strings.ToValidUTF8(s[:n], "") + "…"
+	}
+	return s
 }

@@ -115,7 +115,7 @@ func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecReq
 				if ctx.Err() == context.DeadlineExceeded {
 					return connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
 				}
-				return err
+				return toConnect(err)
 			}
 			return connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent ended the stream without an exit status"))
 		}
@@ -167,6 +167,8 @@ func toProto(st vm.Status) *apiv1.VM {
 	switch st.State {
 	case registry.StateCreating:
 		v.State = apiv1.VMState_VM_STATE_CREATING
+	case registry.StateStarting:
+		v.State = apiv1.VMState_VM_STATE_STARTING
 	case registry.StateRunning:
 		v.State = apiv1.VMState_VM_STATE_RUNNING
 	case registry.StateStopping:

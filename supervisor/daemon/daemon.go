@@ -98,7 +98,7 @@ func Run(ctx context.Context, cfg Config) error {
 	})
 	systemd.Ready(status(mgr))
 	log.Info("carreld serving", "socket", l.Addr().String(), "version", Version)
-	go systemd.Watchdog(ctx, func() bool { return true })
+	go systemd.Watchdog(ctx, func() bool { return mgr.Responsive(5 * time.Second) })
 	go func() {
 		t := time.NewTicker(5 * time.Second)
 		defer t.Stop()

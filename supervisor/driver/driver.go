@@ -59,6 +59,10 @@ type Lifecycle interface {
 	// Kill ends the VM at once (QMP quit, then SIGKILL). It returns nil if
 	// the VM is already gone.
 	Kill(ctx context.Context, inst Instance) error
+	// Sweep kills a VM process that a Start in dir left running without
+	// returning its Instance (carreld died during Start). It returns nil
+	// when there is none.
+	Sweep(ctx context.Context, dir string) error
 }
 
 // Dialer opens a new stream.

@@ -19,10 +19,12 @@ import (
 // State is a VM's lifecycle state.
 type State string
 
-// States. A record in StateCreating after a restart belongs to a create
-// that never finished; reconcile removes it.
+// States. After a restart, a record in StateCreating belongs to a create
+// that never finished (reconcile removes it) and one in StateStarting to a
+// start that never finished (reconcile stops it).
 const (
 	StateCreating State = "creating"
+	StateStarting State = "starting"
 	StateRunning  State = "running"
 	StateStopping State = "stopping"
 	StateStopped  State = "stopped"

@@ -30,6 +30,7 @@ var (
 	ErrRunning      = errors.New("vm is running")
 	ErrBusy         = errors.New("vm is busy with another operation")
 	ErrImageMissing = errors.New("unknown image")
+	ErrClosing      = errors.New("carreld is shutting down")
 )
 
 // Limits on create arguments.
@@ -61,21 +62,52 @@ type Manager struct {
 	cfg Config
 	log *slog.Logger
 
-	mu  sync.Mutex
-	vms map[string]*machine
+	mu      sync.Mutex
+	vms     map[string]*machine
+	closing bool
+	ops     sync.WaitGroup // lifecycle operations in flight
 }
 
-// machine is a VM's live state. Its mutex serializes lifecycle operations
-// on that VM; ops on different VMs run in parallel.
+// machine is a VM's live state.
 type machine struct {
-	op sync.Mutex // held for a whole lifecycle operation
+	// op is held for a whole lifecycle operation (a one-slot semaphore, so
+	// that waiting for it can give up when the caller's context ends).
+	// Operations on different VMs run in parallel.
+	op chan struct{}
 
-	mu      sync.Mutex // guards the fields below
-	rec     registry.Record
-	link    *agentlink.Link
-	console *console.Recorder
-	cancel  context.CancelFunc // ends the link's keepalive and watchers
+	mu        sync.Mutex // guards the fields below
+	rec       registry.Record
+	removed   bool   // deleted while an operation waited for op
+	cid       uint32 // vsock CID, held from allocation until the VM stops
+	transport string // how the host reaches the agent
+	link      *agentlink.Link
+	console   *console.Recorder
+	cancel    context.CancelFunc // ends the link's keepalive and watchers
 }
+
+func newMachine(rec registry.Record) *machine {
+	return &machine{op: make(chan struct{}, 1), rec: rec}
+}
+
+// lock takes mc's operation lock, or fails with ErrBusy once ctx ends, or
+// ErrNotFound if the VM was deleted meanwhile.
+func (mc *machine) lock(ctx context.Context) error {
+	select {
+	case mc.op <- struct{}{}:
+	case <-ctx.Done():
+		return fmt.Errorf("%w: %w", ErrBusy, ctx.Err())
+	}
+	mc.mu.Lock()
+	removed := mc.removed
+	mc.mu.Unlock()
+	if removed {
+		mc.unlock()
+		return fmt.Errorf("%w: %q", ErrNotFound, mc.rec.Name)
+	}
+	return nil
+}
+
+func (mc *machine) unlock() { <-mc.op }
 
 // New returns a manager. Call Reconcile before serving.
 func New(cfg Config) *Manager {
@@ -89,6 +121,17 @@ func New(cfg Config) *Manager {
 		cfg.StopTimeout = 30 * time.Second
 	}
 	return &Manager{cfg: cfg, log: cfg.Logger.With("subsystem", "vm"), vms: map[string]*machine{}}
+}
+
+// begin registers a lifecycle operation; Close waits for it.
+func (m *Manager) begin() (end func(), err error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.closing {
+		return nil, ErrClosing
+	}
+	m.ops.Add(1)
+	return m.ops.Done, nil
 }
 
 // CreateParams are the arguments of Create.
@@ -137,7 +180,12 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 	if err != nil {
 		return registry.Record{}, fmt.Errorf("resolve image %q: %w", p.Image, err)
 	}
-	mc := &machine{rec: registry.Record{
+	end, err := m.begin()
+	if err != nil {
+		return registry.Record{}, err
+	}
+	defer end()
+	mc := newMachine(registry.Record{
 		Name:        p.Name,
 		ID:          newID(),
 		ImageDigest: img.Digest,
@@ -146,9 +194,9 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		Driver:      m.cfg.Driver.Name(),
 		State:       registry.StateCreating,
 		CreatedAt:   time.Now().UTC().Truncate(time.Millisecond),
-	}}
-	mc.op.Lock()
-	defer mc.op.Unlock()
+	})
+	mc.op <- struct{}{} // new, so free
+	defer mc.unlock()
 	m.mu.Lock()
 	if _, ok := m.vms[p.Name]; ok {
 		m.mu.Unlock()
@@ -159,19 +207,22 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 
 	// The record exists from here on, in state creating, so a crash mid-boot
 	// is found and cleaned up by Reconcile.
-	if err := m.cfg.Registry.Put(&mc.rec); err != nil {
-		m.forget(p.Name)
-		return registry.Record{}, err
+	err = m.persist(mc, nil)
+	if err == nil {
+		err = m.boot(ctx, mc)
 	}
-	if err := m.boot(ctx, mc); err != nil {
-		m.forget(p.Name)
+	if err != nil {
+		// Remove the record before the name is free again, so a new create
+		// of the same name cannot lose its files to this cleanup.
 		if derr := m.cfg.Registry.Delete(p.Name); derr != nil {
 			err = errors.Join(err, derr)
 		}
+		m.forget(p.Name)
 		return registry.Record{}, err
 	}
-	m.log.Info("vm created", "vm", p.Name, "image", img.Digest, "pid", mc.rec.Instance.PID)
-	return mc.snapshot(), nil
+	rec := mc.snapshot()
+	m.log.Info("vm created", "vm", p.Name, "image", img.Digest, "pid", rec.Instance.PID)
+	return rec, nil
 }
 
 func (m *Manager) forget(name string) {
@@ -186,13 +237,28 @@ func newID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// boot starts the VM's QEMU and waits for its agent. mc.op must be held. On
-// error the VM is not running and mc.rec is unchanged.
+// persist applies change to mc's record (if not nil) and writes it.
+func (m *Manager) persist(mc *machine, change func(*registry.Record)) error {
+	mc.mu.Lock()
+	if change != nil {
+		change(&mc.rec)
+	}
+	r := mc.rec
+	mc.mu.Unlock()
+	return m.cfg.Registry.Put(&r)
+}
+
+// boot starts the VM's QEMU and waits for its agent. mc's op lock must be
+// held, and its record must be in a transitional state (creating or
+// starting). On success the VM is running and recorded so. On error no
+// QEMU is left and the record has no instance; the caller decides what the
+// VM becomes.
 func (m *Manager) boot(ctx context.Context, mc *machine) error {
-	name := mc.rec.Name
-	img, err := m.cfg.Images.Resolve(mc.rec.ImageDigest)
+	rec := mc.snapshot()
+	name := rec.Name
+	img, err := m.cfg.Images.Resolve(rec.ImageDigest)
 	if err != nil {
-		return fmt.Errorf("resolve image %s: %w", mc.rec.ImageDigest, err)
+		return fmt.Errorf("resolve image %s: %w", rec.ImageDigest, err)
 	}
 	ctx, cancel := context.WithTimeout(ctx, m.cfg.BootTimeout)
 	defer cancel()
@@ -201,50 +267,55 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 		Kernel:      img.KernelPath,
 		Initrd:      img.InitrdPath,
 		Cmdline:     img.Manifest.Cmdline,
-		MemoryBytes: mc.rec.MemoryBytes,
-		CPUs:        mc.rec.CPUs,
+		MemoryBytes: rec.MemoryBytes,
+		CPUs:        rec.CPUs,
 		Dir:         m.cfg.Registry.Dir(name),
 	}
 	if m.cfg.Vsock {
-		cid, err := m.allocCID(name)
-		if err != nil {
-			return err
-		}
-		spec.CID = cid
+		spec.CID = m.allocCID(mc)
 	}
 	start := time.Now()
 	inst, err := m.cfg.Driver.Start(ctx, spec)
 	if err != nil {
+		m.releaseCID(mc)
 		return fmt.Errorf("boot vm %q: %w", name, err)
 	}
-	// From here on a failure must kill QEMU.
+
+	// From here on a failure must kill QEMU, and a carreld that dies must
+	// find it again: record the instance before anything else.
 	live, cancelLive := context.WithCancel(context.Background())
-	fail := func(err error, rec *console.Recorder) error {
-		cancelLive()
+	var rc *console.Recorder
+	fail := func(cause error) error {
 		kerr := m.cfg.Driver.Kill(context.Background(), inst)
 		msg := ""
-		if rec != nil {
-			<-waitOrTimeout(rec.Done(), time.Second)
-			if tail := rec.Tail(20); tail != "" {
+		if rc != nil {
+			// QEMU is gone, so the console reaches EOF after its last bytes.
+			<-waitOrTimeout(rc.Done(), 2*time.Second)
+			if tail := rc.Tail(20); tail != "" {
 				msg = "\n--- last lines of the serial console ---\n" + tail
 			}
 		}
-		return errors.Join(fmt.Errorf("boot vm %q: %w%s", name, err, msg), kerr)
+		cancelLive()
+		m.releaseCID(mc)
+		perr := m.persist(mc, func(r *registry.Record) { r.Instance = nil })
+		return errors.Join(fmt.Errorf("boot vm %q: %w%s", name, cause, msg), kerr, perr)
 	}
-	rec, err := consoleRecord(live, m, inst, name)
+	if err := m.persist(mc, func(r *registry.Record) { r.Instance = &inst }); err != nil {
+		return fail(err)
+	}
+	rc, err = console.Record(live, m.cfg.Driver.ConsoleDialer(inst), filepath.Join(spec.Dir, "console.log"))
 	if err != nil {
-		return fail(err, nil)
+		return fail(err)
 	}
 	dial, transport := m.cfg.Driver.AgentDialer(inst)
 	link := agentlink.New(dial, m.cfg.Logger.With("vm", name, "transport", transport))
+	exited := m.watchExit(live, inst)
 	if err := m.cfg.Driver.Resume(ctx, inst); err != nil {
 		link.Close()
-		return fail(err, rec)
+		return fail(err)
 	}
 	// Ready is the first answered health probe; a QEMU that exits (kernel
 	// panic with -no-reboot, say) ends the wait at once.
-	exited := make(chan error, 1)
-	go func() { exited <- m.cfg.Driver.Wait(live, inst) }()
 	readyErr := make(chan error, 1)
 	go func() { readyErr <- link.WaitReady(ctx) }()
 	select {
@@ -254,23 +325,52 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 	}
 	if err != nil {
 		link.Close()
-		return fail(err, rec)
+		return fail(err)
+	}
+	if err := m.persist(mc, func(r *registry.Record) {
+		r.State = registry.StateRunning
+		r.LastError = ""
+	}); err != nil {
+		link.Close()
+		return fail(err)
 	}
 	m.log.Info("guest agent ready", "vm", name, "transport", transport, "boot", time.Since(start).Round(time.Millisecond))
-
-	mc.mu.Lock()
-	mc.rec.State = registry.StateRunning
-	mc.rec.Instance = &inst
-	mc.rec.LastError = ""
-	mc.link, mc.console, mc.cancel = link, rec, cancelLive
-	r := mc.rec
-	mc.mu.Unlock()
-	if err := m.cfg.Registry.Put(&r); err != nil {
-		mc.detach()
-		return fail(err, rec)
-	}
-	m.watch(live, mc, inst, exited)
+	m.attach(live, cancelLive, mc, inst, link, rc, transport, exited)
 	return nil
+}
+
+// watchExit returns a channel closed when inst's process exits. A failure
+// to watch (not an exit) is logged and leaves the channel open.
+func (m *Manager) watchExit(ctx context.Context, inst driver.Instance) <-chan struct{} {
+	ch := make(chan struct{})
+	go func() {
+		err := m.cfg.Driver.Wait(ctx, inst)
+		if err == nil {
+			close(ch)
+			return
+		}
+		if ctx.Err() == nil {
+			m.log.Error("cannot watch vm process; its exit will not be noticed", "pid", inst.PID, "err", err)
+		}
+	}()
+	return ch
+}
+
+// attach makes a booted or adopted VM live: its link, console, keepalive
+// and exit watcher.
+func (m *Manager) attach(live context.Context, cancel context.CancelFunc, mc *machine, inst driver.Instance,
+	link *agentlink.Link, rc *console.Recorder, transport string, exited <-chan struct{}) {
+	mc.mu.Lock()
+	mc.link, mc.console, mc.cancel, mc.transport = link, rc, cancel, transport
+	mc.mu.Unlock()
+	go link.Keepalive(live, agentlink.KeepaliveInterval)
+	go func() {
+		select {
+		case <-live.Done():
+		case <-exited:
+			m.exitedOnItsOwn(mc, inst)
+		}
+	}()
 }
 
 func waitOrTimeout(ch <-chan struct{}, d time.Duration) <-chan struct{} {
@@ -285,53 +385,42 @@ func waitOrTimeout(ch <-chan struct{}, d time.Duration) <-chan struct{} {
 	return out
 }
 
-// watch keeps the link alive and notices the VM's exit.
-func (m *Manager) watch(ctx context.Context, mc *machine, inst driver.Instance, exited <-chan error) {
-	mc.mu.Lock()
-	link := mc.link
-	mc.mu.Unlock()
-	go link.Keepalive(ctx, agentlink.KeepaliveInterval)
-	go func() {
-		select {
-		case <-ctx.Done():
-			return
-		case <-exited:
-		}
-		m.exitedOnItsOwn(mc, inst)
-	}()
-}
-
 // exitedOnItsOwn records a VM whose QEMU ended without a Stop (guest
 // powered off, crashed, or was killed from outside).
 func (m *Manager) exitedOnItsOwn(mc *machine, inst driver.Instance) {
-	mc.op.Lock()
-	defer mc.op.Unlock()
-	mc.mu.Lock()
-	if mc.rec.State != registry.StateRunning || mc.rec.Instance == nil || mc.rec.Instance.PID != inst.PID {
-		mc.mu.Unlock()
-		return // Stop or Delete is handling it
+	if err := mc.lock(context.Background()); err != nil {
+		return // deleted meanwhile
 	}
-	mc.mu.Unlock()
+	defer mc.unlock()
+	rec := mc.snapshot()
+	if rec.State != registry.StateRunning || rec.Instance == nil || rec.Instance.PID != inst.PID {
+		return // Stop or Delete handled it
+	}
+	// "stopped" must mean no QEMU: make sure, even if the exit was a false
+	// alarm. Kill is a no-op when the process is gone.
+	kerr := m.cfg.Driver.Kill(context.Background(), inst)
 	tail := ""
-	if mc.console != nil {
-		<-waitOrTimeout(mc.console.Done(), time.Second)
-		tail = mc.console.Tail(5)
+	mc.mu.Lock()
+	rc := mc.console
+	mc.mu.Unlock()
+	if rc != nil {
+		<-waitOrTimeout(rc.Done(), time.Second)
+		tail = rc.Tail(5)
 	}
-	m.log.Warn("vm exited on its own", "vm", mc.rec.Name, "pid", inst.PID)
-	m.markStopped(mc, "vm exited without a stop request; console: "+tail)
+	m.log.Warn("vm exited on its own", "vm", rec.Name, "pid", inst.PID, "kill_err", kerr)
+	m.markStopped(mc, "vm exited without a stop request; last console lines: "+tail)
 }
 
 // markStopped moves mc to stopped and persists it.
 func (m *Manager) markStopped(mc *machine, lastErr string) {
 	mc.detach()
-	mc.mu.Lock()
-	mc.rec.State = registry.StateStopped
-	mc.rec.Instance = nil
-	mc.rec.LastError = lastErr
-	r := mc.rec
-	mc.mu.Unlock()
-	if err := m.cfg.Registry.Put(&r); err != nil {
-		m.log.Error("persist stopped vm", "vm", r.Name, "err", err)
+	m.releaseCID(mc)
+	if err := m.persist(mc, func(r *registry.Record) {
+		r.State = registry.StateStopped
+		r.Instance = nil
+		r.LastError = lastErr
+	}); err != nil {
+		m.log.Error("persist stopped vm", "vm", mc.rec.Name, "err", err)
 	}
 }
 
@@ -347,6 +436,7 @@ func (mc *machine) detach() {
 		mc.link.Close()
 		mc.link = nil
 	}
+	mc.console = nil
 }
 
 func (mc *machine) snapshot() registry.Record {
@@ -360,27 +450,34 @@ func (mc *machine) snapshot() registry.Record {
 	return r
 }
 
-// allocCID picks the lowest free guest CID (3 and up; 0-2 are reserved).
-func (m *Manager) allocCID(name string) (uint32, error) {
+// allocCID gives mc the lowest guest CID no other VM holds (3 and up; 0-2
+// are reserved).
+func (m *Manager) allocCID(mc *machine) uint32 {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	used := map[uint32]bool{}
-	for n, mc := range m.vms {
-		if n == name {
+	for _, o := range m.vms {
+		if o == mc {
 			continue
 		}
-		mc.mu.Lock()
-		if mc.rec.Instance != nil {
-			used[mc.rec.Instance.CID] = true
-		}
-		mc.mu.Unlock()
+		o.mu.Lock()
+		used[o.cid] = true
+		o.mu.Unlock()
 	}
-	for cid := uint32(3); cid < 1<<31; cid++ {
-		if !used[cid] {
-			return cid, nil
-		}
+	cid := uint32(3)
+	for used[cid] {
+		cid++
 	}
-	return 0, errors.New("no free vsock cid")
+	mc.mu.Lock()
+	mc.cid = cid
+	mc.mu.Unlock()
+	return cid
+}
+
+func (m *Manager) releaseCID(mc *machine) {
+	mc.mu.Lock()
+	mc.cid = 0
+	mc.mu.Unlock()
 }
 
 func consoleRecord(ctx context.Context, m *Manager, inst driver.Instance, name string) (*console.Recorder, error) {

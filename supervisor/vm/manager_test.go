@@ -208,6 +208,57 @@ func TestBootFailureLeavesNothing(t *testing.T) {
 	}
 }
 
+func TestCloseLeavesVMsRunningAndRecorded(t *testing.T) {
+	e := newEnv(t)
+	rec := e.create(t, "demo")
+	e.m.Close()
+	time.Sleep(100 * time.Millisecond) // let any wrongly-fired watcher act
+	if !e.drv.VM(rec.Instance.PID).Adopt() {
+		t.Fatal("closing the manager stopped the vm")
+	}
+	if r, _ := e.reg.Get("demo"); r.State != registry.StateRunning || r.Instance == nil {
+		t.Errorf("record after close: %+v", r)
+	}
+	if _, err := e.m.Create(context.Background(), CreateParams{Name: "late", Image: "dev"}); !errors.Is(err, ErrClosing) {
+		t.Errorf("create after close: %v", err)
+	}
+}
+
+func TestConcurrentCreatesOfOneName(t *testing.T) {
+	e := newEnv(t)
+	errs := make(chan error, 8)
+	for i := 0; i < 8; i++ {
+		go func() {
+			_, err := e.m.Create(context.Background(), CreateParams{Name: "same", Image: "dev"})
+			errs <- err
+		}()
+	}
+	ok := 0
+	for i := 0; i < 8; i++ {
+		if err := <-errs; err == nil {
+			ok++
+		} else if !errors.Is(err, ErrExists) {
+			t.Errorf("unexpected error: %v", err)
+		}
+	}
+	if ok != 1 || e.drv.Running() != 1 {
+		t.Errorf("%d creates succeeded, %d vms running; want 1 and 1", ok, e.drv.Running())
+	}
+}
+
+func TestVsockCIDsAreUnique(t *testing.T) {
+	e := newEnv(t)
+	e.m = New(Config{Registry: e.reg, Images: e.img, Driver: e.drv, BootTimeout: 2 * time.Second, Vsock: true})
+	seen := map[uint32]bool{}
+	for _, n := range []string{"a", "b", "c"} {
+		rec := e.create(t, n)
+		if seen[rec.Instance.CID] || rec.Instance.CID < 3 {
+			t.Errorf("vm %s got cid %d (seen %v)", n, rec.Instance.CID, seen)
+		}
+		seen[rec.Instance.CID] = true
+	}
+}
+
 func TestVMThatExitsOnItsOwnIsMarkedStopped(t *testing.T) {
 	e := newEnv(t)
 	rec := e.create(t, "demo")
@@ -245,6 +296,13 @@ func TestReconcile(t *testing.T) {
 	// A create that was interrupted: record in state creating, VM running.
 	inst, _ := e.drv.Start(context.Background(), driver.Spec{Name: "half"})
 	e.reg.Put(&registry.Record{Name: "half", State: registry.StateCreating, Instance: &inst})
+	// One interrupted before its instance was recorded: only the VM's
+	// directory (QEMU's pid file) leads to it.
+	early, _ := e.drv.Start(context.Background(), driver.Spec{Name: "early", Dir: e.reg.Dir("early")})
+	e.reg.Put(&registry.Record{Name: "early", State: registry.StateCreating})
+	// A start of a stopped VM that was interrupted.
+	restarting, _ := e.drv.Start(context.Background(), driver.Spec{Name: "restarting", Dir: e.reg.Dir("restarting")})
+	e.reg.Put(&registry.Record{Name: "restarting", State: registry.StateStarting})
 
 	m := e.manager()
 	defer m.Close()
@@ -268,6 +326,12 @@ func TestReconcile(t *testing.T) {
 	}
 	if e.drv.VM(inst.PID).Adopt() {
 		t.Error("half-created vm still running")
+	}
+	if _, err := m.Get("early"); !errors.Is(err, ErrNotFound) || e.drv.VM(early.PID).Adopt() {
+		t.Errorf("vm of a create interrupted before its instance was recorded: %v, running %v", err, e.drv.VM(early.PID).Adopt())
+	}
+	if st, err := m.Get("restarting"); err != nil || st.State != registry.StateStopped || e.drv.VM(restarting.PID).Adopt() {
+		t.Errorf("interrupted start: %+v %v, running %v", st, err, e.drv.VM(restarting.PID).Adopt())
 	}
 	// The adopted VM's agent link comes back without a new boot.
 	deadline := time.Now().Add(5 * time.Second)

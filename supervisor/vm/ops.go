@@ -4,17 +4,22 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"time"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
+	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
 // Status is a VM's record plus its live agent state.
 type Status struct {
 	registry.Record
-	Agent     agentlink.State
+	Agent agentlink.State
+	// Transport is how the host reaches the agent ("vsock" or
+	// "virtio-serial"), as the host chose it, not as the guest claims.
 	Transport string
 }
 
@@ -34,9 +39,7 @@ func (mc *machine) status() Status {
 	defer mc.mu.Unlock()
 	if mc.link != nil {
 		st.Agent, _ = mc.link.State()
-		if info := mc.link.Info(); info != nil {
-			st.Transport = info.Transport
-		}
+		st.Transport = mc.transport
 	}
 	return st
 }
@@ -63,16 +66,8 @@ func (m *Manager) List() []Status {
 	for _, mc := range mcs {
 		out = append(out, mc.status())
 	}
-	sortStatuses(out)
+	slices.SortFunc(out, func(a, b Status) int { return strings.Compare(a.Name, b.Name) })
 	return out
-}
-
-func sortStatuses(s []Status) {
-	for i := 1; i < len(s); i++ {
-		for j := i; j > 0 && s[j].Name < s[j-1].Name; j-- {
-			s[j], s[j-1] = s[j-1], s[j]
-		}
-	}
 }
 
 // Running counts running VMs.
@@ -86,69 +81,92 @@ func (m *Manager) Running() int {
 	return n
 }
 
-// lock takes mc's operation lock, or fails with ErrBusy once ctx ends.
-func lock(ctx context.Context, mc *machine) error {
-	for {
-		if mc.op.TryLock() {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%w: %w", ErrBusy, ctx.Err())
-		case <-time.After(20 * time.Millisecond):
-		}
+// Responsive reports whether the manager's own lock can be taken within
+// timeout; the systemd watchdog uses it to tell a wedged carreld.
+func (m *Manager) Responsive(timeout time.Duration) bool {
+	done := make(chan struct{})
+	go func() {
+		m.mu.Lock()
+		m.mu.Unlock()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return true
+	case <-time.After(timeout):
+		return false
 	}
+}
+
+// locked runs fn with the VM's operation lock held, as a tracked
+// operation.
+func (m *Manager) locked(ctx context.Context, name string, fn func(mc *machine) error) error {
+	end, err := m.begin()
+	if err != nil {
+		return err
+	}
+	defer end()
+	mc, err := m.get(name)
+	if err != nil {
+		return err
+	}
+	if err := mc.lock(ctx); err != nil {
+		return err
+	}
+	defer mc.unlock()
+	return fn(mc)
 }
 
 // Start boots a stopped VM. Starting a running VM is an error.
 func (m *Manager) Start(ctx context.Context, name string) (registry.Record, error) {
-	mc, err := m.get(name)
-	if err != nil {
-		return registry.Record{}, err
-	}
-	if err := lock(ctx, mc); err != nil {
-		return registry.Record{}, err
-	}
-	defer mc.op.Unlock()
-	if st := mc.snapshot().State; st != registry.StateStopped {
-		return registry.Record{}, fmt.Errorf("%w: %q is %s", ErrRunning, name, st)
-	}
-	if err := m.boot(ctx, mc); err != nil {
-		return registry.Record{}, err
-	}
-	return mc.snapshot(), nil
+	var rec registry.Record
+	err := m.locked(ctx, name, func(mc *machine) error {
+		if st := mc.snapshot().State; st != registry.StateStopped {
+			return fmt.Errorf("%w: %q is %s", ErrRunning, name, st)
+		}
+		// Recorded before QEMU starts: if carreld dies mid-boot, reconcile
+		// finds the VM in state starting and ends what was started.
+		if err := m.persist(mc, func(r *registry.Record) { r.State = registry.StateStarting }); err != nil {
+			return err
+		}
+		if err := m.boot(ctx, mc); err != nil {
+			m.markStopped(mc, err.Error())
+			return err
+		}
+		rec = mc.snapshot()
+		return nil
+	})
+	return rec, err
 }
 
 // Stop powers a VM off: it asks the guest agent to shut down, waits up to
 // the stop timeout, then kills QEMU. With force it kills at once. Stopping
 // a stopped VM returns it unchanged.
 func (m *Manager) Stop(ctx context.Context, name string, force bool) (registry.Record, error) {
-	mc, err := m.get(name)
-	if err != nil {
-		return registry.Record{}, err
-	}
-	if err := lock(ctx, mc); err != nil {
-		return registry.Record{}, err
-	}
-	defer mc.op.Unlock()
-	return m.stopLocked(ctx, mc, force)
+	var rec registry.Record
+	err := m.locked(ctx, name, func(mc *machine) error {
+		if err := m.stopLocked(ctx, mc, force); err != nil {
+			return err
+		}
+		rec = mc.snapshot()
+		return nil
+	})
+	return rec, err
 }
 
-func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) (registry.Record, error) {
+func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) error {
+	rec := mc.snapshot()
+	if rec.State == registry.StateStopped || rec.Instance == nil {
+		return nil
+	}
+	inst := *rec.Instance
+	if err := m.persist(mc, func(r *registry.Record) { r.State = registry.StateStopping }); err != nil {
+		return err
+	}
 	mc.mu.Lock()
-	if mc.rec.State == registry.StateStopped || mc.rec.Instance == nil {
-		mc.mu.Unlock()
-		return mc.snapshot(), nil
-	}
-	inst := *mc.rec.Instance
 	link := mc.link
-	mc.rec.State = registry.StateStopping
-	r := mc.rec
 	mc.mu.Unlock()
-	if err := m.cfg.Registry.Put(&r); err != nil {
-		return registry.Record{}, err
-	}
-	log := m.log.With("vm", r.Name)
+	log := m.log.With("vm", rec.Name)
 	if !force && link != nil {
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		err := link.Shutdown(sctx, false)
@@ -166,38 +184,35 @@ func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) (regi
 	}
 	// Kill is a no-op when QEMU has already exited.
 	if err := m.cfg.Driver.Kill(context.Background(), inst); err != nil {
-		return registry.Record{}, fmt.Errorf("stop vm %q: %w", r.Name, err)
+		return fmt.Errorf("stop vm %q: %w", rec.Name, err)
 	}
 	m.markStopped(mc, "")
 	log.Info("vm stopped", "force", force)
-	return mc.snapshot(), nil
+	return nil
 }
 
 // Delete removes a VM and all its state. A running VM must be stopped
 // first, unless force is set.
 func (m *Manager) Delete(ctx context.Context, name string, force bool) error {
-	mc, err := m.get(name)
-	if err != nil {
-		return err
-	}
-	if err := lock(ctx, mc); err != nil {
-		return err
-	}
-	defer mc.op.Unlock()
-	if st := mc.snapshot().State; st != registry.StateStopped {
-		if !force {
-			return fmt.Errorf("%w: stop %q first, or delete with --force", ErrRunning, name)
+	return m.locked(ctx, name, func(mc *machine) error {
+		if st := mc.snapshot().State; st != registry.StateStopped {
+			if !force {
+				return fmt.Errorf("%w: stop %q first, or delete with --force", ErrRunning, name)
+			}
+			if err := m.stopLocked(ctx, mc, true); err != nil {
+				return err
+			}
 		}
-		if _, err := m.stopLocked(ctx, mc, true); err != nil {
+		if err := m.cfg.Registry.Delete(name); err != nil {
 			return err
 		}
-	}
-	if err := m.cfg.Registry.Delete(name); err != nil {
-		return err
-	}
-	m.forget(name)
-	m.log.Info("vm deleted", "vm", name)
-	return nil
+		mc.mu.Lock()
+		mc.removed = true
+		mc.mu.Unlock()
+		m.forget(name)
+		m.log.Info("vm deleted", "vm", name)
+		return nil
+	})
 }
 
 // Exec starts a command in a running VM.
@@ -215,9 +230,14 @@ func (m *Manager) Exec(ctx context.Context, name string, req *agentv1.ExecReques
 	return link.Exec(ctx, req)
 }
 
-// Close detaches from every VM without stopping them: VMs outlive carreld
-// and are re-adopted by the next one.
+// Close waits for lifecycle operations in flight (so none is cut off
+// half-way), then detaches from every VM without stopping it: VMs outlive
+// carreld and are re-adopted by the next one.
 func (m *Manager) Close() error {
+	m.mu.Lock()
+	m.closing = true
+	m.mu.Unlock()
+	m.ops.Wait()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	for _, mc := range m.vms {
@@ -228,7 +248,8 @@ func (m *Manager) Close() error {
 
 // Reconcile loads the registry after a start. Running VMs whose QEMU is
 // still ours are adopted (never started twice); those that died meanwhile
-// are marked stopped; half-created ones are killed and removed.
+// are marked stopped; whatever an interrupted create or start left running
+// is killed.
 func (m *Manager) Reconcile(ctx context.Context) error {
 	recs, err := m.cfg.Registry.List()
 	var errs []error
@@ -243,39 +264,60 @@ func (m *Manager) Reconcile(ctx context.Context) error {
 	return errors.Join(errs...)
 }
 
+// killLeftovers ends the QEMU of rec, if any, and whatever a Start in its
+// directory left running.
+func (m *Manager) killLeftovers(ctx context.Context, rec *registry.Record) error {
+	var errs []error
+	if rec.Instance != nil {
+		errs = append(errs, m.cfg.Driver.Kill(ctx, *rec.Instance))
+	}
+	errs = append(errs, m.cfg.Driver.Sweep(ctx, m.cfg.Registry.Dir(rec.Name)))
+	return errors.Join(errs...)
+}
+
 func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error {
 	log := m.log.With("vm", rec.Name)
-	if rec.State == registry.StateCreating {
-		if rec.Instance != nil {
-			_ = m.cfg.Driver.Kill(ctx, *rec.Instance)
-		}
+	switch {
+	case rec.State == registry.StateCreating:
 		log.Warn("removing vm whose create was interrupted")
-		return m.cfg.Registry.Delete(rec.Name)
-	}
-	mc := &machine{rec: *rec}
-	m.mu.Lock()
-	m.vms[rec.Name] = mc
-	m.mu.Unlock()
-	if rec.State == registry.StateStopped || rec.Instance == nil {
-		if rec.State != registry.StateStopped {
-			m.markStopped(mc, "no instance recorded")
+		if err := m.killLeftovers(ctx, rec); err != nil {
+			return err // keep the record: the next start tries again
 		}
+		return m.cfg.Registry.Delete(rec.Name)
+	case rec.State == registry.StateStarting, rec.Instance == nil:
+		mc := newMachine(*rec)
+		m.register(mc)
+		if rec.State == registry.StateStopped {
+			return nil
+		}
+		log.Warn("stopping vm whose start was interrupted", "state", rec.State)
+		if err := m.killLeftovers(ctx, rec); err != nil {
+			return err
+		}
+		m.markStopped(mc, "start interrupted by a carreld restart")
 		return nil
 	}
+
+	mc := newMachine(*rec)
+	mc.cid = rec.Instance.CID
+	m.register(mc)
 	inst := *rec.Instance
-	if err := m.cfg.Driver.Adopt(ctx, inst); err != nil {
-		log.Warn("vm is gone; marking it stopped", "err", err)
-		_ = m.cfg.Driver.Kill(ctx, inst)
+	err := m.cfg.Driver.Adopt(ctx, inst)
+	if errors.Is(err, driver.ErrNotRunning) {
+		log.Warn("vm exited while carreld was down; marking it stopped")
 		m.markStopped(mc, "vm exited while carreld was down")
 		return nil
 	}
+	if err != nil {
+		// The process is ours and alive, but QMP did not answer: keep the
+		// VM (never start it twice) and let the agent link tell its health.
+		log.Warn("adopting vm whose qmp does not answer", "err", err)
+	}
 	if rec.State == registry.StateStopping {
 		// A stop was under way when carreld went down: finish it.
-		mc.op.Lock()
-		defer mc.op.Unlock()
-		mc.rec.State = registry.StateRunning
-		_, err := m.stopLocked(ctx, mc, true)
-		return err
+		mc.op <- struct{}{}
+		defer mc.unlock()
+		return m.stopLocked(ctx, mc, true)
 	}
 	live, cancel := context.WithCancel(context.Background())
 	rc, err := consoleRecord(live, m, inst, rec.Name)
@@ -284,11 +326,7 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 	}
 	dial, transport := m.cfg.Driver.AgentDialer(inst)
 	link := agentlink.New(dial, m.cfg.Logger.With("vm", rec.Name, "transport", transport))
-	mc.mu.Lock()
-	mc.link, mc.console, mc.cancel = link, rc, cancel
-	mc.mu.Unlock()
-	exited := make(chan error, 1)
-	go func() { exited <- m.cfg.Driver.Wait(live, inst) }()
+	m.attach(live, cancel, mc, inst, link, rc, transport, m.watchExit(live, inst))
 	go func() {
 		rctx, rcancel := context.WithTimeout(live, 30*time.Second)
 		defer rcancel()
@@ -296,7 +334,12 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 			log.Warn("adopted vm's agent is not answering", "err", err)
 		}
 	}()
-	m.watch(live, mc, inst, exited)
 	log.Info("adopted running vm", "pid", inst.PID)
 	return nil
+}
+
+func (m *Manager) register(mc *machine) {
+	m.mu.Lock()
+	m.vms[mc.rec.Name] = mc
+	m.mu.Unlock()
 }

@@ -24,7 +24,8 @@ type Behavior struct {
 	StartErr error
 	// Console is printed on the serial console when the VM resumes.
 	Console string
-	// ExitOnResume makes the VM exit right after it resumes (a panic).
+	// ExitOnResume makes the VM exit right after it resumes (a panic); its
+	// agent never answers.
 	ExitOnResume bool
 	// Silent makes the agent never answer.
 	Silent bool
@@ -104,13 +105,16 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 		d.mu.Unlock()
 		return driver.Instance{}, b.StartErr
 	}
+	if b.ExitOnResume {
+		b.Silent = true
+	}
 	d.nextPID++
 	pid := d.nextPID
 	v := &VM{Spec: spec, behavior: b, exited: make(chan struct{}), console: make(chan net.Conn, 1), agent: newPipeListener()}
 	d.vms[pid] = v
 	d.mu.Unlock()
 	serveAgent(v)
-	return driver.Instance{Driver: "fake", PID: pid, StartTime: 1, QMPSocket: "fake"}, nil
+	return driver.Instance{Driver: "fake", PID: pid, StartTime: 1, QMPSocket: "fake", CID: spec.CID}, nil
 }
 
 func (d *Driver) vm(inst driver.Instance) (*VM, error) {
@@ -183,6 +187,24 @@ func (d *Driver) Kill(ctx context.Context, inst driver.Instance) error {
 		d.mu.Lock()
 		d.Killed++
 		d.mu.Unlock()
+		v.Exit()
+	}
+	return nil
+}
+
+// Sweep implements driver.Lifecycle: it kills running VMs started for dir
+// (the fake's stand-in for QEMU's pid file).
+func (d *Driver) Sweep(ctx context.Context, dir string) error {
+	d.mu.Lock()
+	var left []*VM
+	for _, v := range d.vms {
+		if v.Spec.Dir == dir && v.Adopt() {
+			left = append(left, v)
+		}
+	}
+	d.Killed += len(left)
+	d.mu.Unlock()
+	for _, v := range left {
 		v.Exit()
 	}
 	return nil

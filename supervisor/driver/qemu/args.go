@@ -29,6 +29,7 @@ const (
 	agentSocketName   = "agent.sock"
 	consoleSocketName = "console.sock"
 	logFileName       = "qemu.log"
+	pidFileName       = "qemu.pid"
 )
 
 // File descriptors of the pre-opened listening sockets in the QEMU process
@@ -44,7 +45,7 @@ const maxSocketPath = 107
 
 // layout is where a VM's sockets live.
 type layout struct {
-	qmp, agent, console, log string
+	qmp, agent, console, log, pidfile string
 }
 
 func newLayout(dir string) (layout, error) {
@@ -53,6 +54,7 @@ func newLayout(dir string) (layout, error) {
 		agent:   filepath.Join(dir, agentSocketName),
 		console: filepath.Join(dir, consoleSocketName),
 		log:     filepath.Join(dir, logFileName),
+		pidfile: filepath.Join(dir, pidFileName),
 	}
 	for _, p := range []string{l.qmp, l.agent, l.console} {
 		if len(p) > maxSocketPath {
@@ -109,6 +111,9 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + protocol.SerialPortName,
 		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP) + ",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
+		// Written by QEMU early in its start, so that a carreld that dies
+		// before Start returns can still find and end it (Sweep).
+		"-pidfile", l.pidfile,
 		// QEMU's seccomp filter: no new privileges, no spawning helpers.
 		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 		"-S",

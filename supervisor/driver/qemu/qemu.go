@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -200,7 +201,7 @@ func removeSockets(l layout) {
 func (d *Driver) awaitInit(ctx context.Context, socket string, exited <-chan struct{}) error {
 	done := make(chan error, 1)
 	go func() {
-		done <- d.monitor(socket, func(m *raw.Monitor) error {
+		done <- d.monitor(ctx, socket, func(m *raw.Monitor) error {
 			_, err := m.QueryStatus()
 			return err
 		})
@@ -230,23 +231,43 @@ func tailFile(path string, n int) string {
 	return strings.TrimSpace(lastLines(string(b), n))
 }
 
-// monitor runs fn on a fresh QMP connection. QEMU serves one QMP client at
-// a time, so connections are short-lived.
-func (d *Driver) monitor(socket string, fn func(*raw.Monitor) error) error {
-	mon, err := d.cfg.NewMonitor(socket)
-	if err != nil {
-		return fmt.Errorf("qmp %s: %w", socket, err)
+// qmpTimeout bounds one QMP exchange when the caller's context does not.
+const qmpTimeout = 10 * time.Second
+
+// monitor runs fn on a fresh QMP connection, bounded by ctx and qmpTimeout.
+// QEMU serves one QMP client at a time, so connections are short-lived.
+// go-qemu sets no deadlines itself and the listening socket is ours, so a
+// connect always succeeds: a QEMU that is stuck, or whose QMP another
+// client holds, would block forever. The exchange runs aside and is
+// abandoned when the deadline passes; it ends when QEMU does.
+func (d *Driver) monitor(ctx context.Context, socket string, fn func(*raw.Monitor) error) error {
+	ctx, cancel := context.WithTimeout(ctx, qmpTimeout)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		mon, err := d.cfg.NewMonitor(socket)
+		if err != nil {
+			done <- fmt.Errorf("qmp %s: %w", socket, err)
+			return
+		}
+		if err := mon.Connect(); err != nil {
+			done <- fmt.Errorf("qmp connect %s: %w", socket, err)
+			return
+		}
+		defer mon.Disconnect()
+		done <- fn(raw.NewMonitor(mon))
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("qmp %s: no answer: %w", socket, ctx.Err())
 	}
-	if err := mon.Connect(); err != nil {
-		return fmt.Errorf("qmp connect %s: %w", socket, err)
-	}
-	defer mon.Disconnect()
-	return fn(raw.NewMonitor(mon))
 }
 
 // Resume implements driver.Lifecycle.
 func (d *Driver) Resume(ctx context.Context, inst driver.Instance) error {
-	return d.monitor(inst.QMPSocket, func(m *raw.Monitor) error {
+	return d.monitor(ctx, inst.QMPSocket, func(m *raw.Monitor) error {
 		if err := m.Cont(); err != nil {
 			return fmt.Errorf("qmp cont: %w", err)
 		}
@@ -259,7 +280,7 @@ func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
 	if !alive(inst.PID, inst.StartTime) {
 		return driver.ErrNotRunning
 	}
-	return d.monitor(inst.QMPSocket, func(m *raw.Monitor) error {
+	err := d.monitor(ctx, inst.QMPSocket, func(m *raw.Monitor) error {
 		st, err := m.QueryStatus()
 		if err != nil {
 			return fmt.Errorf("qmp query-status: %w", err)
@@ -267,6 +288,10 @@ func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
 		d.cfg.Logger.Debug("adopted qemu", "pid", inst.PID, "status", st.Status.String(), "running", st.Running)
 		return nil
 	})
+	if err != nil && !alive(inst.PID, inst.StartTime) {
+		return driver.ErrNotRunning
+	}
+	return err
 }
 
 // Wait implements driver.Lifecycle.
@@ -279,8 +304,10 @@ func (d *Driver) Kill(ctx context.Context, inst driver.Instance) error {
 	if !alive(inst.PID, inst.StartTime) {
 		return nil
 	}
-	// Ask QEMU to quit first: it exits cleanly and removes its sockets.
-	qerr := d.monitor(inst.QMPSocket, func(m *raw.Monitor) error { return m.Quit() })
+	// Ask QEMU to quit first, briefly: it exits cleanly. Then SIGKILL.
+	qctx, qcancel := context.WithTimeout(ctx, 2*time.Second)
+	qerr := d.monitor(qctx, inst.QMPSocket, func(m *raw.Monitor) error { return m.Quit() })
+	qcancel()
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
 	if qerr == nil && waitExit(wctx, inst.PID, inst.StartTime) == nil {
@@ -290,6 +317,37 @@ func (d *Driver) Kill(ctx context.Context, inst driver.Instance) error {
 		return fmt.Errorf("kill qemu %d: %w", inst.PID, err)
 	}
 	return nil
+}
+
+// Sweep implements driver.Lifecycle.
+func (d *Driver) Sweep(ctx context.Context, dir string) error {
+	l, err := newLayout(dir)
+	if err != nil {
+		return err
+	}
+	b, err := os.ReadFile(l.pidfile)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("read qemu pid file: %w", err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 0 {
+		return fmt.Errorf("qemu pid file %s holds %q", l.pidfile, b)
+	}
+	// Only a QEMU started for this directory is ours to kill: the pid may
+	// have been reused since.
+	cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+	if err != nil || !strings.Contains(string(cmdline), "\x00"+l.pidfile+"\x00") {
+		return nil
+	}
+	start, zombie, err := procStartTime(pid)
+	if err != nil || zombie {
+		return nil
+	}
+	d.cfg.Logger.Warn("killing qemu left by an interrupted start", "pid", pid, "dir", dir)
+	return d.Kill(ctx, driver.Instance{PID: pid, StartTime: start, QMPSocket: l.qmp})
 }
 
 // AgentDialer implements driver.Streams.

@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -160,5 +161,44 @@ func TestStartFailureReportsQEMUError(t *testing.T) {
 		if _, err := os.Stat(filepath.Join(dir, s)); err == nil {
 			t.Errorf("socket %s left behind", s)
 		}
+	}
+}
+
+func TestSweepKillsOnlyOurLeftover(t *testing.T) {
+	dir := t.TempDir()
+	pidfile := filepath.Join(dir, pidFileName)
+	// A process whose command line names this VM's pid file stands in for a
+	// QEMU whose Start never returned.
+	ours := exec.Command("sh", "-c", "sleep 60; true", pidfile)
+	other := exec.Command("sh", "-c", "sleep 60; true", "unrelated")
+	for _, c := range []*exec.Cmd{ours, other} {
+		if err := c.Start(); err != nil {
+			t.Fatal(err)
+		}
+		go c.Wait()
+	}
+	defer other.Process.Kill()
+	d := New(Config{})
+
+	// A pid file pointing at someone else's process (a reused pid) is left.
+	os.WriteFile(pidfile, []byte(strconv.Itoa(other.Process.Pid)+"\n"), 0o600)
+	if err := d.Sweep(context.Background(), dir); err != nil {
+		t.Fatal(err)
+	}
+	if st, _, _ := procStartTime(other.Process.Pid); st == 0 {
+		t.Fatal("swept a process that is not ours")
+	}
+
+	os.WriteFile(pidfile, []byte(strconv.Itoa(ours.Process.Pid)+"\n"), 0o600)
+	start, _, _ := procStartTime(ours.Process.Pid)
+	if err := d.Sweep(context.Background(), dir); err != nil {
+		t.Fatal(err)
+	}
+	if alive(ours.Process.Pid, start) {
+		t.Error("leftover process still running after Sweep")
+	}
+	// No pid file: nothing to do.
+	if err := d.Sweep(context.Background(), t.TempDir()); err != nil {
+		t.Error(err)
 	}
 }

@@ -36,6 +36,8 @@ const (
 	VMState_VM_STATE_RUNNING     VMState = 2
 	VMState_VM_STATE_STOPPING    VMState = 3
 	VMState_VM_STATE_STOPPED     VMState = 4
+	// A stopped VM booting again.
+	VMState_VM_STATE_STARTING VMState = 5
 )
 
 // Enum value maps for VMState.
@@ -46,6 +48,7 @@ var (
 		2: "VM_STATE_RUNNING",
 		3: "VM_STATE_STOPPING",
 		4: "VM_STATE_STOPPED",
+		5: "VM_STATE_STARTING",
 	}
 	VMState_value = map[string]int32{
 		"VM_STATE_UNSPECIFIED": 0,
@@ -53,6 +56,7 @@ var (
 		"VM_STATE_RUNNING":     2,
 		"VM_STATE_STOPPING":    3,
 		"VM_STATE_STOPPED":     4,
+		"VM_STATE_STARTING":    5,
 	}
 )
 
@@ -1541,13 +1545,14 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\vaccelerator\x18\x02 \x01(\tR\vaccelerator\x12\x1b\n" +
 	"\tstate_dir\x18\x03 \x01(\tR\bstateDir\x12\x10\n" +
 	"\x03vms\x18\x04 \x01(\rR\x03vms\x12\x14\n" +
-	"\x05vsock\x18\x05 \x01(\bR\x05vsock*}\n" +
+	"\x05vsock\x18\x05 \x01(\bR\x05vsock*\x94\x01\n" +
 	"\aVMState\x12\x18\n" +
 	"\x14VM_STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11VM_STATE_CREATING\x10\x01\x12\x14\n" +
 	"\x10VM_STATE_RUNNING\x10\x02\x12\x15\n" +
 	"\x11VM_STATE_STOPPING\x10\x03\x12\x14\n" +
-	"\x10VM_STATE_STOPPED\x10\x04*t\n" +
+	"\x10VM_STATE_STOPPED\x10\x04\x12\x15\n" +
+	"\x11VM_STATE_STARTING\x10\x05*t\n" +
 	"\n" +
 	"AgentState\x12\x1b\n" +
 	"\x17AGENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
