@@ -48,7 +48,9 @@ func alive(pid int, start uint64) bool {
 }
 
 // waitExit blocks until the process exits or ctx ends. It uses a pidfd, so
-// it works for processes that are not our children (QEMU daemonizes).
+// it works for processes that are not our children (an adopted QEMU
+// belongs to init), and it sleeps in poll(2) until either the pidfd or a
+// pipe that ctx's cancellation writes to is readable.
 func waitExit(ctx context.Context, pid int, start uint64) error {
 	fd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
@@ -59,25 +61,38 @@ func waitExit(ctx context.Context, pid int, start uint64) error {
 	}
 	defer unix.Close(fd)
 	// The pid may have been reused between our caller's check and the
-	// pidfd_open: confirm the pidfd refers to the same process.
+	// pidfd_open: confirm the pidfd refers to the same process. A zombie
+	// whose parent does not reap it counts as exited.
 	if !alive(pid, start) {
 		return nil
 	}
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		return fmt.Errorf("pipe: %w", err)
+	}
+	defer unix.Close(p[0])
+	woke := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		unix.Write(p[1], []byte{0})
+		close(woke)
+	})
+	defer func() {
+		if !stop() {
+			<-woke // never close the fd under a write in flight
+		}
+		unix.Close(p[1])
+	}()
+	fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}, {Fd: int32(p[0]), Events: unix.POLLIN}}
 	for {
-		n, err := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 100)
+		_, err := unix.Poll(fds, -1)
 		if err != nil && !errors.Is(err, unix.EINTR) {
 			return fmt.Errorf("poll pidfd: %w", err)
 		}
-		if n > 0 {
+		if fds[0].Revents != 0 {
 			return nil
 		}
-		// A zombie whose parent does not reap it still counts as exited;
-		// the pidfd is readable then too, but check anyway.
-		if !alive(pid, start) {
-			return nil
-		}
-		if err := ctx.Err(); err != nil {
-			return err
+		if fds[1].Revents != 0 {
+			return ctx.Err()
 		}
 	}
 }

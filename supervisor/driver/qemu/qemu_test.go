@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/digitalocean/go-qemu/qmp"
 	"github.com/digitalocean/go-qemu/qmp/qmptest"
@@ -131,6 +132,11 @@ func TestWaitAndKillProcess(t *testing.T) {
 	}
 	inst := driver.Instance{PID: cmd.Process.Pid, StartTime: start, QMPSocket: filepath.Join(t.TempDir(), "none.sock")}
 	d := New(Config{})
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	if err := d.Wait(ctx, inst); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("wait on a running process with a short deadline: %v", err)
+	}
 	// No QMP socket: Kill falls back to SIGKILL.
 	if err := d.Kill(context.Background(), inst); err != nil {
 		t.Fatal(err)
