@@ -12,8 +12,8 @@ CACHE   ?= $(CURDIR)/.cache/carrel
 
 # System packages: QEMU to run VMs, nix-bin to check our .nix files,
 # protoc for `make generate`, cpio for the initramfs tests, xxd for the
-# Nix vendor hash check.
-DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd
+# Nix vendor hash check, systemd for systemd-socket-activate in the tests.
+DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd systemd
 
 .PHONY: help
 help: ## List the targets

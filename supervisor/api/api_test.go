@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -17,8 +16,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
-	"github.com/carrel-os/carrel/image/manifest"
-	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
@@ -30,25 +28,7 @@ import (
 func serveAPI(t *testing.T) string {
 	t.Helper()
 	dir := t.TempDir()
-	img, err := store.Open(filepath.Join(dir, "images"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var parts []manifest.Part
-	for _, name := range []string{"kernel", "initrd"} {
-		p := filepath.Join(dir, name)
-		os.WriteFile(p, []byte(name), 0o644)
-		part, err := img.PutBlob(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		parts = append(parts, part)
-	}
-	digest, err := img.PutManifest(&manifest.Manifest{SchemaVersion: 1, Name: "t", Arch: "amd64", KernelVersion: "6.1", Kernel: parts[0], Initrd: parts[1], Cmdline: "console=ttyS0"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	img.Tag("dev", digest)
+	img, _ := storetest.WithFakeImage(t, dir, "dev")
 	reg, _ := registry.Open(filepath.Join(dir, "vms"))
 	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drivertest.New(), BootTimeout: 2 * time.Second})
 	t.Cleanup(func() { m.Close() })

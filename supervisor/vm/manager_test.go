@@ -10,8 +10,8 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
-	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
@@ -29,27 +29,7 @@ type env struct {
 func newEnv(t *testing.T) *env {
 	t.Helper()
 	dir := t.TempDir()
-	img, err := store.Open(filepath.Join(dir, "images"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var parts []manifest.Part
-	for _, name := range []string{"kernel", "initrd"} {
-		p := filepath.Join(dir, name)
-		os.WriteFile(p, []byte("fake "+name), 0o644)
-		part, err := img.PutBlob(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		parts = append(parts, part)
-	}
-	digest, err := img.PutManifest(&manifest.Manifest{SchemaVersion: 1, Name: "test", Arch: "amd64", KernelVersion: "6.1.0-test", Kernel: parts[0], Initrd: parts[1], Cmdline: "console=ttyS0"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := img.Tag("dev", digest); err != nil {
-		t.Fatal(err)
-	}
+	img, _ := storetest.WithFakeImage(t, dir, "dev")
 	reg, err := registry.Open(filepath.Join(dir, "vms"))
 	if err != nil {
 		t.Fatal(err)

@@ -144,17 +144,37 @@ func (d *Daemon) Logs() string {
 // socket standing in for it, via NOTIFY_SOCKET) READY=1.
 func (d *Daemon) Start() {
 	d.t.Helper()
+	d.start(nil)
+}
+
+// StartSocketActivated runs carreld the way systemd's socket activation
+// does, through systemd-socket-activate: the wrapper listens on the API
+// socket and starts carreld, with the socket as fd 3, on the first
+// connection. It returns once the wrapper listens; the first carrel
+// command starts carreld.
+func (d *Daemon) StartSocketActivated() {
+	d.t.Helper()
+	d.start([]string{"systemd-socket-activate", "-l", d.Socket})
+}
+
+func (d *Daemon) start(wrap []string) {
+	d.t.Helper()
 	notifyPath := filepath.Join(d.dir, "notify.sock")
 	os.Remove(notifyPath)
 	nc, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: notifyPath, Net: "unixgram"})
 	if err != nil {
 		d.t.Fatal(err)
 	}
-	defer nc.Close()
 	args := append([]string{"--state-dir", d.State, "--socket", d.Socket, "--cache-dir", CacheDir(),
 		"--agent", filepath.Join(d.Bin, "carrel-agent"), "--log-level", "debug"}, d.args...)
-	d.cmd = exec.Command(filepath.Join(d.Bin, "carreld"), args...)
-	d.cmd.Env = append(os.Environ(), "NOTIFY_SOCKET="+notifyPath)
+	argv := append([]string{filepath.Join(d.Bin, "carreld")}, args...)
+	env := append(os.Environ(), "NOTIFY_SOCKET="+notifyPath)
+	if wrap != nil {
+		// The wrapper passes on only the environment it is told to.
+		argv = append(append(append([]string{}, wrap...), "-E", "NOTIFY_SOCKET="+notifyPath), argv...)
+	}
+	d.cmd = exec.Command(argv[0], argv[1:]...)
+	d.cmd.Env = env
 	w := lockedBuffer{&d.logMu, d.log}
 	d.cmd.Stdout, d.cmd.Stderr = w, w
 	if err := d.cmd.Start(); err != nil {
@@ -162,6 +182,18 @@ func (d *Daemon) Start() {
 	}
 	d.exited = make(chan struct{})
 	go func(c *exec.Cmd, ch chan struct{}) { c.Wait(); close(ch) }(d.cmd, d.exited)
+	if wrap != nil {
+		nc.Close()
+		deadline := time.Now().Add(10 * time.Second)
+		for !strings.Contains(d.Logs(), "Listening on") {
+			if time.Now().After(deadline) {
+				d.t.Fatalf("systemd-socket-activate did not listen:\n%s", d.Logs())
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		return
+	}
+	defer nc.Close()
 	nc.SetReadDeadline(time.Now().Add(60 * time.Second))
 	buf := make([]byte, 4096)
 	for {

@@ -47,25 +47,35 @@ func alive(pid int, start uint64) bool {
 	return err == nil && !zombie && got == start
 }
 
+// openPidfd opens a pidfd for the process pid that started at start. It
+// returns -1 and no error when that process is gone: exited (a zombie
+// whose parent does not reap it counts), or its pid reused, which the
+// start time check after opening rules out.
+func openPidfd(pid int, start uint64) (int, error) {
+	fd, err := unix.PidfdOpen(pid, 0)
+	if errors.Is(err, unix.ESRCH) {
+		return -1, nil
+	}
+	if err != nil {
+		return -1, fmt.Errorf("pidfd_open %d: %w", pid, err)
+	}
+	if !alive(pid, start) {
+		unix.Close(fd)
+		return -1, nil
+	}
+	return fd, nil
+}
+
 // waitExit blocks until the process exits or ctx ends. It uses a pidfd, so
 // it works for processes that are not our children (an adopted QEMU
 // belongs to init), and it sleeps in poll(2) until either the pidfd or a
 // pipe that ctx's cancellation writes to is readable.
 func waitExit(ctx context.Context, pid int, start uint64) error {
-	fd, err := unix.PidfdOpen(pid, 0)
-	if err != nil {
-		if errors.Is(err, unix.ESRCH) {
-			return nil
-		}
-		return fmt.Errorf("pidfd_open %d: %w", pid, err)
+	fd, err := openPidfd(pid, start)
+	if fd < 0 || err != nil {
+		return err
 	}
 	defer unix.Close(fd)
-	// The pid may have been reused between our caller's check and the
-	// pidfd_open: confirm the pidfd refers to the same process. A zombie
-	// whose parent does not reap it counts as exited.
-	if !alive(pid, start) {
-		return nil
-	}
 	var p [2]int
 	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
 		return fmt.Errorf("pipe: %w", err)
@@ -100,17 +110,11 @@ func waitExit(ctx context.Context, pid int, start uint64) error {
 // kill sends SIGKILL through a pidfd, which cannot hit a reused pid, and
 // waits up to timeout for the exit.
 func kill(pid int, start uint64, timeout time.Duration) error {
-	fd, err := unix.PidfdOpen(pid, 0)
-	if err != nil {
-		if errors.Is(err, unix.ESRCH) {
-			return nil
-		}
-		return fmt.Errorf("pidfd_open %d: %w", pid, err)
+	fd, err := openPidfd(pid, start)
+	if fd < 0 || err != nil {
+		return err
 	}
 	defer unix.Close(fd)
-	if !alive(pid, start) {
-		return nil
-	}
 	if err := unix.PidfdSendSignal(fd, unix.SIGKILL, nil, 0); err != nil && !errors.Is(err, unix.ESRCH) {
 		return fmt.Errorf("kill %d: %w", pid, err)
 	}
