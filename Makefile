@@ -67,7 +67,7 @@ lint: ## gofmt and go vet
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 
-PROTOS := guest-agent/proto/carrel/agent/v1/agent.proto supervisor/proto/carrel/api/v1/api.proto
+PROTOS := $(shell git ls-files --cached --others --exclude-standard "*.proto")
 
 .PHONY: generate
 generate: ## Regenerate protobuf and connect code
@@ -79,7 +79,9 @@ generate: ## Regenerate protobuf and connect code
 
 .PHONY: check-generated
 check-generated: generate ## Fail if generated code is not what `make generate` gives
-	@git diff --exit-code --stat -- guest-agent/gen supervisor/gen || { echo "generated code is stale: run make generate and commit"; exit 1; }
+	@if [ -n "$$(git status --porcelain -- guest-agent/gen supervisor/gen)" ]; then \
+		git status --short -- guest-agent/gen supervisor/gen; \
+		echo "generated code is stale or uncommitted: run make generate and commit"; exit 1; fi
 
 .PHONY: nix-check
 nix-check: ## Parse every .nix file and check the flake's Go vendor hash

@@ -1,7 +1,7 @@
 //go:build linux
 
-// Package server serves carrel.agent.v1.AgentService on any net.Listener:
-// vsock or virtio-serial in the guest, a unix socket in tests.
+// Package server serves carrel.agent.v1.AgentService and FileService on any
+// net.Listener: vsock or virtio-serial in the guest, a unix socket in tests.
 package server
 
 import (
@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/carrel-os/carrel/guest-agent/exec"
+	"github.com/carrel-os/carrel/guest-agent/files"
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
@@ -41,6 +42,8 @@ type Config struct {
 	Transport string
 	// Runner runs Exec calls; nil means one using reaper.Default().
 	Runner *exec.Runner
+	// Files serves FileService; nil means files.New(files.Options{}).
+	Files agentv1connect.FileServiceHandler
 	// PowerOff is called once a Shutdown call has been answered and the
 	// server has stopped; nil makes Shutdown fail with CodeUnimplemented.
 	PowerOff func(reboot bool)
@@ -56,11 +59,14 @@ func Serve(ctx context.Context, l net.Listener, cfg Config) error {
 	if cfg.Runner == nil {
 		cfg.Runner = &exec.Runner{Reaper: reaper.Default()}
 	}
+	if cfg.Files == nil {
+		cfg.Files = files.New(files.Options{})
+	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
 	svc := &service{cfg: cfg, shutdown: make(chan bool, 1)}
-	srv := protocol.NewHTTPServer(NewHandler(svc))
+	srv := protocol.NewHTTPServer(NewHandler(svc, cfg.Files))
 	srv.ErrorLog = slog.NewLogLogger(cfg.Log.Handler(), slog.LevelWarn)
 	srv.BaseContext = func(net.Listener) context.Context { return ctx }
 
@@ -89,11 +95,13 @@ func Serve(ctx context.Context, l net.Listener, cfg Config) error {
 	}
 }
 
-// NewHandler returns the HTTP handler for svc: the agent service and a 404
-// (which connect clients see as CodeUnimplemented) for every other path.
-func NewHandler(svc agentv1connect.AgentServiceHandler) http.Handler {
+// NewHandler returns the HTTP handler for the agent and file services, and
+// a 404 (which connect clients see as CodeUnimplemented) for every other
+// path.
+func NewHandler(agent agentv1connect.AgentServiceHandler, fs agentv1connect.FileServiceHandler) http.Handler {
 	mux := http.NewServeMux()
-	mux.Handle(agentv1connect.NewAgentServiceHandler(svc, protocol.HandlerOptions()...))
+	mux.Handle(agentv1connect.NewAgentServiceHandler(agent, protocol.HandlerOptions()...))
+	mux.Handle(agentv1connect.NewFileServiceHandler(fs, protocol.HandlerOptions()...))
 	return mux
 }
 

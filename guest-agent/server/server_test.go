@@ -38,6 +38,7 @@ func TestMain(m *testing.M) {
 
 type fixture struct {
 	client agentv1connect.AgentServiceClient
+	files  agentv1connect.FileServiceClient
 	hc     *http.Client
 	dials  atomic.Int32
 	dir    string
@@ -79,6 +80,7 @@ func serve(t *testing.T) *fixture {
 	t.Cleanup(tr.CloseIdleConnections)
 	f.hc = hc
 	f.client = agentv1connect.NewAgentServiceClient(hc, protocol.BaseURL, protocol.ClientOptions()...)
+	f.files = agentv1connect.NewFileServiceClient(hc, protocol.BaseURL, protocol.ClientOptions()...)
 	return f
 }
 
@@ -258,12 +260,49 @@ func TestConcurrentExecsShareOneConnection(t *testing.T) {
 
 func TestUnknownMethod(t *testing.T) {
 	f := serve(t)
-	for _, proc := range []string{"/carrel.agent.v1.AgentService/Nope", "/grpc.health.v1.Health/Check"} {
+	for _, proc := range []string{"/carrel.agent.v1.AgentService/Nope", "/carrel.agent.v1.FileService/Nope", "/grpc.health.v1.Health/Check"} {
 		c := connect.NewClient[agentv1.HealthRequest, agentv1.HealthResponse](f.hc, protocol.BaseURL+proc, protocol.ClientOptions()...)
 		_, err := c.CallUnary(callCtx(t), connect.NewRequest(&agentv1.HealthRequest{}))
 		if connect.CodeOf(err) != connect.CodeUnimplemented {
 			t.Errorf("%s: %v, want unimplemented", proc, err)
 		}
+	}
+}
+
+// TestFilesAndExecShareOneConnection writes a file through FileService and
+// reads it back through Exec, over the one connection.
+func TestFilesAndExecShareOneConnection(t *testing.T) {
+	f := serve(t)
+	ctx := callCtx(t)
+	w := f.files.Write(ctx)
+	for _, m := range []*agentv1.WriteRequest{
+		{Msg: &agentv1.WriteRequest_Header{Header: &agentv1.WriteHeader{Path: f.dir + "/sub/hello", MakeParents: true}}},
+		{Msg: &agentv1.WriteRequest_Data{Data: []byte("hello\n")}},
+		{Msg: &agentv1.WriteRequest_Commit{Commit: &agentv1.WriteCommit{}}},
+	} {
+		if err := w.Send(m); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := w.CloseAndReceive(); err != nil {
+		t.Fatal(err)
+	}
+	res, err := execute(ctx, f.client, &agentv1.ExecRequest{Argv: []string{"cat", "sub/hello"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.stdout.String() != "hello\n" {
+		t.Fatalf("cat: %q", res.stdout.String())
+	}
+	st, err := f.files.Stat(ctx, connect.NewRequest(&agentv1.StatRequest{Path: f.dir + "/sub/hello"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Msg.Info.Size != 6 || st.Msg.Info.Mode != 0o644 {
+		t.Fatalf("stat %v", st.Msg.Info)
+	}
+	if d := f.dials.Load(); d != 1 {
+		t.Fatalf("%d connections, want 1", d)
 	}
 }
 

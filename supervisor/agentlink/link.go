@@ -78,6 +78,7 @@ type Link struct {
 type session struct {
 	transport *http.Transport
 	client    agentv1connect.AgentServiceClient
+	files     agentv1connect.FileServiceClient
 
 	mu   sync.Mutex
 	conn net.Conn
@@ -103,6 +104,7 @@ func (l *Link) session() *session {
 		})
 		s.transport = t
 		s.client = agentv1connect.NewAgentServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+		s.files = agentv1connect.NewFileServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
 		l.cur = s
 	}
 	return l.cur
@@ -311,6 +313,15 @@ func (s *ExecStream) Recv() (msg *agentv1.ExecResponse, ok bool, err error) {
 
 // Close ends the stream.
 func (s *ExecStream) Close() error { return s.stream.Close() }
+
+// Files returns the guest's file service on the current connection, and
+// done, which the caller must pass every error of the calls it makes with
+// it (including a stream's final error): done ends the connection when the
+// error means the guest broke the protocol, as for the link's own calls.
+func (l *Link) Files() (client agentv1connect.FileServiceClient, done func(ctx context.Context, err error) error) {
+	s := l.session()
+	return s.files, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
+}
 
 // Shutdown asks the guest to power off (or reboot).
 func (l *Link) Shutdown(ctx context.Context, reboot bool) error {

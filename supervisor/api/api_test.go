@@ -26,11 +26,18 @@ import (
 
 // serveAPI runs the API over a fake driver and returns the socket path.
 func serveAPI(t *testing.T) string {
+	sock, _ := serveAPIWith(t)
+	return sock
+}
+
+// serveAPIWith is serveAPI, also returning the fake driver to script VMs.
+func serveAPIWith(t *testing.T) (string, *drivertest.Driver) {
 	t.Helper()
 	dir := t.TempDir()
 	img, _ := storetest.WithFakeImage(t, dir, "dev")
 	reg, _ := registry.Open(filepath.Join(dir, "vms"))
-	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drivertest.New(), BootTimeout: 2 * time.Second})
+	drv := drivertest.New()
+	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second})
 	t.Cleanup(func() { m.Close() })
 	sock := filepath.Join(dir, "api.sock")
 	l, err := net.Listen("unix", sock)
@@ -46,7 +53,7 @@ func serveAPI(t *testing.T) string {
 			t.Errorf("serve: %v", err)
 		}
 	})
-	return sock
+	return sock, drv
 }
 
 func TestVMServiceOverGRPC(t *testing.T) {

@@ -14,6 +14,7 @@ import (
 
 	"connectrpc.com/connect"
 
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
@@ -24,6 +25,9 @@ const (
 	maxHeaderBytes  = 64 << 10
 	// defaultDeadline applies to unary calls that bring none.
 	defaultDeadline = 5 * time.Minute
+	// defaultStreamDeadline applies to streaming calls that bring none
+	// (file transfers); Exec has its own timeout.
+	defaultStreamDeadline = time.Hour
 )
 
 // ImageBuilder builds the development image and returns its digest.
@@ -59,6 +63,7 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle(apiv1connect.NewVMServiceHandler(&vmService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewImageServiceHandler(&imageService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewSystemServiceHandler(&systemService{cfg: cfg}, opts...))
+	mux.Handle(agentv1connect.NewFileServiceHandler(&fileRelay{cfg: cfg}, opts...))
 	return mux
 }
 
@@ -94,8 +99,7 @@ func Serve(ctx context.Context, l net.Listener, h http.Handler) error {
 	return err
 }
 
-// deadlineInterceptor gives unary calls without a deadline a default one.
-// Streaming calls carry their own (Exec's timeout field).
+// deadlineInterceptor gives calls without a deadline a default one.
 type deadlineInterceptor struct{}
 
 func (deadlineInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
@@ -114,7 +118,14 @@ func (deadlineInterceptor) WrapStreamingClient(next connect.StreamingClientFunc)
 }
 
 func (deadlineInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return next
+	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
+		if _, ok := ctx.Deadline(); !ok {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, defaultStreamDeadline)
+			defer cancel()
+		}
+		return next(ctx, conn)
+	}
 }
 
 // toConnect maps manager errors to RPC codes.

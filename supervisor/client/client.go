@@ -10,6 +10,7 @@ import (
 
 	"connectrpc.com/connect"
 
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 )
 
@@ -29,6 +30,10 @@ type Client struct {
 	VMs    apiv1connect.VMServiceClient
 	Images apiv1connect.ImageServiceClient
 	System apiv1connect.SystemServiceClient
+	// Files is the guest agent's file service, relayed by carreld. Each
+	// call names its VM in the Carrel-Vm header; the methods in files.go
+	// do that for you.
+	Files agentv1connect.FileServiceClient
 }
 
 // maxResponseBytes caps one message from carreld.
@@ -52,5 +57,6 @@ func New(path string) *Client {
 		VMs:    apiv1connect.NewVMServiceClient(hc, base, opts...),
 		Images: apiv1connect.NewImageServiceClient(hc, base, opts...),
 		System: apiv1connect.NewSystemServiceClient(hc, base, opts...),
+		Files:  agentv1connect.NewFileServiceClient(hc, base, opts...),
 	}
 }

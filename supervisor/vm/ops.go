@@ -217,6 +217,15 @@ func (m *Manager) Delete(ctx context.Context, name string, force bool) error {
 
 // Exec starts a command in a running VM.
 func (m *Manager) Exec(ctx context.Context, name string, req *agentv1.ExecRequest) (*agentlink.ExecStream, error) {
+	link, err := m.Link(name)
+	if err != nil {
+		return nil, err
+	}
+	return link.Exec(ctx, req)
+}
+
+// Link returns the agent link of a running VM.
+func (m *Manager) Link(name string) (*agentlink.Link, error) {
 	mc, err := m.get(name)
 	if err != nil {
 		return nil, err
@@ -227,7 +236,7 @@ func (m *Manager) Exec(ctx context.Context, name string, req *agentv1.ExecReques
 	if state != registry.StateRunning || link == nil {
 		return nil, fmt.Errorf("%w: %q is %s", ErrNotRunning, name, state)
 	}
-	return link.Exec(ctx, req)
+	return link, nil
 }
 
 // Close waits for lifecycle operations in flight (so none is cut off

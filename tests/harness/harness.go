@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -278,9 +279,21 @@ func (d *Daemon) Carrel(args ...string) Result {
 
 func (d *Daemon) CarrelTimeout(timeout time.Duration, args ...string) Result {
 	d.t.Helper()
+	return d.run(timeout, nil, args...)
+}
+
+// CarrelStdin runs the CLI with stdin as its standard input.
+func (d *Daemon) CarrelStdin(stdin string, args ...string) Result {
+	d.t.Helper()
+	return d.run(3*time.Minute, strings.NewReader(stdin), args...)
+}
+
+func (d *Daemon) run(timeout time.Duration, stdin io.Reader, args ...string) Result {
+	d.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, filepath.Join(d.Bin, "carrel"), args...)
+	cmd.Stdin = stdin
 	cmd.Env = append(os.Environ(), "CARREL_SOCKET="+d.Socket)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb

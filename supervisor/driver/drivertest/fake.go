@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"net/http"
 	"sync"
 	"time"
 
@@ -29,6 +30,8 @@ type Behavior struct {
 	ExitOnResume bool
 	// Silent makes the agent never answer.
 	Silent bool
+	// Files, if set, serves the agent's file service (e.g. a hostile one).
+	Files agentv1connect.FileServiceHandler
 }
 
 // Driver is a fake driver. Its zero value is not usable: call New.
@@ -278,8 +281,12 @@ func serveAgent(v *VM) {
 		}()
 		return
 	}
-	_, h := agentv1connect.NewAgentServiceHandler(&agent{vm: v}, protocol.HandlerOptions()...)
-	srv := protocol.NewHTTPServer(h)
+	mux := http.NewServeMux()
+	mux.Handle(agentv1connect.NewAgentServiceHandler(&agent{vm: v}, protocol.HandlerOptions()...))
+	if v.behavior.Files != nil {
+		mux.Handle(agentv1connect.NewFileServiceHandler(v.behavior.Files, protocol.HandlerOptions()...))
+	}
+	srv := protocol.NewHTTPServer(mux)
 	go srv.Serve(v.agent)
 	go func() { <-v.exited; srv.Close() }()
 }

@@ -1,0 +1,234 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+)
+
+// VMHeader names the VM a FileService call is for. The file API is the
+// agent's own carrel.agent.v1.FileService, relayed: carreld checks every
+// reply from the guest before passing it on.
+const VMHeader = "Carrel-Vm"
+
+// Caps on what a guest may send back through the file relay.
+const (
+	maxPathBytes       = 4096
+	maxListEntries     = 100_000
+	maxListBatch       = 1024
+	maxGuestDigestSize = 71 // "sha256:" + 64 hex digits
+)
+
+type fileRelay struct {
+	cfg Config
+}
+
+var _ agentv1connect.FileServiceHandler = (*fileRelay)(nil)
+
+// files returns the guest's file service for the VM the call names.
+func (r *fileRelay) files(h interface{ Get(string) string }) (agentv1connect.FileServiceClient, func(context.Context, error) error, error) {
+	name := h.Get(VMHeader)
+	if name == "" {
+		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", VMHeader))
+	}
+	link, err := r.cfg.Manager.Link(name)
+	if err != nil {
+		return nil, nil, toConnect(err)
+	}
+	c, done := link.Files()
+	return c, done, nil
+}
+
+// relayErr reports err to the link and maps it for our client.
+func relayErr(ctx context.Context, done func(context.Context, error) error, err error) error {
+	if err == nil {
+		return nil
+	}
+	return toConnect(done(ctx, err))
+}
+
+// errGuest is a reply that breaks the protocol's rules.
+func errGuest(format string, args ...any) error {
+	return connect.NewError(connect.CodeDataLoss, fmt.Errorf("guest agent: "+format, args...))
+}
+
+func checkInfo(fi *agentv1.FileInfo) error {
+	switch {
+	case fi == nil:
+		return errGuest("missing file info")
+	case len(fi.Path) > maxPathBytes || len(fi.LinkTarget) > maxPathBytes:
+		return errGuest("path over %d bytes", maxPathBytes)
+	case !strings.HasPrefix(fi.Path, "/") || strings.ContainsRune(fi.Path, 0):
+		return errGuest("invalid path %q", sanitize(fi.Path, 256))
+	case fi.Mode > 0o7777:
+		return errGuest("invalid mode %o", fi.Mode)
+	case fi.Size < 0:
+		return errGuest("negative size")
+	}
+	if _, ok := agentv1.FileType_name[int32(fi.Type)]; !ok || fi.Type == agentv1.FileType_FILE_TYPE_UNSPECIFIED {
+		return errGuest("invalid file type %d", fi.Type)
+	}
+	return nil
+}
+
+func (r *fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatRequest]) (*connect.Response[agentv1.StatResponse], error) {
+	c, done, err := r.files(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.Stat(ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		return nil, relayErr(ctx, done, err)
+	}
+	if err := checkInfo(resp.Msg.Info); err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(resp.Msg), nil
+}
+
+func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListRequest], out *connect.ServerStream[agentv1.ListResponse]) error {
+	c, done, err := r.files(req.Header())
+	if err != nil {
+		return err
+	}
+	limit := uint32(maxListEntries)
+	if req.Msg.MaxEntries != 0 && req.Msg.MaxEntries < limit {
+		limit = req.Msg.MaxEntries
+	}
+	ask := &agentv1.ListRequest{Path: req.Msg.Path, Recursive: req.Msg.Recursive, MaxDepth: req.Msg.MaxDepth, MaxEntries: limit}
+	s, err := c.List(ctx, connect.NewRequest(ask))
+	if err != nil {
+		return relayErr(ctx, done, err)
+	}
+	defer s.Close()
+	var n uint32
+	for s.Receive() {
+		msg := s.Msg()
+		if len(msg.Entries) > maxListBatch {
+			return errGuest("%d entries in one message", len(msg.Entries))
+		}
+		n += uint32(len(msg.Entries))
+		if n > limit {
+			return errGuest("sent more than the %d entries asked for", limit)
+		}
+		for _, e := range msg.Entries {
+			if err := checkInfo(e); err != nil {
+				return err
+			}
+		}
+		if err := out.Send(msg); err != nil {
+			return err
+		}
+	}
+	return relayErr(ctx, done, s.Err())
+}
+
+func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequest], out *connect.ServerStream[agentv1.ReadResponse]) error {
+	c, done, err := r.files(req.Header())
+	if err != nil {
+		return err
+	}
+	s, err := c.Read(ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		return relayErr(ctx, done, err)
+	}
+	defer s.Close()
+	var total int64
+	for s.Receive() {
+		total += int64(len(s.Msg().Data))
+		if req.Msg.Length > 0 && total > req.Msg.Length {
+			return errGuest("sent more than the %d bytes asked for", req.Msg.Length)
+		}
+		if err := out.Send(s.Msg()); err != nil {
+			return err
+		}
+	}
+	return relayErr(ctx, done, s.Err())
+}
+
+func (r *fileRelay) Write(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
+	c, done, err := r.files(in.RequestHeader())
+	if err != nil {
+		return nil, err
+	}
+	if !in.Receive() {
+		if err := in.Err(); err != nil {
+			return nil, err
+		}
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: no header"))
+	}
+	if in.Msg().GetHeader() == nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: the first message must be the header"))
+	}
+	// Cancelled when we return, so the guest drops a write that did not
+	// complete instead of committing it.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	s := c.Write(ctx)
+	var sent int64
+	for msg := in.Msg(); ; msg = in.Msg() {
+		if err := s.Send(msg); err != nil {
+			break // the guest ended the call; CloseAndReceive says why
+		}
+		if !in.Receive() {
+			break
+		}
+		if in.Msg().GetHeader() != nil {
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: a second header"))
+		}
+		// The commit passes through only if the client sent it: a client
+		// that closed without one gave up, and the guest writes nothing.
+		sent += int64(len(in.Msg().GetData()))
+	}
+	if err := in.Err(); err != nil {
+		return nil, err
+	}
+	resp, err := s.CloseAndReceive()
+	if err != nil {
+		return nil, relayErr(ctx, done, err)
+	}
+	if resp.Msg.Size != sent || len(resp.Msg.Digest) > maxGuestDigestSize || !strings.HasPrefix(resp.Msg.Digest, "sha256:") {
+		return nil, errGuest("write reply does not match what was sent (%d bytes sent, %d reported)", sent, resp.Msg.Size)
+	}
+	return connect.NewResponse(resp.Msg), nil
+}
+
+// unary relays a call whose reply carries nothing to check.
+func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Request[Req],
+	call func(agentv1connect.FileServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Resp], error)) (*connect.Response[Resp], error) {
+	c, done, err := r.files(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	resp, err := call(c, ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		return nil, relayErr(ctx, done, err)
+	}
+	return connect.NewResponse(resp.Msg), nil
+}
+
+func (r *fileRelay) MakeDir(ctx context.Context, req *connect.Request[agentv1.MakeDirRequest]) (*connect.Response[agentv1.MakeDirResponse], error) {
+	return unary(ctx, r, req, agentv1connect.FileServiceClient.MakeDir)
+}
+
+func (r *fileRelay) Remove(ctx context.Context, req *connect.Request[agentv1.RemoveRequest]) (*connect.Response[agentv1.RemoveResponse], error) {
+	return unary(ctx, r, req, agentv1connect.FileServiceClient.Remove)
+}
+
+func (r *fileRelay) Rename(ctx context.Context, req *connect.Request[agentv1.RenameRequest]) (*connect.Response[agentv1.RenameResponse], error) {
+	return unary(ctx, r, req, agentv1connect.FileServiceClient.Rename)
+}
+
+func (r *fileRelay) Chmod(ctx context.Context, req *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error) {
+	return unary(ctx, r, req, agentv1connect.FileServiceClient.Chmod)
+}
+
+func (r *fileRelay) Chown(ctx context.Context, req *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error) {
+	return unary(ctx, r, req, agentv1connect.FileServiceClient.Chown)
+}

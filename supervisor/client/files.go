@@ -1,0 +1,88 @@
+package client
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+)
+
+// vmHeader names the VM of a file call (see supervisor/api.VMHeader).
+const vmHeader = "Carrel-Vm"
+
+// chunkBytes is how much one write message carries.
+const chunkBytes = 256 << 10
+
+func forVM[T any](vm string, msg *T) *connect.Request[T] {
+	req := connect.NewRequest(msg)
+	req.Header().Set(vmHeader, vm)
+	return req
+}
+
+// Stat describes path in vm. It does not follow a final symlink.
+func (c *Client) Stat(ctx context.Context, vm, path string) (*agentv1.FileInfo, error) {
+	resp, err := c.Files.Stat(ctx, forVM(vm, &agentv1.StatRequest{Path: path}))
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg.Info, nil
+}
+
+// Download streams the file at path in vm to w and returns the bytes
+// copied.
+func (c *Client) Download(ctx context.Context, vm, path string, w io.Writer) (int64, error) {
+	s, err := c.Files.Read(ctx, forVM(vm, &agentv1.ReadRequest{Path: path}))
+	if err != nil {
+		return 0, err
+	}
+	defer s.Close()
+	var n int64
+	for s.Receive() {
+		k, err := w.Write(s.Msg().Data)
+		n += int64(k)
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, s.Err()
+}
+
+// Upload writes everything r yields to path in vm, atomically: the file
+// appears whole or not at all. It commits the write only once r is
+// exhausted; a read error or a cancelled ctx leaves the guest untouched.
+// mode 0 means 0644 for a new file (an existing file keeps its mode).
+func (c *Client) Upload(ctx context.Context, vm, path string, r io.Reader, mode uint32) (*agentv1.WriteResponse, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel() // a failed upload is abandoned, never committed
+	s := c.Files.Write(ctx)
+	s.RequestHeader().Set(vmHeader, vm)
+	sendErr := s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Header{Header: &agentv1.WriteHeader{Path: path, Mode: mode}}})
+	buf := make([]byte, chunkBytes)
+	for sendErr == nil {
+		n, err := r.Read(buf)
+		if n > 0 {
+			sendErr = s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Data{Data: buf[:n]}})
+		}
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("upload %s: %w", path, err)
+		}
+	}
+	if sendErr == nil {
+		// Everything was sent: only now may the guest put the file in place.
+		sendErr = s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Commit{Commit: &agentv1.WriteCommit{}}})
+	}
+	// A send error means the server ended the call: its reason is in the
+	// response.
+	resp, err := s.CloseAndReceive()
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg, nil
+}
