@@ -106,8 +106,9 @@ func NewHandler(agent agentv1connect.AgentServiceHandler, fs agentv1connect.File
 }
 
 type service struct {
-	cfg      Config
-	shutdown chan bool // the reboot flag of the first Shutdown call
+	agentv1connect.UnimplementedAgentServiceHandler // until Process, ListProcesses and Signal land
+	cfg                                             Config
+	shutdown                                        chan bool // the reboot flag of the first Shutdown call
 }
 
 var _ agentv1connect.AgentServiceHandler = (*service)(nil)

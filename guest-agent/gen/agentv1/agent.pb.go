@@ -140,7 +140,16 @@ type ExecRequest struct {
 	// KEY=VALUE pairs added to the default environment.
 	Env []string `protobuf:"bytes,2,rep,name=env,proto3" json:"env,omitempty"`
 	// Working directory; empty means /workspace.
-	Cwd           string `protobuf:"bytes,3,opt,name=cwd,proto3" json:"cwd,omitempty"`
+	Cwd string `protobuf:"bytes,3,opt,name=cwd,proto3" json:"cwd,omitempty"`
+	// User name or numeric uid to run as; empty means "agent" (uid 1000).
+	User string `protobuf:"bytes,4,opt,name=user,proto3" json:"user,omitempty"`
+	// Run on a pseudo-terminal (stdout carries everything; no stderr).
+	Tty bool `protobuf:"varint,5,opt,name=tty,proto3" json:"tty,omitempty"`
+	// Initial terminal size, with tty.
+	Rows uint32 `protobuf:"varint,6,opt,name=rows,proto3" json:"rows,omitempty"`
+	Cols uint32 `protobuf:"varint,7,opt,name=cols,proto3" json:"cols,omitempty"`
+	// Keep running when the call ends (Process only).
+	Detach        bool `protobuf:"varint,8,opt,name=detach,proto3" json:"detach,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -196,6 +205,628 @@ func (x *ExecRequest) GetCwd() string {
 	return ""
 }
 
+func (x *ExecRequest) GetUser() string {
+	if x != nil {
+		return x.User
+	}
+	return ""
+}
+
+func (x *ExecRequest) GetTty() bool {
+	if x != nil {
+		return x.Tty
+	}
+	return false
+}
+
+func (x *ExecRequest) GetRows() uint32 {
+	if x != nil {
+		return x.Rows
+	}
+	return 0
+}
+
+func (x *ExecRequest) GetCols() uint32 {
+	if x != nil {
+		return x.Cols
+	}
+	return 0
+}
+
+func (x *ExecRequest) GetDetach() bool {
+	if x != nil {
+		return x.Detach
+	}
+	return false
+}
+
+type ProcessInput struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Msg:
+	//
+	//	*ProcessInput_Start
+	//	*ProcessInput_Attach
+	//	*ProcessInput_Stdin
+	//	*ProcessInput_CloseStdin
+	//	*ProcessInput_Signal
+	//	*ProcessInput_Resize
+	Msg           isProcessInput_Msg `protobuf_oneof:"msg"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ProcessInput) Reset() {
+	*x = ProcessInput{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ProcessInput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ProcessInput) ProtoMessage() {}
+
+func (x *ProcessInput) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ProcessInput.ProtoReflect.Descriptor instead.
+func (*ProcessInput) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *ProcessInput) GetMsg() isProcessInput_Msg {
+	if x != nil {
+		return x.Msg
+	}
+	return nil
+}
+
+func (x *ProcessInput) GetStart() *ExecRequest {
+	if x != nil {
+		if x, ok := x.Msg.(*ProcessInput_Start); ok {
+			return x.Start
+		}
+	}
+	return nil
+}
+
+func (x *ProcessInput) GetAttach() *AttachRequest {
+	if x != nil {
+		if x, ok := x.Msg.(*ProcessInput_Attach); ok {
+			return x.Attach
+		}
+	}
+	return nil
+}
+
+func (x *ProcessInput) GetStdin() []byte {
+	if x != nil {
+		if x, ok := x.Msg.(*ProcessInput_Stdin); ok {
+			return x.Stdin
+		}
+	}
+	return nil
+}
+
+func (x *ProcessInput) GetCloseStdin() *CloseStdin {
+	if x != nil {
+		if x, ok := x.Msg.(*ProcessInput_CloseStdin); ok {
+			return x.CloseStdin
+		}
+	}
+	return nil
+}
+
+func (x *ProcessInput) GetSignal() int32 {
+	if x != nil {
+		if x, ok := x.Msg.(*ProcessInput_Signal); ok {
+			return x.Signal
+		}
+	}
+	return 0
+}
+
+func (x *ProcessInput) GetResize() *Resize {
+	if x != nil {
+		if x, ok := x.Msg.(*ProcessInput_Resize); ok {
+			return x.Resize
+		}
+	}
+	return nil
+}
+
+type isProcessInput_Msg interface {
+	isProcessInput_Msg()
+}
+
+type ProcessInput_Start struct {
+	// First message: start a command.
+	Start *ExecRequest `protobuf:"bytes,1,opt,name=start,proto3,oneof"`
+}
+
+type ProcessInput_Attach struct {
+	// First message: attach to a detached command by its id.
+	Attach *AttachRequest `protobuf:"bytes,2,opt,name=attach,proto3,oneof"`
+}
+
+type ProcessInput_Stdin struct {
+	// Bytes for the command's stdin.
+	Stdin []byte `protobuf:"bytes,3,opt,name=stdin,proto3,oneof"`
+}
+
+type ProcessInput_CloseStdin struct {
+	// Close the command's stdin (EOF).
+	CloseStdin *CloseStdin `protobuf:"bytes,4,opt,name=close_stdin,json=closeStdin,proto3,oneof"`
+}
+
+type ProcessInput_Signal struct {
+	// Send a signal to the command's process group.
+	Signal int32 `protobuf:"varint,5,opt,name=signal,proto3,oneof"`
+}
+
+type ProcessInput_Resize struct {
+	// Resize the command's terminal.
+	Resize *Resize `protobuf:"bytes,6,opt,name=resize,proto3,oneof"`
+}
+
+func (*ProcessInput_Start) isProcessInput_Msg() {}
+
+func (*ProcessInput_Attach) isProcessInput_Msg() {}
+
+func (*ProcessInput_Stdin) isProcessInput_Msg() {}
+
+func (*ProcessInput_CloseStdin) isProcessInput_Msg() {}
+
+func (*ProcessInput_Signal) isProcessInput_Msg() {}
+
+func (*ProcessInput_Resize) isProcessInput_Msg() {}
+
+type AttachRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AttachRequest) Reset() {
+	*x = AttachRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttachRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttachRequest) ProtoMessage() {}
+
+func (x *AttachRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttachRequest.ProtoReflect.Descriptor instead.
+func (*AttachRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *AttachRequest) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+type CloseStdin struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CloseStdin) Reset() {
+	*x = CloseStdin{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CloseStdin) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CloseStdin) ProtoMessage() {}
+
+func (x *CloseStdin) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CloseStdin.ProtoReflect.Descriptor instead.
+func (*CloseStdin) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{5}
+}
+
+type Resize struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Rows          uint32                 `protobuf:"varint,1,opt,name=rows,proto3" json:"rows,omitempty"`
+	Cols          uint32                 `protobuf:"varint,2,opt,name=cols,proto3" json:"cols,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Resize) Reset() {
+	*x = Resize{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Resize) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Resize) ProtoMessage() {}
+
+func (x *Resize) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Resize.ProtoReflect.Descriptor instead.
+func (*Resize) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *Resize) GetRows() uint32 {
+	if x != nil {
+		return x.Rows
+	}
+	return 0
+}
+
+func (x *Resize) GetCols() uint32 {
+	if x != nil {
+		return x.Cols
+	}
+	return 0
+}
+
+type ListProcessesRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListProcessesRequest) Reset() {
+	*x = ListProcessesRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListProcessesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListProcessesRequest) ProtoMessage() {}
+
+func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListProcessesRequest.ProtoReflect.Descriptor instead.
+func (*ListProcessesRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{7}
+}
+
+type ListProcessesResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Processes     []*ProcessInfo         `protobuf:"bytes,1,rep,name=processes,proto3" json:"processes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListProcessesResponse) Reset() {
+	*x = ListProcessesResponse{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListProcessesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListProcessesResponse) ProtoMessage() {}
+
+func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListProcessesResponse.ProtoReflect.Descriptor instead.
+func (*ListProcessesResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ListProcessesResponse) GetProcesses() []*ProcessInfo {
+	if x != nil {
+		return x.Processes
+	}
+	return nil
+}
+
+type ProcessInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Pid   int32                  `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
+	Ppid  int32                  `protobuf:"varint,2,opt,name=ppid,proto3" json:"ppid,omitempty"`
+	Uid   uint32                 `protobuf:"varint,3,opt,name=uid,proto3" json:"uid,omitempty"`
+	// One-letter state as in /proc/PID/stat (R, S, D, Z, ...).
+	State string `protobuf:"bytes,4,opt,name=state,proto3" json:"state,omitempty"`
+	// Command line, arguments joined by spaces.
+	Command string `protobuf:"bytes,5,opt,name=command,proto3" json:"command,omitempty"`
+	// Set for commands the agent started: their id (for attach and signal).
+	ExecId string `protobuf:"bytes,6,opt,name=exec_id,json=execId,proto3" json:"exec_id,omitempty"`
+	// Resident memory in bytes.
+	RssBytes      uint64 `protobuf:"varint,7,opt,name=rss_bytes,json=rssBytes,proto3" json:"rss_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ProcessInfo) Reset() {
+	*x = ProcessInfo{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ProcessInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ProcessInfo) ProtoMessage() {}
+
+func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ProcessInfo.ProtoReflect.Descriptor instead.
+func (*ProcessInfo) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *ProcessInfo) GetPid() int32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *ProcessInfo) GetPpid() int32 {
+	if x != nil {
+		return x.Ppid
+	}
+	return 0
+}
+
+func (x *ProcessInfo) GetUid() uint32 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *ProcessInfo) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *ProcessInfo) GetCommand() string {
+	if x != nil {
+		return x.Command
+	}
+	return ""
+}
+
+func (x *ProcessInfo) GetExecId() string {
+	if x != nil {
+		return x.ExecId
+	}
+	return ""
+}
+
+func (x *ProcessInfo) GetRssBytes() uint64 {
+	if x != nil {
+		return x.RssBytes
+	}
+	return 0
+}
+
+type SignalRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Target:
+	//
+	//	*SignalRequest_Pid
+	//	*SignalRequest_ExecId
+	Target isSignalRequest_Target `protobuf_oneof:"target"`
+	// Signal number; 0 means SIGTERM.
+	Signal        int32 `protobuf:"varint,3,opt,name=signal,proto3" json:"signal,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignalRequest) Reset() {
+	*x = SignalRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignalRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignalRequest) ProtoMessage() {}
+
+func (x *SignalRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignalRequest.ProtoReflect.Descriptor instead.
+func (*SignalRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *SignalRequest) GetTarget() isSignalRequest_Target {
+	if x != nil {
+		return x.Target
+	}
+	return nil
+}
+
+func (x *SignalRequest) GetPid() int32 {
+	if x != nil {
+		if x, ok := x.Target.(*SignalRequest_Pid); ok {
+			return x.Pid
+		}
+	}
+	return 0
+}
+
+func (x *SignalRequest) GetExecId() string {
+	if x != nil {
+		if x, ok := x.Target.(*SignalRequest_ExecId); ok {
+			return x.ExecId
+		}
+	}
+	return ""
+}
+
+func (x *SignalRequest) GetSignal() int32 {
+	if x != nil {
+		return x.Signal
+	}
+	return 0
+}
+
+type isSignalRequest_Target interface {
+	isSignalRequest_Target()
+}
+
+type SignalRequest_Pid struct {
+	Pid int32 `protobuf:"varint,1,opt,name=pid,proto3,oneof"`
+}
+
+type SignalRequest_ExecId struct {
+	ExecId string `protobuf:"bytes,2,opt,name=exec_id,json=execId,proto3,oneof"`
+}
+
+func (*SignalRequest_Pid) isSignalRequest_Target() {}
+
+func (*SignalRequest_ExecId) isSignalRequest_Target() {}
+
+type SignalResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SignalResponse) Reset() {
+	*x = SignalResponse{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SignalResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SignalResponse) ProtoMessage() {}
+
+func (x *SignalResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SignalResponse.ProtoReflect.Descriptor instead.
+func (*SignalResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{11}
+}
+
 type ExecResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Event:
@@ -211,7 +842,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[3]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -223,7 +854,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[3]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -236,7 +867,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{3}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ExecResponse) GetEvent() isExecResponse_Event {
@@ -315,15 +946,17 @@ func (*ExecResponse_Stderr) isExecResponse_Event() {}
 func (*ExecResponse_Exit) isExecResponse_Event() {}
 
 type Started struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Pid           int32                  `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Pid   int32                  `protobuf:"varint,1,opt,name=pid,proto3" json:"pid,omitempty"`
+	// The command's id, for attach and signal.
+	Id            string `protobuf:"bytes,2,opt,name=id,proto3" json:"id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Started) Reset() {
 	*x = Started{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[4]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -335,7 +968,7 @@ func (x *Started) String() string {
 func (*Started) ProtoMessage() {}
 
 func (x *Started) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[4]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -348,7 +981,7 @@ func (x *Started) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Started.ProtoReflect.Descriptor instead.
 func (*Started) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{4}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Started) GetPid() int32 {
@@ -356,6 +989,13 @@ func (x *Started) GetPid() int32 {
 		return x.Pid
 	}
 	return 0
+}
+
+func (x *Started) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
 }
 
 type ExitStatus struct {
@@ -370,7 +1010,7 @@ type ExitStatus struct {
 
 func (x *ExitStatus) Reset() {
 	*x = ExitStatus{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[5]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -382,7 +1022,7 @@ func (x *ExitStatus) String() string {
 func (*ExitStatus) ProtoMessage() {}
 
 func (x *ExitStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[5]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -395,7 +1035,7 @@ func (x *ExitStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExitStatus.ProtoReflect.Descriptor instead.
 func (*ExitStatus) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{5}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ExitStatus) GetCode() int32 {
@@ -422,7 +1062,7 @@ type ShutdownRequest struct {
 
 func (x *ShutdownRequest) Reset() {
 	*x = ShutdownRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[6]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -434,7 +1074,7 @@ func (x *ShutdownRequest) String() string {
 func (*ShutdownRequest) ProtoMessage() {}
 
 func (x *ShutdownRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[6]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -447,7 +1087,7 @@ func (x *ShutdownRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShutdownRequest.ProtoReflect.Descriptor instead.
 func (*ShutdownRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{6}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ShutdownRequest) GetReboot() bool {
@@ -465,7 +1105,7 @@ type ShutdownResponse struct {
 
 func (x *ShutdownResponse) Reset() {
 	*x = ShutdownResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[7]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -477,7 +1117,7 @@ func (x *ShutdownResponse) String() string {
 func (*ShutdownResponse) ProtoMessage() {}
 
 func (x *ShutdownResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[7]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -490,7 +1130,7 @@ func (x *ShutdownResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShutdownResponse.ProtoReflect.Descriptor instead.
 func (*ShutdownResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{7}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{16}
 }
 
 var File_carrel_agent_v1_agent_proto protoreflect.FileDescriptor
@@ -503,29 +1143,71 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x16\n" +
 	"\x06kernel\x18\x02 \x01(\tR\x06kernel\x12\x1b\n" +
 	"\tuptime_ms\x18\x03 \x01(\x03R\buptimeMs\x12\x1c\n" +
-	"\ttransport\x18\x04 \x01(\tR\ttransport\"E\n" +
+	"\ttransport\x18\x04 \x01(\tR\ttransport\"\xab\x01\n" +
 	"\vExecRequest\x12\x12\n" +
 	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x10\n" +
 	"\x03env\x18\x02 \x03(\tR\x03env\x12\x10\n" +
-	"\x03cwd\x18\x03 \x01(\tR\x03cwd\"\xb4\x01\n" +
+	"\x03cwd\x18\x03 \x01(\tR\x03cwd\x12\x12\n" +
+	"\x04user\x18\x04 \x01(\tR\x04user\x12\x10\n" +
+	"\x03tty\x18\x05 \x01(\bR\x03tty\x12\x12\n" +
+	"\x04rows\x18\x06 \x01(\rR\x04rows\x12\x12\n" +
+	"\x04cols\x18\a \x01(\rR\x04cols\x12\x16\n" +
+	"\x06detach\x18\b \x01(\bR\x06detach\"\xaa\x02\n" +
+	"\fProcessInput\x124\n" +
+	"\x05start\x18\x01 \x01(\v2\x1c.carrel.agent.v1.ExecRequestH\x00R\x05start\x128\n" +
+	"\x06attach\x18\x02 \x01(\v2\x1e.carrel.agent.v1.AttachRequestH\x00R\x06attach\x12\x16\n" +
+	"\x05stdin\x18\x03 \x01(\fH\x00R\x05stdin\x12>\n" +
+	"\vclose_stdin\x18\x04 \x01(\v2\x1b.carrel.agent.v1.CloseStdinH\x00R\n" +
+	"closeStdin\x12\x18\n" +
+	"\x06signal\x18\x05 \x01(\x05H\x00R\x06signal\x121\n" +
+	"\x06resize\x18\x06 \x01(\v2\x17.carrel.agent.v1.ResizeH\x00R\x06resizeB\x05\n" +
+	"\x03msg\"\x1f\n" +
+	"\rAttachRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\"\f\n" +
+	"\n" +
+	"CloseStdin\"0\n" +
+	"\x06Resize\x12\x12\n" +
+	"\x04rows\x18\x01 \x01(\rR\x04rows\x12\x12\n" +
+	"\x04cols\x18\x02 \x01(\rR\x04cols\"\x16\n" +
+	"\x14ListProcessesRequest\"S\n" +
+	"\x15ListProcessesResponse\x12:\n" +
+	"\tprocesses\x18\x01 \x03(\v2\x1c.carrel.agent.v1.ProcessInfoR\tprocesses\"\xab\x01\n" +
+	"\vProcessInfo\x12\x10\n" +
+	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x12\n" +
+	"\x04ppid\x18\x02 \x01(\x05R\x04ppid\x12\x10\n" +
+	"\x03uid\x18\x03 \x01(\rR\x03uid\x12\x14\n" +
+	"\x05state\x18\x04 \x01(\tR\x05state\x12\x18\n" +
+	"\acommand\x18\x05 \x01(\tR\acommand\x12\x17\n" +
+	"\aexec_id\x18\x06 \x01(\tR\x06execId\x12\x1b\n" +
+	"\trss_bytes\x18\a \x01(\x04R\brssBytes\"`\n" +
+	"\rSignalRequest\x12\x12\n" +
+	"\x03pid\x18\x01 \x01(\x05H\x00R\x03pid\x12\x19\n" +
+	"\aexec_id\x18\x02 \x01(\tH\x00R\x06execId\x12\x16\n" +
+	"\x06signal\x18\x03 \x01(\x05R\x06signalB\b\n" +
+	"\x06target\"\x10\n" +
+	"\x0eSignalResponse\"\xb4\x01\n" +
 	"\fExecResponse\x124\n" +
 	"\astarted\x18\x01 \x01(\v2\x18.carrel.agent.v1.StartedH\x00R\astarted\x12\x18\n" +
 	"\x06stdout\x18\x02 \x01(\fH\x00R\x06stdout\x12\x18\n" +
 	"\x06stderr\x18\x03 \x01(\fH\x00R\x06stderr\x121\n" +
 	"\x04exit\x18\x04 \x01(\v2\x1b.carrel.agent.v1.ExitStatusH\x00R\x04exitB\a\n" +
-	"\x05event\"\x1b\n" +
+	"\x05event\"+\n" +
 	"\aStarted\x12\x10\n" +
-	"\x03pid\x18\x01 \x01(\x05R\x03pid\"8\n" +
+	"\x03pid\x18\x01 \x01(\x05R\x03pid\x12\x0e\n" +
+	"\x02id\x18\x02 \x01(\tR\x02id\"8\n" +
 	"\n" +
 	"ExitStatus\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x16\n" +
 	"\x06signal\x18\x02 \x01(\tR\x06signal\")\n" +
 	"\x0fShutdownRequest\x12\x16\n" +
 	"\x06reboot\x18\x01 \x01(\bR\x06reboot\"\x12\n" +
-	"\x10ShutdownResponse2\xf1\x01\n" +
+	"\x10ShutdownResponse2\xe9\x03\n" +
 	"\fAgentService\x12I\n" +
 	"\x06Health\x12\x1e.carrel.agent.v1.HealthRequest\x1a\x1f.carrel.agent.v1.HealthResponse\x12E\n" +
-	"\x04Exec\x12\x1c.carrel.agent.v1.ExecRequest\x1a\x1d.carrel.agent.v1.ExecResponse0\x01\x12O\n" +
+	"\x04Exec\x12\x1c.carrel.agent.v1.ExecRequest\x1a\x1d.carrel.agent.v1.ExecResponse0\x01\x12K\n" +
+	"\aProcess\x12\x1d.carrel.agent.v1.ProcessInput\x1a\x1d.carrel.agent.v1.ExecResponse(\x010\x01\x12^\n" +
+	"\rListProcesses\x12%.carrel.agent.v1.ListProcessesRequest\x1a&.carrel.agent.v1.ListProcessesResponse\x12I\n" +
+	"\x06Signal\x12\x1e.carrel.agent.v1.SignalRequest\x1a\x1f.carrel.agent.v1.SignalResponse\x12O\n" +
 	"\bShutdown\x12 .carrel.agent.v1.ShutdownRequest\x1a!.carrel.agent.v1.ShutdownResponseB=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
 
 var (
@@ -540,31 +1222,51 @@ func file_carrel_agent_v1_agent_proto_rawDescGZIP() []byte {
 	return file_carrel_agent_v1_agent_proto_rawDescData
 }
 
-var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_carrel_agent_v1_agent_proto_goTypes = []any{
-	(*HealthRequest)(nil),    // 0: carrel.agent.v1.HealthRequest
-	(*HealthResponse)(nil),   // 1: carrel.agent.v1.HealthResponse
-	(*ExecRequest)(nil),      // 2: carrel.agent.v1.ExecRequest
-	(*ExecResponse)(nil),     // 3: carrel.agent.v1.ExecResponse
-	(*Started)(nil),          // 4: carrel.agent.v1.Started
-	(*ExitStatus)(nil),       // 5: carrel.agent.v1.ExitStatus
-	(*ShutdownRequest)(nil),  // 6: carrel.agent.v1.ShutdownRequest
-	(*ShutdownResponse)(nil), // 7: carrel.agent.v1.ShutdownResponse
+	(*HealthRequest)(nil),         // 0: carrel.agent.v1.HealthRequest
+	(*HealthResponse)(nil),        // 1: carrel.agent.v1.HealthResponse
+	(*ExecRequest)(nil),           // 2: carrel.agent.v1.ExecRequest
+	(*ProcessInput)(nil),          // 3: carrel.agent.v1.ProcessInput
+	(*AttachRequest)(nil),         // 4: carrel.agent.v1.AttachRequest
+	(*CloseStdin)(nil),            // 5: carrel.agent.v1.CloseStdin
+	(*Resize)(nil),                // 6: carrel.agent.v1.Resize
+	(*ListProcessesRequest)(nil),  // 7: carrel.agent.v1.ListProcessesRequest
+	(*ListProcessesResponse)(nil), // 8: carrel.agent.v1.ListProcessesResponse
+	(*ProcessInfo)(nil),           // 9: carrel.agent.v1.ProcessInfo
+	(*SignalRequest)(nil),         // 10: carrel.agent.v1.SignalRequest
+	(*SignalResponse)(nil),        // 11: carrel.agent.v1.SignalResponse
+	(*ExecResponse)(nil),          // 12: carrel.agent.v1.ExecResponse
+	(*Started)(nil),               // 13: carrel.agent.v1.Started
+	(*ExitStatus)(nil),            // 14: carrel.agent.v1.ExitStatus
+	(*ShutdownRequest)(nil),       // 15: carrel.agent.v1.ShutdownRequest
+	(*ShutdownResponse)(nil),      // 16: carrel.agent.v1.ShutdownResponse
 }
 var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
-	4, // 0: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
-	5, // 1: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
-	0, // 2: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
-	2, // 3: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
-	6, // 4: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
-	1, // 5: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
-	3, // 6: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
-	7, // 7: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
-	5, // [5:8] is the sub-list for method output_type
-	2, // [2:5] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	2,  // 0: carrel.agent.v1.ProcessInput.start:type_name -> carrel.agent.v1.ExecRequest
+	4,  // 1: carrel.agent.v1.ProcessInput.attach:type_name -> carrel.agent.v1.AttachRequest
+	5,  // 2: carrel.agent.v1.ProcessInput.close_stdin:type_name -> carrel.agent.v1.CloseStdin
+	6,  // 3: carrel.agent.v1.ProcessInput.resize:type_name -> carrel.agent.v1.Resize
+	9,  // 4: carrel.agent.v1.ListProcessesResponse.processes:type_name -> carrel.agent.v1.ProcessInfo
+	13, // 5: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
+	14, // 6: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
+	0,  // 7: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
+	2,  // 8: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
+	3,  // 9: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
+	7,  // 10: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
+	10, // 11: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
+	15, // 12: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
+	1,  // 13: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
+	12, // 14: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
+	12, // 15: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
+	8,  // 16: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
+	11, // 17: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
+	16, // 18: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
+	13, // [13:19] is the sub-list for method output_type
+	7,  // [7:13] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_carrel_agent_v1_agent_proto_init() }
@@ -573,6 +1275,18 @@ func file_carrel_agent_v1_agent_proto_init() {
 		return
 	}
 	file_carrel_agent_v1_agent_proto_msgTypes[3].OneofWrappers = []any{
+		(*ProcessInput_Start)(nil),
+		(*ProcessInput_Attach)(nil),
+		(*ProcessInput_Stdin)(nil),
+		(*ProcessInput_CloseStdin)(nil),
+		(*ProcessInput_Signal)(nil),
+		(*ProcessInput_Resize)(nil),
+	}
+	file_carrel_agent_v1_agent_proto_msgTypes[10].OneofWrappers = []any{
+		(*SignalRequest_Pid)(nil),
+		(*SignalRequest_ExecId)(nil),
+	}
+	file_carrel_agent_v1_agent_proto_msgTypes[12].OneofWrappers = []any{
 		(*ExecResponse_Started)(nil),
 		(*ExecResponse_Stdout)(nil),
 		(*ExecResponse_Stderr)(nil),
@@ -584,7 +1298,7 @@ func file_carrel_agent_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_agent_proto_rawDesc), len(file_carrel_agent_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   8,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -41,6 +41,13 @@ const (
 	AgentServiceHealthProcedure = "/carrel.agent.v1.AgentService/Health"
 	// AgentServiceExecProcedure is the fully-qualified name of the AgentService's Exec RPC.
 	AgentServiceExecProcedure = "/carrel.agent.v1.AgentService/Exec"
+	// AgentServiceProcessProcedure is the fully-qualified name of the AgentService's Process RPC.
+	AgentServiceProcessProcedure = "/carrel.agent.v1.AgentService/Process"
+	// AgentServiceListProcessesProcedure is the fully-qualified name of the AgentService's
+	// ListProcesses RPC.
+	AgentServiceListProcessesProcedure = "/carrel.agent.v1.AgentService/ListProcesses"
+	// AgentServiceSignalProcedure is the fully-qualified name of the AgentService's Signal RPC.
+	AgentServiceSignalProcedure = "/carrel.agent.v1.AgentService/Signal"
 	// AgentServiceShutdownProcedure is the fully-qualified name of the AgentService's Shutdown RPC.
 	AgentServiceShutdownProcedure = "/carrel.agent.v1.AgentService/Shutdown"
 )
@@ -49,8 +56,20 @@ const (
 type AgentServiceClient interface {
 	// Health reports that the agent is up and which build it is.
 	Health(context.Context, *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error)
-	// Exec runs a command and streams its output, then its exit status.
+	// Exec runs a command with no input and streams its output, then its
+	// exit status. Ending the call kills the command's process group.
 	Exec(context.Context, *connect.Request[agentv1.ExecRequest]) (*connect.ServerStreamForClient[agentv1.ExecResponse], error)
+	// Process is the interactive form. The first message starts a command
+	// (start) or attaches to a detached one (attach); later ones carry stdin,
+	// its end, signals and terminal resizes. The replies are those of Exec.
+	// A command started with detach keeps running when the call ends, its
+	// output kept in a bounded buffer for the next attach.
+	Process(context.Context) *connect.BidiStreamForClient[agentv1.ProcessInput, agentv1.ExecResponse]
+	// ListProcesses lists the guest's processes.
+	ListProcesses(context.Context, *connect.Request[agentv1.ListProcessesRequest]) (*connect.Response[agentv1.ListProcessesResponse], error)
+	// Signal sends a signal to a process (by pid) or to the process group of
+	// a command the agent started (by id).
+	Signal(context.Context, *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error)
 	// Shutdown syncs file systems and powers the guest off (or reboots it).
 	Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error)
 }
@@ -78,6 +97,24 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Exec")),
 			connect.WithClientOptions(opts...),
 		),
+		process: connect.NewClient[agentv1.ProcessInput, agentv1.ExecResponse](
+			httpClient,
+			baseURL+AgentServiceProcessProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Process")),
+			connect.WithClientOptions(opts...),
+		),
+		listProcesses: connect.NewClient[agentv1.ListProcessesRequest, agentv1.ListProcessesResponse](
+			httpClient,
+			baseURL+AgentServiceListProcessesProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("ListProcesses")),
+			connect.WithClientOptions(opts...),
+		),
+		signal: connect.NewClient[agentv1.SignalRequest, agentv1.SignalResponse](
+			httpClient,
+			baseURL+AgentServiceSignalProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Signal")),
+			connect.WithClientOptions(opts...),
+		),
 		shutdown: connect.NewClient[agentv1.ShutdownRequest, agentv1.ShutdownResponse](
 			httpClient,
 			baseURL+AgentServiceShutdownProcedure,
@@ -89,9 +126,12 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 
 // agentServiceClient implements AgentServiceClient.
 type agentServiceClient struct {
-	health   *connect.Client[agentv1.HealthRequest, agentv1.HealthResponse]
-	exec     *connect.Client[agentv1.ExecRequest, agentv1.ExecResponse]
-	shutdown *connect.Client[agentv1.ShutdownRequest, agentv1.ShutdownResponse]
+	health        *connect.Client[agentv1.HealthRequest, agentv1.HealthResponse]
+	exec          *connect.Client[agentv1.ExecRequest, agentv1.ExecResponse]
+	process       *connect.Client[agentv1.ProcessInput, agentv1.ExecResponse]
+	listProcesses *connect.Client[agentv1.ListProcessesRequest, agentv1.ListProcessesResponse]
+	signal        *connect.Client[agentv1.SignalRequest, agentv1.SignalResponse]
+	shutdown      *connect.Client[agentv1.ShutdownRequest, agentv1.ShutdownResponse]
 }
 
 // Health calls carrel.agent.v1.AgentService.Health.
@@ -104,6 +144,21 @@ func (c *agentServiceClient) Exec(ctx context.Context, req *connect.Request[agen
 	return c.exec.CallServerStream(ctx, req)
 }
 
+// Process calls carrel.agent.v1.AgentService.Process.
+func (c *agentServiceClient) Process(ctx context.Context) *connect.BidiStreamForClient[agentv1.ProcessInput, agentv1.ExecResponse] {
+	return c.process.CallBidiStream(ctx)
+}
+
+// ListProcesses calls carrel.agent.v1.AgentService.ListProcesses.
+func (c *agentServiceClient) ListProcesses(ctx context.Context, req *connect.Request[agentv1.ListProcessesRequest]) (*connect.Response[agentv1.ListProcessesResponse], error) {
+	return c.listProcesses.CallUnary(ctx, req)
+}
+
+// Signal calls carrel.agent.v1.AgentService.Signal.
+func (c *agentServiceClient) Signal(ctx context.Context, req *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
+	return c.signal.CallUnary(ctx, req)
+}
+
 // Shutdown calls carrel.agent.v1.AgentService.Shutdown.
 func (c *agentServiceClient) Shutdown(ctx context.Context, req *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
 	return c.shutdown.CallUnary(ctx, req)
@@ -113,8 +168,20 @@ func (c *agentServiceClient) Shutdown(ctx context.Context, req *connect.Request[
 type AgentServiceHandler interface {
 	// Health reports that the agent is up and which build it is.
 	Health(context.Context, *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error)
-	// Exec runs a command and streams its output, then its exit status.
+	// Exec runs a command with no input and streams its output, then its
+	// exit status. Ending the call kills the command's process group.
 	Exec(context.Context, *connect.Request[agentv1.ExecRequest], *connect.ServerStream[agentv1.ExecResponse]) error
+	// Process is the interactive form. The first message starts a command
+	// (start) or attaches to a detached one (attach); later ones carry stdin,
+	// its end, signals and terminal resizes. The replies are those of Exec.
+	// A command started with detach keeps running when the call ends, its
+	// output kept in a bounded buffer for the next attach.
+	Process(context.Context, *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error
+	// ListProcesses lists the guest's processes.
+	ListProcesses(context.Context, *connect.Request[agentv1.ListProcessesRequest]) (*connect.Response[agentv1.ListProcessesResponse], error)
+	// Signal sends a signal to a process (by pid) or to the process group of
+	// a command the agent started (by id).
+	Signal(context.Context, *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error)
 	// Shutdown syncs file systems and powers the guest off (or reboots it).
 	Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error)
 }
@@ -138,6 +205,24 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Exec")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceProcessHandler := connect.NewBidiStreamHandler(
+		AgentServiceProcessProcedure,
+		svc.Process,
+		connect.WithSchema(agentServiceMethods.ByName("Process")),
+		connect.WithHandlerOptions(opts...),
+	)
+	agentServiceListProcessesHandler := connect.NewUnaryHandler(
+		AgentServiceListProcessesProcedure,
+		svc.ListProcesses,
+		connect.WithSchema(agentServiceMethods.ByName("ListProcesses")),
+		connect.WithHandlerOptions(opts...),
+	)
+	agentServiceSignalHandler := connect.NewUnaryHandler(
+		AgentServiceSignalProcedure,
+		svc.Signal,
+		connect.WithSchema(agentServiceMethods.ByName("Signal")),
+		connect.WithHandlerOptions(opts...),
+	)
 	agentServiceShutdownHandler := connect.NewUnaryHandler(
 		AgentServiceShutdownProcedure,
 		svc.Shutdown,
@@ -150,6 +235,12 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceHealthHandler.ServeHTTP(w, r)
 		case AgentServiceExecProcedure:
 			agentServiceExecHandler.ServeHTTP(w, r)
+		case AgentServiceProcessProcedure:
+			agentServiceProcessHandler.ServeHTTP(w, r)
+		case AgentServiceListProcessesProcedure:
+			agentServiceListProcessesHandler.ServeHTTP(w, r)
+		case AgentServiceSignalProcedure:
+			agentServiceSignalHandler.ServeHTTP(w, r)
 		case AgentServiceShutdownProcedure:
 			agentServiceShutdownHandler.ServeHTTP(w, r)
 		default:
@@ -167,6 +258,18 @@ func (UnimplementedAgentServiceHandler) Health(context.Context, *connect.Request
 
 func (UnimplementedAgentServiceHandler) Exec(context.Context, *connect.Request[agentv1.ExecRequest], *connect.ServerStream[agentv1.ExecResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Exec is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Process(context.Context, *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Process is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) ListProcesses(context.Context, *connect.Request[agentv1.ListProcessesRequest]) (*connect.Response[agentv1.ListProcessesResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.ListProcesses is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Signal(context.Context, *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Signal is not implemented"))
 }
 
 func (UnimplementedAgentServiceHandler) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
