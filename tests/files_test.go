@@ -65,7 +65,7 @@ func TestCopyFiles(t *testing.T) {
 	}{
 		{[]string{"cp", "files:/nope", filepath.Join(dir, "x")}, "no such file"},
 		{[]string{"cp", local, "files:/no/such/dir/x"}, "no such file"},
-		{[]string{"cp", "files:/workspace", dir}, "not a regular file"},
+		{[]string{"cp", "files:/dev/null", dir}, "not a regular file"},
 		{[]string{"cp", local, filepath.Join(dir, "y")}, "one side must be"},
 		{[]string{"cp", local, "ghost:/tmp/x"}, "ghost"},
 	} {
@@ -82,4 +82,54 @@ func TestCopyFiles(t *testing.T) {
 		}
 	}
 	d.Must("vm", "rm", "--force", "files")
+}
+
+// TestCopyDirectories copies trees both ways as tar streams, and shows that
+// an archive from the guest cannot write outside the destination.
+func TestCopyDirectories(t *testing.T) {
+	d := harness.New(t)
+	d.Start()
+	d.BuildImage()
+	d.Must("vm", "create", "trees")
+	dir := t.TempDir()
+	proj := filepath.Join(dir, "proj")
+	os.MkdirAll(filepath.Join(proj, "src", "deep"), 0o755)
+	os.WriteFile(filepath.Join(proj, "README"), []byte("readme\n"), 0o644)
+	os.WriteFile(filepath.Join(proj, "src", "deep", "run.sh"), []byte("#!/bin/sh\necho ran\n"), 0o755)
+	os.Symlink("src/deep/run.sh", filepath.Join(proj, "run"))
+
+	d.Must("cp", proj, "trees:/workspace/")
+	if out := d.Must("exec", "trees", "--", "sh", "-c", "cat /workspace/proj/README; /workspace/proj/run; readlink /workspace/proj/run"); out != "readme\nran\nsrc/deep/run.sh\n" {
+		t.Errorf("tree in the guest: %q", out)
+	}
+
+	// The guest changes the tree, including a symlink that points out and
+	// an absolute one, then the tree comes back.
+	d.Must("exec", "trees", "--", "sh", "-c", "echo new > /workspace/proj/src/new.txt; ln -s /etc/passwd /workspace/proj/abs; ln -s ../../../.. /workspace/proj/up")
+	back := filepath.Join(dir, "back")
+	d.Must("cp", "trees:/workspace/proj", back)
+	if b, _ := os.ReadFile(filepath.Join(back, "proj", "src", "new.txt")); string(b) != "new\n" {
+		t.Errorf("new.txt = %q", b)
+	}
+	if b, _ := os.ReadFile(filepath.Join(back, "proj", "src", "deep", "run.sh")); !strings.Contains(string(b), "echo ran") {
+		t.Errorf("run.sh = %q", b)
+	}
+	if fi, _ := os.Stat(filepath.Join(back, "proj", "src", "deep", "run.sh")); fi == nil || fi.Mode().Perm() != 0o755 {
+		t.Errorf("run.sh mode %v", fi)
+	}
+	// Links are kept as links; extraction never followed them.
+	if l, _ := os.Readlink(filepath.Join(back, "proj", "up")); l != "../../../.." {
+		t.Errorf("up -> %q", l)
+	}
+
+	// A guest tree with a link to a host path comes back as that link,
+	// never as what it points to. Archives crafted to climb out (.., /,
+	// writes through such links, swapped links) are refused by tarfs,
+	// which its unit tests and fuzz target show.
+	d.Must("exec", "trees", "--", "sh", "-c", "mkdir -p /workspace/evil && ln -s "+dir+" /workspace/evil/out")
+	d.Must("cp", "trees:/workspace/evil", filepath.Join(dir, "x"))
+	if l, _ := os.Readlink(filepath.Join(dir, "x", "evil", "out")); l != dir {
+		t.Errorf("link out = %q", l)
+	}
+	d.Must("vm", "rm", "--force", "trees")
 }

@@ -22,11 +22,14 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/carrel-os/carrel/guest-agent/files"
 	"github.com/carrel-os/carrel/guest-agent/initsys"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
 	"github.com/carrel-os/carrel/guest-agent/server"
+	"github.com/carrel-os/carrel/guest-agent/tarfs"
 	"github.com/carrel-os/carrel/guest-agent/transport"
+	"github.com/carrel-os/carrel/guest-agent/user"
 )
 
 // deviceWait bounds how long we wait for the transport's device to appear
@@ -121,7 +124,23 @@ func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool) error {
 		Transport: name,
 		Log:       log,
 		PowerOff:  func(reboot bool) { powerOff(log, pid1, reboot) },
+		Files:     files.New(files.Options{Owner: fileOwner(log, pid1)}),
 	})
+}
+
+// fileOwner is who owns what the host puts in the guest: the agent user,
+// whose commands must be able to use it. Off PID 1 (a development host),
+// files belong to whoever runs the agent.
+func fileOwner(log *slog.Logger, pid1 bool) *tarfs.Owner {
+	if !pid1 {
+		return nil
+	}
+	u, err := user.Files{}.Lookup("agent")
+	if err != nil {
+		log.Warn("no agent user: files from the host stay owned by root", "err", err)
+		return nil
+	}
+	return &tarfs.Owner{UID: int(u.UID), GID: int(u.GID)}
 }
 
 func listen(ctx context.Context, log *slog.Logger, o options, pid1 bool) (net.Listener, string, error) {

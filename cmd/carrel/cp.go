@@ -19,10 +19,15 @@ func newCpCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "cp SRC DST",
 		Short: "Copy a file between the host and a VM; one side is NAME:/path",
-		Long: `Copy a file between the host and a VM. One of SRC and DST is NAME:/path in the
-guest, the other a host path, or - for stdin or stdout. A destination that is an
-existing directory receives the file under its own name. Writes in the guest
-are atomic: the file appears whole or not at all.`,
+		Long: `Copy a file or a directory between the host and a VM. One of SRC and DST is
+NAME:/path in the guest, the other a host path, or - for stdin or stdout (files
+only).
+
+A file copied to an existing directory keeps its name; otherwise DST names the
+new file. File writes in the guest are atomic: the file appears whole or not
+at all. A directory is copied into DST (created if missing) under its own
+name, as a tar stream; what comes from the guest is extracted beneath DST and
+nowhere else, whatever the archive says.`,
 		Args: cobra.ExactArgs(2),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			srcVM, src, srcGuest := splitGuest(args[0])
@@ -57,8 +62,12 @@ func download(cmd *cobra.Command, g *globals, vm, src, dst string) error {
 	if err != nil {
 		return err
 	}
-	if fi.Type != agentv1.FileType_FILE_TYPE_REGULAR {
-		return fmt.Errorf("cp: %s:%s is not a regular file (directories are not supported yet)", vm, src)
+	switch {
+	case fi.Type == agentv1.FileType_FILE_TYPE_DIRECTORY && dst != "-":
+		_, err := c.DownloadTree(ctx, vm, src, dst, warnSkipped)
+		return err
+	case fi.Type != agentv1.FileType_FILE_TYPE_REGULAR:
+		return fmt.Errorf("cp: %s:%s is not a regular file or a directory that can be copied there", vm, src)
 	}
 	if dst == "-" {
 		_, err := c.Download(ctx, vm, src, os.Stdout)
@@ -113,8 +122,12 @@ func upload(cmd *cobra.Command, g *globals, src, vm, dst string) error {
 		if err != nil {
 			return fmt.Errorf("cp: %w", err)
 		}
+		if st.IsDir() {
+			_, err := c.UploadTree(ctx, vm, src, dst, warnSkipped)
+			return err
+		}
 		if !st.Mode().IsRegular() {
-			return fmt.Errorf("cp: %s is not a regular file (directories are not supported yet)", src)
+			return fmt.Errorf("cp: %s is not a regular file or a directory", src)
 		}
 		in, mode = f, uint32(st.Mode().Perm())
 	}
@@ -131,4 +144,8 @@ func upload(cmd *cobra.Command, g *globals, src, vm, dst string) error {
 	}
 	_, err = c.Upload(ctx, vm, dst, in, mode)
 	return err
+}
+
+func warnSkipped(name, why string) {
+	fmt.Fprintf(os.Stderr, "carrel cp: skipped %s: %s\n", name, why)
 }

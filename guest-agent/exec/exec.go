@@ -1,8 +1,10 @@
 //go:build linux
 
-// Package exec runs one ExecRequest: it validates the request, starts the
-// command in its own process group through the reaper, streams its output as
-// it arrives, and reports how it ended.
+// Package exec runs the commands of ExecRequests: it validates a request,
+// resolves the user to run as, starts the command in its own process group
+// (or session, on a terminal) through the reaper, streams its output as it
+// arrives, feeds its stdin, and reports how it ended. It keeps a registry of
+// the commands still running, by id, for signals and process listings.
 package exec
 
 import (
@@ -13,7 +15,6 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -21,8 +22,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
-	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/guest-agent/pty"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
+	"github.com/carrel-os/carrel/guest-agent/user"
 )
 
 const (
@@ -32,25 +34,38 @@ const (
 	MaxArgBytes = 1 << 20
 	// DefaultDir is the working directory when the request names none.
 	DefaultDir = "/workspace"
+	// DefaultUser runs commands whose request names no user.
+	DefaultUser = "agent"
 	// DefaultWaitDelay is how long output is still read after the command
 	// exits; see Runner.WaitDelay.
 	DefaultWaitDelay = time.Second
+	// DefaultRows and DefaultCols size a terminal whose request gives no
+	// size.
+	DefaultRows, DefaultCols = 24, 80
+	// TTYTerm is TERM on a terminal unless the request sets it.
+	TTYTerm = "xterm-256color"
 )
 
-// DefaultEnv is the environment every command starts with; the request's
-// entries override it key by key.
+// DefaultEnv is the environment every command starts with, before the
+// user's HOME, USER, LOGNAME and SHELL; the request's entries override it
+// key by key.
 var DefaultEnv = []string{
 	"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-	"HOME=/root",
 	"TERM=dumb",
 }
 
-// Runner runs commands. The zero value is not usable: Reaper must be set.
+// Runner runs commands and keeps track of those still running. The zero
+// value is not usable: Reaper must be set. A Runner must not be copied.
 type Runner struct {
 	// Reaper starts and waits for every command.
 	Reaper *reaper.Reaper
 	// Dir replaces DefaultDir when set (tests).
 	Dir string
+	// User replaces DefaultUser when set (tests).
+	User string
+	// Users is where user names are looked up; the zero value means
+	// /etc/passwd and /etc/group.
+	Users user.Files
 	// WaitDelay matters when a background child still holds stdout or
 	// stderr open after the command exits: output is then read until both
 	// pipes have been quiet for WaitDelay, after which our read ends are
@@ -58,57 +73,91 @@ type Runner struct {
 	// never dropped, however slowly the client reads it. Zero means
 	// DefaultWaitDelay.
 	WaitDelay time.Duration
+
+	mu      sync.Mutex
+	running map[string]*Proc // by id
 }
 
-// Run runs req and sends, in order: one Started, stdout and stderr chunks of
-// at most protocol.ExecChunkBytes each as they arrive, then one Exit once the
-// command has exited and both pipes are drained. send is never called
-// concurrently.
+// Run runs req for the Exec call, with no input (stdin is /dev/null, or
+// the terminal with tty, which nothing writes to). It sends, in order: one
+// Started, stdout and stderr chunks of at most protocol.ExecChunkBytes each
+// as they arrive, then one Exit once the command has exited and its output
+// is drained. send is never called concurrently.
 //
-// Errors are *connect.Error: CodeInvalidArgument for a malformed request,
-// CodeNotFound when the program is not found (message like os/exec's:
+// Errors are *connect.Error: CodeInvalidArgument for a malformed request
+// (detach included: only the Process call can detach) or an unknown user,
+// CodePermissionDenied when the agent cannot switch to the user (it is not
+// root), CodeNotFound when the program is not found (message like os/exec's:
 // exec: "foo": executable file not found in $PATH), CodeFailedPrecondition
 // when the default working directory is missing. If ctx ends first, or a
 // send fails, Run kills the whole process group with SIGKILL, waits for it,
 // and returns CodeCanceled or CodeDeadlineExceeded (or the send error).
 func (r *Runner) Run(ctx context.Context, req *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
-	c, err := r.prepare(req)
+	if req.GetDetach() {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("exec: detach needs the Process call"))
+	}
+	p, err := r.Start(req, false)
 	if err != nil {
 		return err
 	}
-	return r.run(ctx, c, send)
+	if err := send(p.Started()); err != nil {
+		p.Abort(fmt.Errorf("exec: send: %w", err))
+	}
+	p.Stream(send)
+	exit, err := p.Wait(ctx)
+	if err != nil {
+		return err
+	}
+	return send(ExitEvent(exit))
 }
 
 // command is a validated request.
 type command struct {
-	path string // resolved program
-	argv []string
-	env  []string
-	dir  string
+	path       string // resolved program
+	argv       []string
+	env        []string
+	dir        string
+	cred       *syscall.Credential // nil: run as the agent's own user
+	tty        bool
+	rows, cols uint32
 }
 
 func (r *Runner) prepare(req *agentv1.ExecRequest) (*command, error) {
 	if err := validate(req); err != nil {
 		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	env := mergeEnv(DefaultEnv, req.GetEnv())
-	dir := req.GetCwd()
-	if dir == "" {
-		dir = r.Dir
-		if dir == "" {
-			dir = DefaultDir
+	u, cred, err := r.resolveUser(req.GetUser())
+	if err != nil {
+		return nil, err
+	}
+	env := mergeEnv(DefaultEnv, u.Env())
+	c := &command{argv: req.Argv, cred: cred, tty: req.GetTty(), rows: req.GetRows(), cols: req.GetCols()}
+	if c.tty {
+		env = mergeEnv(env, []string{"TERM=" + TTYTerm})
+		if c.rows == 0 {
+			c.rows = DefaultRows
 		}
-		if err := checkDir(dir); err != nil {
+		if c.cols == 0 {
+			c.cols = DefaultCols
+		}
+	}
+	c.env = mergeEnv(env, req.GetEnv())
+	c.dir = req.GetCwd()
+	if c.dir == "" {
+		c.dir = r.Dir
+		if c.dir == "" {
+			c.dir = DefaultDir
+		}
+		if err := checkDir(c.dir); err != nil {
 			return nil, connect.NewError(connect.CodeFailedPrecondition, err)
 		}
-	} else if err := checkDir(dir); err != nil {
+	} else if err := checkDir(c.dir); err != nil {
 		return nil, connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	path, err := lookPath(req.Argv[0], getenv(env, "PATH"), dir)
-	if err != nil {
+	if c.path, err = lookPath(req.Argv[0], getenv(c.env, "PATH"), c.dir); err != nil {
 		return nil, startError(err)
 	}
-	return &command{path: path, argv: req.Argv, env: env, dir: dir}, nil
+	return c, nil
 }
 
 func validate(req *agentv1.ExecRequest) error {
@@ -122,6 +171,8 @@ func validate(req *agentv1.ExecRequest) error {
 		return fmt.Errorf("exec: %d arguments, more than %d", len(argv), MaxArgs)
 	case len(env) > MaxArgs:
 		return fmt.Errorf("exec: %d environment entries, more than %d", len(env), MaxArgs)
+	case req.GetTty() && (req.GetRows() > pty.MaxSize || req.GetCols() > pty.MaxSize):
+		return fmt.Errorf("exec: terminal size %dx%d: %w", req.GetRows(), req.GetCols(), pty.ErrBadSize)
 	}
 	total := len(req.GetCwd())
 	for _, a := range argv {
@@ -258,130 +309,6 @@ func startError(err error) error {
 	return connect.NewError(code, errors.New(msg))
 }
 
-func (r *Runner) run(ctx context.Context, c *command, send func(*agentv1.ExecResponse) error) error {
-	devNull, err := os.Open(os.DevNull)
-	if err != nil {
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("exec: open stdin: %w", err))
-	}
-	defer devNull.Close()
-	outR, outW, err := os.Pipe()
-	if err != nil {
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("exec: stdout pipe: %w", err))
-	}
-	defer outR.Close()
-	errR, errW, err := os.Pipe()
-	if err != nil {
-		outW.Close()
-		return connect.NewError(connect.CodeInternal, fmt.Errorf("exec: stderr pipe: %w", err))
-	}
-	defer errR.Close()
-
-	p, err := r.Reaper.Start(c.path, c.argv, &os.ProcAttr{
-		Dir:   c.dir,
-		Env:   c.env,
-		Files: []*os.File{devNull, outW, errW},
-		Sys:   &syscall.SysProcAttr{Setpgid: true},
-	})
-	// Our copies of the write ends must go, or the pipes never reach EOF.
-	outW.Close()
-	errW.Close()
-	if err != nil {
-		if pe, ok := errors.AsType[*os.PathError](err); ok {
-			err = pe.Err
-		}
-		return startError(&os.PathError{Op: "exec", Path: c.argv[0], Err: err})
-	}
-
-	ctx, cancel := context.WithCancelCause(ctx)
-	defer cancel(nil)
-	var mu sync.Mutex
-	sendLocked := func(m *agentv1.ExecResponse) error {
-		mu.Lock()
-		defer mu.Unlock()
-		if err := send(m); err != nil {
-			cancel(fmt.Errorf("exec: send: %w", err))
-			return err
-		}
-		return nil
-	}
-
-	var wg sync.WaitGroup
-	var exited atomic.Bool
-	if sendLocked(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: int32(p.Pid)}}}) == nil {
-		for _, o := range []struct {
-			f     *os.File
-			event func([]byte) *agentv1.ExecResponse
-		}{{outR, stdoutEvent}, {errR, stderrEvent}} {
-			wg.Go(func() { pump(ctx, o.f, &exited, r.waitDelay(), sendLocked, o.event) })
-		}
-	}
-
-	ws, err := p.Wait(ctx)
-	if err != nil {
-		_ = p.SignalGroup(unix.SIGKILL)
-		ws, _ = p.Wait(context.Background()) // SIGKILL cannot be ignored
-	}
-	exited.Store(true)
-	quiet := time.Now().Add(r.waitDelay())
-	outR.SetReadDeadline(quiet)
-	errR.SetReadDeadline(quiet)
-	stop := context.AfterFunc(ctx, func() { // nobody is listening any more
-		outR.SetReadDeadline(time.Now())
-		errR.SetReadDeadline(time.Now())
-	})
-	wg.Wait()
-	stop()
-
-	if err := context.Cause(ctx); err != nil {
-		switch {
-		case errors.Is(err, context.DeadlineExceeded):
-			return connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec %q: killed: %w", c.argv[0], err))
-		case errors.Is(err, context.Canceled):
-			return connect.NewError(connect.CodeCanceled, fmt.Errorf("exec %q: killed: %w", c.argv[0], err))
-		}
-		return err
-	}
-	return sendLocked(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: ExitStatus(ws)}})
-}
-
-func (r *Runner) waitDelay() time.Duration {
-	if r.WaitDelay > 0 {
-		return r.WaitDelay
-	}
-	return DefaultWaitDelay
-}
-
-func stdoutEvent(b []byte) *agentv1.ExecResponse {
-	return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: b}}
-}
-
-func stderrEvent(b []byte) *agentv1.ExecResponse {
-	return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stderr{Stderr: b}}
-}
-
-// pump sends what it reads from f until EOF, a failed send, or ctx's end.
-// Once the command has exited, each read may wait at most delay for data.
-// Each chunk is sent before the buffer is reused; send marshals
-// synchronously.
-func pump(ctx context.Context, f *os.File, exited *atomic.Bool, delay time.Duration,
-	send func(*agentv1.ExecResponse) error, event func([]byte) *agentv1.ExecResponse) {
-	buf := make([]byte, protocol.ExecChunkBytes)
-	for {
-		n, err := f.Read(buf)
-		if n > 0 {
-			if send(event(buf[:n])) != nil {
-				return
-			}
-		}
-		if err != nil || ctx.Err() != nil {
-			return
-		}
-		if exited.Load() {
-			f.SetReadDeadline(time.Now().Add(delay))
-		}
-	}
-}
-
 // ExitStatus converts a wait status: the exit code, or 128+signal number and
 // the signal's name when a signal ended the process.
 func ExitStatus(ws unix.WaitStatus) *agentv1.ExitStatus {
@@ -389,4 +316,9 @@ func ExitStatus(ws unix.WaitStatus) *agentv1.ExitStatus {
 		return &agentv1.ExitStatus{Code: 128 + int32(ws.Signal()), Signal: unix.SignalName(ws.Signal())}
 	}
 	return &agentv1.ExitStatus{Code: int32(ws.ExitStatus())}
+}
+
+// ExitEvent wraps an exit status in a response.
+func ExitEvent(e *agentv1.ExitStatus) *agentv1.ExecResponse {
+	return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: e}}
 }

@@ -74,7 +74,17 @@ func (r *result) exit(t *testing.T) *agentv1.ExitStatus {
 }
 
 func runner(t *testing.T) *Runner {
-	return &Runner{Reaper: reaper.Default(), Dir: t.TempDir(), WaitDelay: 200 * time.Millisecond}
+	return &Runner{Reaper: reaper.Default(), Dir: t.TempDir(), User: testUser(), WaitDelay: 200 * time.Millisecond}
+}
+
+// testUser is who tests run commands as: root when the tests run as root
+// (as in CI), else the tests' own user, the only one a non-root agent can
+// run commands as.
+func testUser() string {
+	if os.Geteuid() == 0 {
+		return "root"
+	}
+	return ""
 }
 
 func run(t *testing.T, r *Runner, req *agentv1.ExecRequest) (*result, error) {
@@ -121,7 +131,11 @@ func TestEnvAndDir(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := "a=b|xterm|/root|/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin|" + r.Dir + "\n"
+	home := "/root"
+	if u, err := r.Users.Lookup(strconv.Itoa(os.Geteuid())); os.Geteuid() != 0 && err == nil {
+		home = u.Home
+	}
+	want := "a=b|xterm|" + home + "|/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin|" + r.Dir + "\n"
 	if res.stdout.String() != want {
 		t.Errorf("got %q, want %q", res.stdout.String(), want)
 	}
@@ -201,7 +215,7 @@ func TestRequestErrors(t *testing.T) {
 		})
 	}
 
-	missing := &Runner{Reaper: reaper.Default(), Dir: "/nonexistent-carrel"}
+	missing := &Runner{Reaper: reaper.Default(), Dir: "/nonexistent-carrel", User: testUser()}
 	if _, err := run(t, missing, sh("true")); connect.CodeOf(err) != connect.CodeFailedPrecondition {
 		t.Fatalf("missing default dir: %v, want failed_precondition", err)
 	}

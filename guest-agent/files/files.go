@@ -32,6 +32,7 @@ import (
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/guest-agent/tarfs"
 )
 
 // Defaults for Options.
@@ -71,6 +72,11 @@ type Options struct {
 	// ReadChunk is the most bytes in one ReadResponse; values above
 	// protocol.MaxMessageBytes less 1 KiB are lowered to that.
 	ReadChunk int
+	// Owner, if set, owns what the service creates: new files, new
+	// directories and extracted archives (an existing file keeps its
+	// owner). carrel-agent sets it to the agent user, so that what the
+	// host puts in the guest belongs to the user commands run as.
+	Owner *tarfs.Owner
 }
 
 // Service implements FileService. It is safe for concurrent use.
@@ -335,6 +341,10 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 		if err := keepOwner(f, existing); err != nil {
 			return nil, fsError("write", p, err)
 		}
+	} else if o := s.opts.Owner; o != nil {
+		if err := f.Chown(o.UID, o.GID); err != nil {
+			return nil, fsError("write", p, err)
+		}
 	}
 	h := sha256.New()
 	var size int64
@@ -415,6 +425,11 @@ func (s *Service) MakeDir(_ context.Context, req *connect.Request[agentv1.MakeDi
 	}
 	if err := os.Chmod(p, fileMode(m)); err != nil {
 		return nil, fsError("mkdir", p, err)
+	}
+	if o := s.opts.Owner; o != nil {
+		if err := os.Lchown(p, o.UID, o.GID); err != nil {
+			return nil, fsError("mkdir", p, err)
+		}
 	}
 	return connect.NewResponse(&agentv1.MakeDirResponse{}), nil
 }

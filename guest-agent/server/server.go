@@ -23,6 +23,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
+	"github.com/carrel-os/carrel/guest-agent/session"
 )
 
 // Version is the agent's build version, set with
@@ -40,7 +41,9 @@ const shutdownGrace = 2 * time.Second
 type Config struct {
 	// Transport is reported by Health: "vsock", "virtio-serial" or "unix".
 	Transport string
-	// Runner runs Exec calls; nil means one using reaper.Default().
+	// Runner runs Exec and Process calls; nil means one using
+	// reaper.Default(). Detached commands are kept per Serve call: they
+	// keep running after Serve returns but can no longer be attached.
 	Runner *exec.Runner
 	// Files serves FileService; nil means files.New(files.Options{}).
 	Files agentv1connect.FileServiceHandler
@@ -65,7 +68,7 @@ func Serve(ctx context.Context, l net.Listener, cfg Config) error {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	svc := &service{cfg: cfg, shutdown: make(chan bool, 1)}
+	svc := &service{cfg: cfg, sessions: session.New(cfg.Runner), shutdown: make(chan bool, 1)}
 	srv := protocol.NewHTTPServer(NewHandler(svc, cfg.Files))
 	srv.ErrorLog = slog.NewLogLogger(cfg.Log.Handler(), slog.LevelWarn)
 	srv.BaseContext = func(net.Listener) context.Context { return ctx }
@@ -106,9 +109,9 @@ func NewHandler(agent agentv1connect.AgentServiceHandler, fs agentv1connect.File
 }
 
 type service struct {
-	agentv1connect.UnimplementedAgentServiceHandler // until Process, ListProcesses and Signal land
-	cfg                                             Config
-	shutdown                                        chan bool // the reboot flag of the first Shutdown call
+	cfg      Config
+	sessions *session.Table
+	shutdown chan bool // the reboot flag of the first Shutdown call
 }
 
 var _ agentv1connect.AgentServiceHandler = (*service)(nil)
@@ -125,13 +128,18 @@ func (s *service) Health(context.Context, *connect.Request[agentv1.HealthRequest
 func (s *service) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], stream *connect.ServerStream[agentv1.ExecResponse]) error {
 	start := time.Now()
 	var exit *agentv1.ExitStatus
+	var id string
 	err := s.cfg.Runner.Run(ctx, req.Msg, func(m *agentv1.ExecResponse) error {
 		if e := m.GetExit(); e != nil {
 			exit = e
 		}
+		if st := m.GetStarted(); st != nil {
+			id = st.Id
+		}
 		return stream.Send(m)
 	})
-	log := s.cfg.Log.With("rpc", "Exec", "argv0", firstArg(req.Msg.GetArgv()), "duration", time.Since(start))
+	log := s.cfg.Log.With("rpc", "Exec", "argv0", firstArg(req.Msg.GetArgv()), "user", truncate(req.Msg.GetUser()),
+		"tty", req.Msg.GetTty(), "exec_id", id, "duration", time.Since(start))
 	switch {
 	case err != nil:
 		log.Info("exec failed", "err", err)

@@ -60,7 +60,7 @@ func serve(t *testing.T) *fixture {
 	f.cancel = cancel
 	cfg := Config{
 		Transport: "unix",
-		Runner:    &exec.Runner{Reaper: reaper.Default(), Dir: f.dir, WaitDelay: 200 * time.Millisecond},
+		Runner:    &exec.Runner{Reaper: reaper.Default(), Dir: f.dir, User: testUser(), WaitDelay: 200 * time.Millisecond},
 		PowerOff:  func(reboot bool) { f.reboot <- reboot },
 	}
 	go func() { f.served <- Serve(ctx, l, cfg) }()
@@ -82,6 +82,16 @@ func serve(t *testing.T) *fixture {
 	f.client = agentv1connect.NewAgentServiceClient(hc, protocol.BaseURL, protocol.ClientOptions()...)
 	f.files = agentv1connect.NewFileServiceClient(hc, protocol.BaseURL, protocol.ClientOptions()...)
 	return f
+}
+
+// testUser is who tests run commands as: root when the tests run as root
+// (as in CI), else the tests' own user, the only one a non-root agent can
+// run commands as.
+func testUser() string {
+	if os.Geteuid() == 0 {
+		return "root"
+	}
+	return ""
 }
 
 func callCtx(t *testing.T) context.Context {

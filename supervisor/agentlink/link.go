@@ -323,6 +323,13 @@ func (l *Link) Files() (client agentv1connect.FileServiceClient, done func(ctx c
 	return s.files, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
+// Agent returns the guest's agent service on the current connection, and
+// done, to be passed every error of the calls made with it (see Files).
+func (l *Link) Agent() (client agentv1connect.AgentServiceClient, done func(ctx context.Context, err error) error) {
+	s := l.session()
+	return s.client, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
+}
+
 // Shutdown asks the guest to power off (or reboot).
 func (l *Link) Shutdown(ctx context.Context, reboot bool) error {
 	s := l.session()

@@ -153,6 +153,16 @@ func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadR
 }
 
 func (r *fileRelay) Write(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
+	return r.relayWrite(ctx, in, agentv1connect.FileServiceClient.Write)
+}
+
+func (r *fileRelay) WriteTar(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
+	return r.relayWrite(ctx, in, agentv1connect.FileServiceClient.WriteTar)
+}
+
+// relayWrite passes a header, data and commit stream on to the guest.
+func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest],
+	open func(agentv1connect.FileServiceClient, context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse]) (*connect.Response[agentv1.WriteResponse], error) {
 	c, done, err := r.files(in.RequestHeader())
 	if err != nil {
 		return nil, err
@@ -170,7 +180,7 @@ func (r *fileRelay) Write(ctx context.Context, in *connect.ClientStream[agentv1.
 	// complete instead of committing it.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	s := c.Write(ctx)
+	s := open(c, ctx)
 	var sent int64
 	for msg := in.Msg(); ; msg = in.Msg() {
 		if err := s.Send(msg); err != nil {
@@ -197,6 +207,26 @@ func (r *fileRelay) Write(ctx context.Context, in *connect.ClientStream[agentv1.
 		return nil, errGuest("write reply does not match what was sent (%d bytes sent, %d reported)", sent, resp.Msg.Size)
 	}
 	return connect.NewResponse(resp.Msg), nil
+}
+
+// ReadTar relays an archive. carreld does not look inside: whoever
+// extracts it must treat it as hostile (tarfs.Extract does).
+func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.ReadTarRequest], out *connect.ServerStream[agentv1.ReadResponse]) error {
+	c, done, err := r.files(req.Header())
+	if err != nil {
+		return err
+	}
+	s, err := c.ReadTar(ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		return relayErr(ctx, done, err)
+	}
+	defer s.Close()
+	for s.Receive() {
+		if err := out.Send(s.Msg()); err != nil {
+			return err
+		}
+	}
+	return relayErr(ctx, done, s.Err())
 }
 
 // unary relays a call whose reply carries nothing to check.

@@ -28,6 +28,8 @@ const (
 	// defaultStreamDeadline applies to streaming calls that bring none
 	// (file transfers); Exec has its own timeout.
 	defaultStreamDeadline = time.Hour
+	// maxSessionDeadline bounds an interactive session without a deadline.
+	maxSessionDeadline = 24 * time.Hour
 )
 
 // ImageBuilder builds the development image and returns its digest.
@@ -64,6 +66,7 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle(apiv1connect.NewImageServiceHandler(&imageService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewSystemServiceHandler(&systemService{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewFileServiceHandler(&fileRelay{cfg: cfg}, opts...))
+	mux.Handle(agentv1connect.NewAgentServiceHandler(&agentRelay{cfg: cfg}, opts...))
 	return mux
 }
 
@@ -120,8 +123,12 @@ func (deadlineInterceptor) WrapStreamingClient(next connect.StreamingClientFunc)
 func (deadlineInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
 		if _, ok := ctx.Deadline(); !ok {
+			d := defaultStreamDeadline
+			if conn.Spec().Procedure == agentv1connect.AgentServiceProcessProcedure {
+				d = maxSessionDeadline // an interactive shell
+			}
 			var cancel context.CancelFunc
-			ctx, cancel = context.WithTimeout(ctx, defaultStreamDeadline)
+			ctx, cancel = context.WithTimeout(ctx, d)
 			defer cancel()
 		}
 		return next(ctx, conn)

@@ -108,21 +108,19 @@ func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecReq
 		return toConnect(err)
 	}
 	defer stream.Close()
+	var chk eventCheck
 	for {
 		ev, ok, err := stream.Recv()
 		if !ok {
-			if err != nil {
-				if ctx.Err() == context.DeadlineExceeded {
-					return connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
-				}
-				return toConnect(err)
+			if err != nil && ctx.Err() == context.DeadlineExceeded {
+				return connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
 			}
-			return connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent ended the stream without an exit status"))
+			return chk.end(toConnect(err))
 		}
-		resp, last, err := relayEvent(ev)
-		if err != nil {
+		if err := chk.check(ev); err != nil {
 			return err
 		}
+		resp, last, _ := relayEvent(ev)
 		if err := out.Send(resp); err != nil {
 			return err
 		}

@@ -34,6 +34,9 @@ type Client struct {
 	// call names its VM in the Carrel-Vm header; the methods in files.go
 	// do that for you.
 	Files agentv1connect.FileServiceClient
+	// Agent is the guest agent's own service (interactive processes,
+	// process lists, signals), relayed the same way.
+	Agent agentv1connect.AgentServiceClient
 }
 
 // maxResponseBytes caps one message from carreld.
@@ -58,5 +61,6 @@ func New(path string) *Client {
 		Images: apiv1connect.NewImageServiceClient(hc, base, opts...),
 		System: apiv1connect.NewSystemServiceClient(hc, base, opts...),
 		Files:  agentv1connect.NewFileServiceClient(hc, base, opts...),
+		Agent:  agentv1connect.NewAgentServiceClient(hc, base, opts...),
 	}
 }

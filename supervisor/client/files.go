@@ -5,10 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/tarfs"
 )
 
 // vmHeader names the VM of a file call (see supervisor/api.VMHeader).
@@ -80,6 +82,83 @@ func (c *Client) Upload(ctx context.Context, vm, path string, r io.Reader, mode 
 	}
 	// A send error means the server ended the call: its reason is in the
 	// response.
+	resp, err := s.CloseAndReceive()
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg, nil
+}
+
+// DownloadTree copies the file or tree at path in vm into the host
+// directory dir, keeping its name: /w/proj lands as dir/proj. The archive
+// comes from the guest, so it is extracted through an os.Root beneath dir
+// and nowhere else (see tarfs). skipped, if not nil, hears of entries left
+// out (devices, fifos).
+func (c *Client) DownloadTree(ctx context.Context, vm, path, dir string, skipped func(name, why string)) (tarfs.Stats, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return tarfs.Stats{}, err
+	}
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		return tarfs.Stats{}, err
+	}
+	defer root.Close()
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	s, err := c.Files.ReadTar(ctx, forVM(vm, &agentv1.ReadTarRequest{Path: path}))
+	if err != nil {
+		return tarfs.Stats{}, err
+	}
+	defer s.Close()
+	pr, pw := io.Pipe()
+	go func() {
+		for s.Receive() {
+			if _, err := pw.Write(s.Msg().Data); err != nil {
+				return
+			}
+		}
+		pw.CloseWithError(s.Err())
+	}()
+	st, err := tarfs.Extract(pr, root, tarfs.Options{Skipped: skipped})
+	pr.CloseWithError(io.ErrClosedPipe)
+	return st, err
+}
+
+// UploadTree copies the host file or tree at path into the directory dir
+// in vm (created if missing), keeping its name. Extraction in the guest is
+// not atomic: on an error, what was extracted stays.
+func (c *Client) UploadTree(ctx context.Context, vm, path, dir string, skipped func(name, why string)) (*agentv1.WriteResponse, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	s := c.Files.WriteTar(ctx)
+	s.RequestHeader().Set(vmHeader, vm)
+	if err := s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Header{Header: &agentv1.WriteHeader{Path: dir, MakeParents: true}}}); err != nil {
+		_, err := s.CloseAndReceive()
+		return nil, err
+	}
+	pr, pw := io.Pipe()
+	go func() { pw.CloseWithError(tarfs.Pack(pw, path, skipped)) }()
+	buf := make([]byte, chunkBytes)
+	for {
+		n, err := io.ReadFull(pr, buf)
+		if n > 0 {
+			if s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Data{Data: buf[:n]}}) != nil {
+				pr.CloseWithError(io.ErrClosedPipe)
+				_, err := s.CloseAndReceive()
+				return nil, err
+			}
+		}
+		if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("upload %s: %w", path, err)
+		}
+	}
+	if err := s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Commit{Commit: &agentv1.WriteCommit{}}}); err != nil {
+		_, err := s.CloseAndReceive()
+		return nil, err
+	}
 	resp, err := s.CloseAndReceive()
 	if err != nil {
 		return nil, err

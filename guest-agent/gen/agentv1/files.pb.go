@@ -81,6 +81,50 @@ func (FileType) EnumDescriptor() ([]byte, []int) {
 	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{0}
 }
 
+type ReadTarRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReadTarRequest) Reset() {
+	*x = ReadTarRequest{}
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReadTarRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReadTarRequest) ProtoMessage() {}
+
+func (x *ReadTarRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReadTarRequest.ProtoReflect.Descriptor instead.
+func (*ReadTarRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *ReadTarRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
 type FileInfo struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Absolute path.
@@ -102,7 +146,7 @@ type FileInfo struct {
 
 func (x *FileInfo) Reset() {
 	*x = FileInfo{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[0]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[1]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -114,7 +158,7 @@ func (x *FileInfo) String() string {
 func (*FileInfo) ProtoMessage() {}
 
 func (x *FileInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[0]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[1]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -127,7 +171,7 @@ func (x *FileInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FileInfo.ProtoReflect.Descriptor instead.
 func (*FileInfo) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{0}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{1}
 }
 
 func (x *FileInfo) GetPath() string {
@@ -195,7 +239,7 @@ type StatRequest struct {
 
 func (x *StatRequest) Reset() {
 	*x = StatRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[1]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -207,7 +251,7 @@ func (x *StatRequest) String() string {
 func (*StatRequest) ProtoMessage() {}
 
 func (x *StatRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[1]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -220,7 +264,7 @@ func (x *StatRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatRequest.ProtoReflect.Descriptor instead.
 func (*StatRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{1}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *StatRequest) GetPath() string {
@@ -239,7 +283,7 @@ type StatResponse struct {
 
 func (x *StatResponse) Reset() {
 	*x = StatResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[2]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -251,7 +295,7 @@ func (x *StatResponse) String() string {
 func (*StatResponse) ProtoMessage() {}
 
 func (x *StatResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[2]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -264,7 +308,7 @@ func (x *StatResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StatResponse.ProtoReflect.Descriptor instead.
 func (*StatResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{2}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *StatResponse) GetInfo() *FileInfo {
@@ -287,7 +331,7 @@ type ListRequest struct {
 
 func (x *ListRequest) Reset() {
 	*x = ListRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[3]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -299,7 +343,7 @@ func (x *ListRequest) String() string {
 func (*ListRequest) ProtoMessage() {}
 
 func (x *ListRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[3]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -312,7 +356,7 @@ func (x *ListRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRequest.ProtoReflect.Descriptor instead.
 func (*ListRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{3}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ListRequest) GetPath() string {
@@ -354,7 +398,7 @@ type ListResponse struct {
 
 func (x *ListResponse) Reset() {
 	*x = ListResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[4]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -366,7 +410,7 @@ func (x *ListResponse) String() string {
 func (*ListResponse) ProtoMessage() {}
 
 func (x *ListResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[4]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -379,7 +423,7 @@ func (x *ListResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListResponse.ProtoReflect.Descriptor instead.
 func (*ListResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{4}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ListResponse) GetEntries() []*FileInfo {
@@ -408,7 +452,7 @@ type ReadRequest struct {
 
 func (x *ReadRequest) Reset() {
 	*x = ReadRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[5]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -420,7 +464,7 @@ func (x *ReadRequest) String() string {
 func (*ReadRequest) ProtoMessage() {}
 
 func (x *ReadRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[5]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -433,7 +477,7 @@ func (x *ReadRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadRequest.ProtoReflect.Descriptor instead.
 func (*ReadRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{5}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ReadRequest) GetPath() string {
@@ -466,7 +510,7 @@ type ReadResponse struct {
 
 func (x *ReadResponse) Reset() {
 	*x = ReadResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[6]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -478,7 +522,7 @@ func (x *ReadResponse) String() string {
 func (*ReadResponse) ProtoMessage() {}
 
 func (x *ReadResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[6]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -491,7 +535,7 @@ func (x *ReadResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReadResponse.ProtoReflect.Descriptor instead.
 func (*ReadResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{6}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ReadResponse) GetData() []byte {
@@ -515,7 +559,7 @@ type WriteRequest struct {
 
 func (x *WriteRequest) Reset() {
 	*x = WriteRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[7]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -527,7 +571,7 @@ func (x *WriteRequest) String() string {
 func (*WriteRequest) ProtoMessage() {}
 
 func (x *WriteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[7]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -540,7 +584,7 @@ func (x *WriteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteRequest.ProtoReflect.Descriptor instead.
 func (*WriteRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{7}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *WriteRequest) GetMsg() isWriteRequest_Msg {
@@ -609,7 +653,7 @@ type WriteCommit struct {
 
 func (x *WriteCommit) Reset() {
 	*x = WriteCommit{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[8]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -621,7 +665,7 @@ func (x *WriteCommit) String() string {
 func (*WriteCommit) ProtoMessage() {}
 
 func (x *WriteCommit) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[8]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -634,7 +678,7 @@ func (x *WriteCommit) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteCommit.ProtoReflect.Descriptor instead.
 func (*WriteCommit) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{8}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{9}
 }
 
 type WriteHeader struct {
@@ -651,7 +695,7 @@ type WriteHeader struct {
 
 func (x *WriteHeader) Reset() {
 	*x = WriteHeader{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[9]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -663,7 +707,7 @@ func (x *WriteHeader) String() string {
 func (*WriteHeader) ProtoMessage() {}
 
 func (x *WriteHeader) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[9]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -676,7 +720,7 @@ func (x *WriteHeader) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteHeader.ProtoReflect.Descriptor instead.
 func (*WriteHeader) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{9}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *WriteHeader) GetPath() string {
@@ -711,7 +755,7 @@ type WriteResponse struct {
 
 func (x *WriteResponse) Reset() {
 	*x = WriteResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[10]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -723,7 +767,7 @@ func (x *WriteResponse) String() string {
 func (*WriteResponse) ProtoMessage() {}
 
 func (x *WriteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[10]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -736,7 +780,7 @@ func (x *WriteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WriteResponse.ProtoReflect.Descriptor instead.
 func (*WriteResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{10}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *WriteResponse) GetSize() int64 {
@@ -765,7 +809,7 @@ type MakeDirRequest struct {
 
 func (x *MakeDirRequest) Reset() {
 	*x = MakeDirRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[11]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -777,7 +821,7 @@ func (x *MakeDirRequest) String() string {
 func (*MakeDirRequest) ProtoMessage() {}
 
 func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[11]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -790,7 +834,7 @@ func (x *MakeDirRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirRequest.ProtoReflect.Descriptor instead.
 func (*MakeDirRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{11}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *MakeDirRequest) GetPath() string {
@@ -822,7 +866,7 @@ type MakeDirResponse struct {
 
 func (x *MakeDirResponse) Reset() {
 	*x = MakeDirResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[12]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -834,7 +878,7 @@ func (x *MakeDirResponse) String() string {
 func (*MakeDirResponse) ProtoMessage() {}
 
 func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[12]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -847,7 +891,7 @@ func (x *MakeDirResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MakeDirResponse.ProtoReflect.Descriptor instead.
 func (*MakeDirResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{12}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{13}
 }
 
 type RemoveRequest struct {
@@ -860,7 +904,7 @@ type RemoveRequest struct {
 
 func (x *RemoveRequest) Reset() {
 	*x = RemoveRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[13]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -872,7 +916,7 @@ func (x *RemoveRequest) String() string {
 func (*RemoveRequest) ProtoMessage() {}
 
 func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[13]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -885,7 +929,7 @@ func (x *RemoveRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveRequest.ProtoReflect.Descriptor instead.
 func (*RemoveRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{13}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *RemoveRequest) GetPath() string {
@@ -910,7 +954,7 @@ type RemoveResponse struct {
 
 func (x *RemoveResponse) Reset() {
 	*x = RemoveResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[14]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -922,7 +966,7 @@ func (x *RemoveResponse) String() string {
 func (*RemoveResponse) ProtoMessage() {}
 
 func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[14]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -935,7 +979,7 @@ func (x *RemoveResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RemoveResponse.ProtoReflect.Descriptor instead.
 func (*RemoveResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{14}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{15}
 }
 
 type RenameRequest struct {
@@ -948,7 +992,7 @@ type RenameRequest struct {
 
 func (x *RenameRequest) Reset() {
 	*x = RenameRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[15]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -960,7 +1004,7 @@ func (x *RenameRequest) String() string {
 func (*RenameRequest) ProtoMessage() {}
 
 func (x *RenameRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[15]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -973,7 +1017,7 @@ func (x *RenameRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenameRequest.ProtoReflect.Descriptor instead.
 func (*RenameRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{15}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *RenameRequest) GetFrom() string {
@@ -998,7 +1042,7 @@ type RenameResponse struct {
 
 func (x *RenameResponse) Reset() {
 	*x = RenameResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[16]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1010,7 +1054,7 @@ func (x *RenameResponse) String() string {
 func (*RenameResponse) ProtoMessage() {}
 
 func (x *RenameResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[16]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1023,7 +1067,7 @@ func (x *RenameResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RenameResponse.ProtoReflect.Descriptor instead.
 func (*RenameResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{16}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{17}
 }
 
 type ChmodRequest struct {
@@ -1036,7 +1080,7 @@ type ChmodRequest struct {
 
 func (x *ChmodRequest) Reset() {
 	*x = ChmodRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[17]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1048,7 +1092,7 @@ func (x *ChmodRequest) String() string {
 func (*ChmodRequest) ProtoMessage() {}
 
 func (x *ChmodRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[17]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1061,7 +1105,7 @@ func (x *ChmodRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChmodRequest.ProtoReflect.Descriptor instead.
 func (*ChmodRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{17}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ChmodRequest) GetPath() string {
@@ -1086,7 +1130,7 @@ type ChmodResponse struct {
 
 func (x *ChmodResponse) Reset() {
 	*x = ChmodResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[18]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1098,7 +1142,7 @@ func (x *ChmodResponse) String() string {
 func (*ChmodResponse) ProtoMessage() {}
 
 func (x *ChmodResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[18]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1111,7 +1155,7 @@ func (x *ChmodResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChmodResponse.ProtoReflect.Descriptor instead.
 func (*ChmodResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{18}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{19}
 }
 
 type ChownRequest struct {
@@ -1125,7 +1169,7 @@ type ChownRequest struct {
 
 func (x *ChownRequest) Reset() {
 	*x = ChownRequest{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[19]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1137,7 +1181,7 @@ func (x *ChownRequest) String() string {
 func (*ChownRequest) ProtoMessage() {}
 
 func (x *ChownRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[19]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1150,7 +1194,7 @@ func (x *ChownRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChownRequest.ProtoReflect.Descriptor instead.
 func (*ChownRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{19}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ChownRequest) GetPath() string {
@@ -1182,7 +1226,7 @@ type ChownResponse struct {
 
 func (x *ChownResponse) Reset() {
 	*x = ChownResponse{}
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[20]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1194,7 +1238,7 @@ func (x *ChownResponse) String() string {
 func (*ChownResponse) ProtoMessage() {}
 
 func (x *ChownResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_files_proto_msgTypes[20]
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1207,14 +1251,16 @@ func (x *ChownResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ChownResponse.ProtoReflect.Descriptor instead.
 func (*ChownResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{20}
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{21}
 }
 
 var File_carrel_agent_v1_files_proto protoreflect.FileDescriptor
 
 const file_carrel_agent_v1_files_proto_rawDesc = "" +
 	"\n" +
-	"\x1bcarrel/agent/v1/files.proto\x12\x0fcarrel.agent.v1\"\xe2\x01\n" +
+	"\x1bcarrel/agent/v1/files.proto\x12\x0fcarrel.agent.v1\"$\n" +
+	"\x0eReadTarRequest\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\"\xe2\x01\n" +
 	"\bFileInfo\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12-\n" +
 	"\x04type\x18\x02 \x01(\x0e2\x19.carrel.agent.v1.FileTypeR\x04type\x12\x12\n" +
@@ -1284,7 +1330,7 @@ const file_carrel_agent_v1_files_proto_rawDesc = "" +
 	"\x11FILE_TYPE_REGULAR\x10\x01\x12\x17\n" +
 	"\x13FILE_TYPE_DIRECTORY\x10\x02\x12\x15\n" +
 	"\x11FILE_TYPE_SYMLINK\x10\x03\x12\x13\n" +
-	"\x0fFILE_TYPE_OTHER\x10\x042\x9e\x05\n" +
+	"\x0fFILE_TYPE_OTHER\x10\x042\xb8\x06\n" +
 	"\vFileService\x12C\n" +
 	"\x04Stat\x12\x1c.carrel.agent.v1.StatRequest\x1a\x1d.carrel.agent.v1.StatResponse\x12E\n" +
 	"\x04List\x12\x1c.carrel.agent.v1.ListRequest\x1a\x1d.carrel.agent.v1.ListResponse0\x01\x12E\n" +
@@ -1294,7 +1340,9 @@ const file_carrel_agent_v1_files_proto_rawDesc = "" +
 	"\x06Remove\x12\x1e.carrel.agent.v1.RemoveRequest\x1a\x1f.carrel.agent.v1.RemoveResponse\x12I\n" +
 	"\x06Rename\x12\x1e.carrel.agent.v1.RenameRequest\x1a\x1f.carrel.agent.v1.RenameResponse\x12F\n" +
 	"\x05Chmod\x12\x1d.carrel.agent.v1.ChmodRequest\x1a\x1e.carrel.agent.v1.ChmodResponse\x12F\n" +
-	"\x05Chown\x12\x1d.carrel.agent.v1.ChownRequest\x1a\x1e.carrel.agent.v1.ChownResponseB=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
+	"\x05Chown\x12\x1d.carrel.agent.v1.ChownRequest\x1a\x1e.carrel.agent.v1.ChownResponse\x12K\n" +
+	"\aReadTar\x12\x1f.carrel.agent.v1.ReadTarRequest\x1a\x1d.carrel.agent.v1.ReadResponse0\x01\x12K\n" +
+	"\bWriteTar\x12\x1d.carrel.agent.v1.WriteRequest\x1a\x1e.carrel.agent.v1.WriteResponse(\x01B=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
 
 var (
 	file_carrel_agent_v1_files_proto_rawDescOnce sync.Once
@@ -1309,57 +1357,62 @@ func file_carrel_agent_v1_files_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_agent_v1_files_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_carrel_agent_v1_files_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
+var file_carrel_agent_v1_files_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_carrel_agent_v1_files_proto_goTypes = []any{
 	(FileType)(0),           // 0: carrel.agent.v1.FileType
-	(*FileInfo)(nil),        // 1: carrel.agent.v1.FileInfo
-	(*StatRequest)(nil),     // 2: carrel.agent.v1.StatRequest
-	(*StatResponse)(nil),    // 3: carrel.agent.v1.StatResponse
-	(*ListRequest)(nil),     // 4: carrel.agent.v1.ListRequest
-	(*ListResponse)(nil),    // 5: carrel.agent.v1.ListResponse
-	(*ReadRequest)(nil),     // 6: carrel.agent.v1.ReadRequest
-	(*ReadResponse)(nil),    // 7: carrel.agent.v1.ReadResponse
-	(*WriteRequest)(nil),    // 8: carrel.agent.v1.WriteRequest
-	(*WriteCommit)(nil),     // 9: carrel.agent.v1.WriteCommit
-	(*WriteHeader)(nil),     // 10: carrel.agent.v1.WriteHeader
-	(*WriteResponse)(nil),   // 11: carrel.agent.v1.WriteResponse
-	(*MakeDirRequest)(nil),  // 12: carrel.agent.v1.MakeDirRequest
-	(*MakeDirResponse)(nil), // 13: carrel.agent.v1.MakeDirResponse
-	(*RemoveRequest)(nil),   // 14: carrel.agent.v1.RemoveRequest
-	(*RemoveResponse)(nil),  // 15: carrel.agent.v1.RemoveResponse
-	(*RenameRequest)(nil),   // 16: carrel.agent.v1.RenameRequest
-	(*RenameResponse)(nil),  // 17: carrel.agent.v1.RenameResponse
-	(*ChmodRequest)(nil),    // 18: carrel.agent.v1.ChmodRequest
-	(*ChmodResponse)(nil),   // 19: carrel.agent.v1.ChmodResponse
-	(*ChownRequest)(nil),    // 20: carrel.agent.v1.ChownRequest
-	(*ChownResponse)(nil),   // 21: carrel.agent.v1.ChownResponse
+	(*ReadTarRequest)(nil),  // 1: carrel.agent.v1.ReadTarRequest
+	(*FileInfo)(nil),        // 2: carrel.agent.v1.FileInfo
+	(*StatRequest)(nil),     // 3: carrel.agent.v1.StatRequest
+	(*StatResponse)(nil),    // 4: carrel.agent.v1.StatResponse
+	(*ListRequest)(nil),     // 5: carrel.agent.v1.ListRequest
+	(*ListResponse)(nil),    // 6: carrel.agent.v1.ListResponse
+	(*ReadRequest)(nil),     // 7: carrel.agent.v1.ReadRequest
+	(*ReadResponse)(nil),    // 8: carrel.agent.v1.ReadResponse
+	(*WriteRequest)(nil),    // 9: carrel.agent.v1.WriteRequest
+	(*WriteCommit)(nil),     // 10: carrel.agent.v1.WriteCommit
+	(*WriteHeader)(nil),     // 11: carrel.agent.v1.WriteHeader
+	(*WriteResponse)(nil),   // 12: carrel.agent.v1.WriteResponse
+	(*MakeDirRequest)(nil),  // 13: carrel.agent.v1.MakeDirRequest
+	(*MakeDirResponse)(nil), // 14: carrel.agent.v1.MakeDirResponse
+	(*RemoveRequest)(nil),   // 15: carrel.agent.v1.RemoveRequest
+	(*RemoveResponse)(nil),  // 16: carrel.agent.v1.RemoveResponse
+	(*RenameRequest)(nil),   // 17: carrel.agent.v1.RenameRequest
+	(*RenameResponse)(nil),  // 18: carrel.agent.v1.RenameResponse
+	(*ChmodRequest)(nil),    // 19: carrel.agent.v1.ChmodRequest
+	(*ChmodResponse)(nil),   // 20: carrel.agent.v1.ChmodResponse
+	(*ChownRequest)(nil),    // 21: carrel.agent.v1.ChownRequest
+	(*ChownResponse)(nil),   // 22: carrel.agent.v1.ChownResponse
 }
 var file_carrel_agent_v1_files_proto_depIdxs = []int32{
 	0,  // 0: carrel.agent.v1.FileInfo.type:type_name -> carrel.agent.v1.FileType
-	1,  // 1: carrel.agent.v1.StatResponse.info:type_name -> carrel.agent.v1.FileInfo
-	1,  // 2: carrel.agent.v1.ListResponse.entries:type_name -> carrel.agent.v1.FileInfo
-	10, // 3: carrel.agent.v1.WriteRequest.header:type_name -> carrel.agent.v1.WriteHeader
-	9,  // 4: carrel.agent.v1.WriteRequest.commit:type_name -> carrel.agent.v1.WriteCommit
-	2,  // 5: carrel.agent.v1.FileService.Stat:input_type -> carrel.agent.v1.StatRequest
-	4,  // 6: carrel.agent.v1.FileService.List:input_type -> carrel.agent.v1.ListRequest
-	6,  // 7: carrel.agent.v1.FileService.Read:input_type -> carrel.agent.v1.ReadRequest
-	8,  // 8: carrel.agent.v1.FileService.Write:input_type -> carrel.agent.v1.WriteRequest
-	12, // 9: carrel.agent.v1.FileService.MakeDir:input_type -> carrel.agent.v1.MakeDirRequest
-	14, // 10: carrel.agent.v1.FileService.Remove:input_type -> carrel.agent.v1.RemoveRequest
-	16, // 11: carrel.agent.v1.FileService.Rename:input_type -> carrel.agent.v1.RenameRequest
-	18, // 12: carrel.agent.v1.FileService.Chmod:input_type -> carrel.agent.v1.ChmodRequest
-	20, // 13: carrel.agent.v1.FileService.Chown:input_type -> carrel.agent.v1.ChownRequest
-	3,  // 14: carrel.agent.v1.FileService.Stat:output_type -> carrel.agent.v1.StatResponse
-	5,  // 15: carrel.agent.v1.FileService.List:output_type -> carrel.agent.v1.ListResponse
-	7,  // 16: carrel.agent.v1.FileService.Read:output_type -> carrel.agent.v1.ReadResponse
-	11, // 17: carrel.agent.v1.FileService.Write:output_type -> carrel.agent.v1.WriteResponse
-	13, // 18: carrel.agent.v1.FileService.MakeDir:output_type -> carrel.agent.v1.MakeDirResponse
-	15, // 19: carrel.agent.v1.FileService.Remove:output_type -> carrel.agent.v1.RemoveResponse
-	17, // 20: carrel.agent.v1.FileService.Rename:output_type -> carrel.agent.v1.RenameResponse
-	19, // 21: carrel.agent.v1.FileService.Chmod:output_type -> carrel.agent.v1.ChmodResponse
-	21, // 22: carrel.agent.v1.FileService.Chown:output_type -> carrel.agent.v1.ChownResponse
-	14, // [14:23] is the sub-list for method output_type
-	5,  // [5:14] is the sub-list for method input_type
+	2,  // 1: carrel.agent.v1.StatResponse.info:type_name -> carrel.agent.v1.FileInfo
+	2,  // 2: carrel.agent.v1.ListResponse.entries:type_name -> carrel.agent.v1.FileInfo
+	11, // 3: carrel.agent.v1.WriteRequest.header:type_name -> carrel.agent.v1.WriteHeader
+	10, // 4: carrel.agent.v1.WriteRequest.commit:type_name -> carrel.agent.v1.WriteCommit
+	3,  // 5: carrel.agent.v1.FileService.Stat:input_type -> carrel.agent.v1.StatRequest
+	5,  // 6: carrel.agent.v1.FileService.List:input_type -> carrel.agent.v1.ListRequest
+	7,  // 7: carrel.agent.v1.FileService.Read:input_type -> carrel.agent.v1.ReadRequest
+	9,  // 8: carrel.agent.v1.FileService.Write:input_type -> carrel.agent.v1.WriteRequest
+	13, // 9: carrel.agent.v1.FileService.MakeDir:input_type -> carrel.agent.v1.MakeDirRequest
+	15, // 10: carrel.agent.v1.FileService.Remove:input_type -> carrel.agent.v1.RemoveRequest
+	17, // 11: carrel.agent.v1.FileService.Rename:input_type -> carrel.agent.v1.RenameRequest
+	19, // 12: carrel.agent.v1.FileService.Chmod:input_type -> carrel.agent.v1.ChmodRequest
+	21, // 13: carrel.agent.v1.FileService.Chown:input_type -> carrel.agent.v1.ChownRequest
+	1,  // 14: carrel.agent.v1.FileService.ReadTar:input_type -> carrel.agent.v1.ReadTarRequest
+	9,  // 15: carrel.agent.v1.FileService.WriteTar:input_type -> carrel.agent.v1.WriteRequest
+	4,  // 16: carrel.agent.v1.FileService.Stat:output_type -> carrel.agent.v1.StatResponse
+	6,  // 17: carrel.agent.v1.FileService.List:output_type -> carrel.agent.v1.ListResponse
+	8,  // 18: carrel.agent.v1.FileService.Read:output_type -> carrel.agent.v1.ReadResponse
+	12, // 19: carrel.agent.v1.FileService.Write:output_type -> carrel.agent.v1.WriteResponse
+	14, // 20: carrel.agent.v1.FileService.MakeDir:output_type -> carrel.agent.v1.MakeDirResponse
+	16, // 21: carrel.agent.v1.FileService.Remove:output_type -> carrel.agent.v1.RemoveResponse
+	18, // 22: carrel.agent.v1.FileService.Rename:output_type -> carrel.agent.v1.RenameResponse
+	20, // 23: carrel.agent.v1.FileService.Chmod:output_type -> carrel.agent.v1.ChmodResponse
+	22, // 24: carrel.agent.v1.FileService.Chown:output_type -> carrel.agent.v1.ChownResponse
+	8,  // 25: carrel.agent.v1.FileService.ReadTar:output_type -> carrel.agent.v1.ReadResponse
+	12, // 26: carrel.agent.v1.FileService.WriteTar:output_type -> carrel.agent.v1.WriteResponse
+	16, // [16:27] is the sub-list for method output_type
+	5,  // [5:16] is the sub-list for method input_type
 	5,  // [5:5] is the sub-list for extension type_name
 	5,  // [5:5] is the sub-list for extension extendee
 	0,  // [0:5] is the sub-list for field type_name
@@ -1370,7 +1423,7 @@ func file_carrel_agent_v1_files_proto_init() {
 	if File_carrel_agent_v1_files_proto != nil {
 		return
 	}
-	file_carrel_agent_v1_files_proto_msgTypes[7].OneofWrappers = []any{
+	file_carrel_agent_v1_files_proto_msgTypes[8].OneofWrappers = []any{
 		(*WriteRequest_Header)(nil),
 		(*WriteRequest_Data)(nil),
 		(*WriteRequest_Commit)(nil),
@@ -1381,7 +1434,7 @@ func file_carrel_agent_v1_files_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_files_proto_rawDesc), len(file_carrel_agent_v1_files_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   21,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

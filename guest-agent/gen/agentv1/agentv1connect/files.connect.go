@@ -55,6 +55,10 @@ const (
 	FileServiceChmodProcedure = "/carrel.agent.v1.FileService/Chmod"
 	// FileServiceChownProcedure is the fully-qualified name of the FileService's Chown RPC.
 	FileServiceChownProcedure = "/carrel.agent.v1.FileService/Chown"
+	// FileServiceReadTarProcedure is the fully-qualified name of the FileService's ReadTar RPC.
+	FileServiceReadTarProcedure = "/carrel.agent.v1.FileService/ReadTar"
+	// FileServiceWriteTarProcedure is the fully-qualified name of the FileService's WriteTar RPC.
+	FileServiceWriteTarProcedure = "/carrel.agent.v1.FileService/WriteTar"
 )
 
 // FileServiceClient is a client for the carrel.agent.v1.FileService service.
@@ -83,6 +87,16 @@ type FileServiceClient interface {
 	Chmod(context.Context, *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error)
 	// Chown sets owner and group; -1 leaves one unchanged.
 	Chown(context.Context, *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error)
+	// ReadTar streams a file or a directory tree as a tar archive (PAX).
+	// Entry names are relative and start with the path's last element;
+	// symlinks are stored as links, never followed.
+	ReadTar(context.Context, *connect.Request[agentv1.ReadTarRequest]) (*connect.ServerStreamForClient[agentv1.ReadResponse], error)
+	// WriteTar extracts a tar archive into the directory the header names,
+	// and nowhere else: names that are absolute or climb out with "..", and
+	// paths through symlinks that point out, are refused. It is not atomic:
+	// on an error, entries already extracted stay. The commit ends the
+	// archive; the reply counts the archive's bytes.
+	WriteTar(context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse]
 }
 
 // NewFileServiceClient constructs a client for the carrel.agent.v1.FileService service. By default,
@@ -150,20 +164,34 @@ func NewFileServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(fileServiceMethods.ByName("Chown")),
 			connect.WithClientOptions(opts...),
 		),
+		readTar: connect.NewClient[agentv1.ReadTarRequest, agentv1.ReadResponse](
+			httpClient,
+			baseURL+FileServiceReadTarProcedure,
+			connect.WithSchema(fileServiceMethods.ByName("ReadTar")),
+			connect.WithClientOptions(opts...),
+		),
+		writeTar: connect.NewClient[agentv1.WriteRequest, agentv1.WriteResponse](
+			httpClient,
+			baseURL+FileServiceWriteTarProcedure,
+			connect.WithSchema(fileServiceMethods.ByName("WriteTar")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // fileServiceClient implements FileServiceClient.
 type fileServiceClient struct {
-	stat    *connect.Client[agentv1.StatRequest, agentv1.StatResponse]
-	list    *connect.Client[agentv1.ListRequest, agentv1.ListResponse]
-	read    *connect.Client[agentv1.ReadRequest, agentv1.ReadResponse]
-	write   *connect.Client[agentv1.WriteRequest, agentv1.WriteResponse]
-	makeDir *connect.Client[agentv1.MakeDirRequest, agentv1.MakeDirResponse]
-	remove  *connect.Client[agentv1.RemoveRequest, agentv1.RemoveResponse]
-	rename  *connect.Client[agentv1.RenameRequest, agentv1.RenameResponse]
-	chmod   *connect.Client[agentv1.ChmodRequest, agentv1.ChmodResponse]
-	chown   *connect.Client[agentv1.ChownRequest, agentv1.ChownResponse]
+	stat     *connect.Client[agentv1.StatRequest, agentv1.StatResponse]
+	list     *connect.Client[agentv1.ListRequest, agentv1.ListResponse]
+	read     *connect.Client[agentv1.ReadRequest, agentv1.ReadResponse]
+	write    *connect.Client[agentv1.WriteRequest, agentv1.WriteResponse]
+	makeDir  *connect.Client[agentv1.MakeDirRequest, agentv1.MakeDirResponse]
+	remove   *connect.Client[agentv1.RemoveRequest, agentv1.RemoveResponse]
+	rename   *connect.Client[agentv1.RenameRequest, agentv1.RenameResponse]
+	chmod    *connect.Client[agentv1.ChmodRequest, agentv1.ChmodResponse]
+	chown    *connect.Client[agentv1.ChownRequest, agentv1.ChownResponse]
+	readTar  *connect.Client[agentv1.ReadTarRequest, agentv1.ReadResponse]
+	writeTar *connect.Client[agentv1.WriteRequest, agentv1.WriteResponse]
 }
 
 // Stat calls carrel.agent.v1.FileService.Stat.
@@ -211,6 +239,16 @@ func (c *fileServiceClient) Chown(ctx context.Context, req *connect.Request[agen
 	return c.chown.CallUnary(ctx, req)
 }
 
+// ReadTar calls carrel.agent.v1.FileService.ReadTar.
+func (c *fileServiceClient) ReadTar(ctx context.Context, req *connect.Request[agentv1.ReadTarRequest]) (*connect.ServerStreamForClient[agentv1.ReadResponse], error) {
+	return c.readTar.CallServerStream(ctx, req)
+}
+
+// WriteTar calls carrel.agent.v1.FileService.WriteTar.
+func (c *fileServiceClient) WriteTar(ctx context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse] {
+	return c.writeTar.CallClientStream(ctx)
+}
+
 // FileServiceHandler is an implementation of the carrel.agent.v1.FileService service.
 type FileServiceHandler interface {
 	// Stat describes one path. It does not follow a final symlink.
@@ -237,6 +275,16 @@ type FileServiceHandler interface {
 	Chmod(context.Context, *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error)
 	// Chown sets owner and group; -1 leaves one unchanged.
 	Chown(context.Context, *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error)
+	// ReadTar streams a file or a directory tree as a tar archive (PAX).
+	// Entry names are relative and start with the path's last element;
+	// symlinks are stored as links, never followed.
+	ReadTar(context.Context, *connect.Request[agentv1.ReadTarRequest], *connect.ServerStream[agentv1.ReadResponse]) error
+	// WriteTar extracts a tar archive into the directory the header names,
+	// and nowhere else: names that are absolute or climb out with "..", and
+	// paths through symlinks that point out, are refused. It is not atomic:
+	// on an error, entries already extracted stay. The commit ends the
+	// archive; the reply counts the archive's bytes.
+	WriteTar(context.Context, *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error)
 }
 
 // NewFileServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -300,6 +348,18 @@ func NewFileServiceHandler(svc FileServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(fileServiceMethods.ByName("Chown")),
 		connect.WithHandlerOptions(opts...),
 	)
+	fileServiceReadTarHandler := connect.NewServerStreamHandler(
+		FileServiceReadTarProcedure,
+		svc.ReadTar,
+		connect.WithSchema(fileServiceMethods.ByName("ReadTar")),
+		connect.WithHandlerOptions(opts...),
+	)
+	fileServiceWriteTarHandler := connect.NewClientStreamHandler(
+		FileServiceWriteTarProcedure,
+		svc.WriteTar,
+		connect.WithSchema(fileServiceMethods.ByName("WriteTar")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.agent.v1.FileService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case FileServiceStatProcedure:
@@ -320,6 +380,10 @@ func NewFileServiceHandler(svc FileServiceHandler, opts ...connect.HandlerOption
 			fileServiceChmodHandler.ServeHTTP(w, r)
 		case FileServiceChownProcedure:
 			fileServiceChownHandler.ServeHTTP(w, r)
+		case FileServiceReadTarProcedure:
+			fileServiceReadTarHandler.ServeHTTP(w, r)
+		case FileServiceWriteTarProcedure:
+			fileServiceWriteTarHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -363,4 +427,12 @@ func (UnimplementedFileServiceHandler) Chmod(context.Context, *connect.Request[a
 
 func (UnimplementedFileServiceHandler) Chown(context.Context, *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.FileService.Chown is not implemented"))
+}
+
+func (UnimplementedFileServiceHandler) ReadTar(context.Context, *connect.Request[agentv1.ReadTarRequest], *connect.ServerStream[agentv1.ReadResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.FileService.ReadTar is not implemented"))
+}
+
+func (UnimplementedFileServiceHandler) WriteTar(context.Context, *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.FileService.WriteTar is not implemented"))
 }

@@ -1,0 +1,208 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+)
+
+// Caps on process listings from a guest.
+const (
+	maxProcesses   = 4096
+	maxCommandText = 4096
+	maxExecID      = 64
+)
+
+// agentRelay serves carrel.agent.v1.AgentService on carreld's socket for
+// the VM named in the Carrel-Vm header, checking everything the guest
+// sends back. Shutdown is not relayed: VMService.StopVM is the way.
+type agentRelay struct {
+	agentv1connect.UnimplementedAgentServiceHandler
+	cfg Config
+}
+
+var _ agentv1connect.AgentServiceHandler = (*agentRelay)(nil)
+
+func (r *agentRelay) agent(h interface{ Get(string) string }) (agentv1connect.AgentServiceClient, func(context.Context, error) error, error) {
+	name := h.Get(VMHeader)
+	if name == "" {
+		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", VMHeader))
+	}
+	link, err := r.cfg.Manager.Link(name)
+	if err != nil {
+		return nil, nil, toConnect(err)
+	}
+	c, done := link.Agent()
+	return c, done, nil
+}
+
+func (r *agentRelay) Health(ctx context.Context, req *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error) {
+	c, done, err := r.agent(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.Health(ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		return nil, relayErr(ctx, done, err)
+	}
+	m := resp.Msg
+	return connect.NewResponse(&agentv1.HealthResponse{
+		Version: sanitize(m.Version, 128), Kernel: sanitize(m.Kernel, 128), UptimeMs: max(m.UptimeMs, 0), Transport: sanitize(m.Transport, 32),
+	}), nil
+}
+
+func (r *agentRelay) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
+	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("shutdown is not relayed: stop the vm with VMService.StopVM (carrel vm stop)"))
+}
+
+func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], out *connect.ServerStream[agentv1.ExecResponse]) error {
+	c, done, err := r.agent(req.Header())
+	if err != nil {
+		return err
+	}
+	s, err := c.Exec(ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		return relayErr(ctx, done, err)
+	}
+	defer s.Close()
+	var chk eventCheck
+	for s.Receive() {
+		if err := chk.check(s.Msg()); err != nil {
+			return err
+		}
+		if err := out.Send(s.Msg()); err != nil {
+			return err
+		}
+	}
+	return chk.end(relayErr(ctx, done, s.Err()))
+}
+
+// Process relays an interactive session both ways: the client's stdin,
+// signals and resizes to the guest, the guest's checked events back.
+func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
+	c, done, err := r.agent(in.RequestHeader())
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	g := c.Process(ctx)
+	defer g.CloseResponse()
+	go func() {
+		// Client to guest. The guest checks these too; the host has
+		// already capped their size.
+		for {
+			msg, err := in.Receive()
+			if err != nil {
+				g.CloseRequest()
+				return
+			}
+			if g.Send(msg) != nil {
+				return
+			}
+		}
+	}()
+	var chk eventCheck
+	for {
+		ev, err := g.Receive()
+		if err != nil {
+			return chk.end(relayErr(ctx, done, ignoreEOF(err)))
+		}
+		if err := chk.check(ev); err != nil {
+			return err
+		}
+		if err := in.Send(ev); err != nil {
+			return err
+		}
+		if chk.exited {
+			return nil
+		}
+	}
+}
+
+func (r *agentRelay) ListProcesses(ctx context.Context, req *connect.Request[agentv1.ListProcessesRequest]) (*connect.Response[agentv1.ListProcessesResponse], error) {
+	c, done, err := r.agent(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.ListProcesses(ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		return nil, relayErr(ctx, done, err)
+	}
+	ps := resp.Msg.Processes
+	if len(ps) > maxProcesses {
+		return nil, errGuest("%d processes listed, more than %d", len(ps), maxProcesses)
+	}
+	out := make([]*agentv1.ProcessInfo, 0, len(ps))
+	for _, p := range ps {
+		if p.Pid <= 0 || p.Ppid < 0 || len(p.ExecId) > maxExecID || len(p.State) > 1 {
+			return nil, errGuest("invalid process entry (pid %d)", p.Pid)
+		}
+		out = append(out, &agentv1.ProcessInfo{Pid: p.Pid, Ppid: p.Ppid, Uid: p.Uid, State: sanitize(p.State, 1),
+			Command: sanitize(p.Command, maxCommandText), ExecId: sanitize(p.ExecId, maxExecID), RssBytes: p.RssBytes})
+	}
+	return connect.NewResponse(&agentv1.ListProcessesResponse{Processes: out}), nil
+}
+
+func (r *agentRelay) Signal(ctx context.Context, req *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
+	c, done, err := r.agent(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.Signal(ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		return nil, relayErr(ctx, done, err)
+	}
+	return connect.NewResponse(resp.Msg), nil
+}
+
+// eventCheck enforces the shape of an exec event stream from the guest:
+// known events only, the start at most once and first, an exit status in
+// range, and nothing after it.
+type eventCheck struct {
+	events  int
+	started bool
+	exited  bool
+}
+
+func (c *eventCheck) check(ev *agentv1.ExecResponse) error {
+	c.events++
+	if c.exited {
+		return errGuest("an event after the exit status")
+	}
+	if _, _, err := relayEvent(ev); err != nil {
+		return err
+	}
+	switch e := ev.Event.(type) {
+	case *agentv1.ExecResponse_Started:
+		if c.started || c.events != 1 || e.Started.Pid <= 0 || len(e.Started.Id) > maxExecID {
+			return errGuest("an invalid start event")
+		}
+		c.started = true
+	case *agentv1.ExecResponse_Exit:
+		c.exited = true
+	}
+	return nil
+}
+
+// end turns a stream's end into the call's error: a stream may end without
+// an exit status only with an error.
+func (c *eventCheck) end(err error) error {
+	if err == nil && !c.exited {
+		return connect.NewError(connect.CodeDataLoss, errors.New("guest agent ended the stream without an exit status"))
+	}
+	return err
+}
+
+func ignoreEOF(err error) error {
+	if errors.Is(err, io.EOF) {
+		return nil
+	}
+	return err
+}
