@@ -79,6 +79,7 @@ type session struct {
 	transport *http.Transport
 	client    agentv1connect.AgentServiceClient
 	files     agentv1connect.FileServiceClient
+	ports     agentv1connect.PortServiceClient
 
 	mu   sync.Mutex
 	conn net.Conn
@@ -105,6 +106,7 @@ func (l *Link) session() *session {
 		s.transport = t
 		s.client = agentv1connect.NewAgentServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
 		s.files = agentv1connect.NewFileServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+		s.ports = agentv1connect.NewPortServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
 		l.cur = s
 	}
 	return l.cur
@@ -127,8 +129,51 @@ func (l *Link) dialFor(ctx context.Context, s *session) (net.Conn, error) {
 		c.Close()
 		return nil, net.ErrClosed
 	}
-	s.conn = c
-	return c, nil
+	tc := &watchedConn{Conn: c, broken: func(err error) { l.connBroken(s, err) }}
+	s.conn = tc
+	return tc, nil
+}
+
+// errTransportClosed is what a connection the HTTP/2 transport closed on
+// its own reports: it does that on a protocol error (garbage, an oversized
+// frame) or a keepalive ping that went unanswered.
+var errTransportClosed = errors.New("the connection was closed by the HTTP/2 transport (protocol error or no answer to keepalive)")
+
+// connBroken is called when session s's connection ends without the link
+// having ended it: the guest closed it, or broke the protocol. That makes
+// the agent unhealthy even when no call was in flight to notice.
+func (l *Link) connBroken(s *session, err error) {
+	s.mu.Lock()
+	dead := s.dead
+	s.mu.Unlock()
+	if !dead {
+		l.fail(s, err)
+	}
+}
+
+// watchedConn reports the first read error, or a close it did not expect,
+// to broken.
+type watchedConn struct {
+	net.Conn
+	once   sync.Once
+	broken func(error)
+}
+
+func (c *watchedConn) report(err error) {
+	c.once.Do(func() { go c.broken(err) })
+}
+
+func (c *watchedConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if err != nil {
+		c.report(fmt.Errorf("read from guest: %w", err))
+	}
+	return n, err
+}
+
+func (c *watchedConn) Close() error {
+	c.report(errTransportClosed)
+	return c.Conn.Close()
 }
 
 func (s *session) close() {
@@ -321,6 +366,13 @@ func (s *ExecStream) Close() error { return s.stream.Close() }
 func (l *Link) Files() (client agentv1connect.FileServiceClient, done func(ctx context.Context, err error) error) {
 	s := l.session()
 	return s.files, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
+}
+
+// Ports returns the guest's port service on the current connection, and
+// done, to be passed every error of the calls made with it (see Files).
+func (l *Link) Ports() (client agentv1connect.PortServiceClient, done func(ctx context.Context, err error) error) {
+	s := l.session()
+	return s.ports, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
 // Agent returns the guest's agent service on the current connection, and

@@ -245,3 +245,65 @@ func TestApplicationErrorsKeepLinkHealthy(t *testing.T) {
 		t.Errorf("state = %v", st)
 	}
 }
+
+// capturingListener remembers the connections it accepts.
+type capturingListener struct {
+	net.Listener
+	conns chan net.Conn
+}
+
+func (l *capturingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.conns <- c
+	}
+	return c, err
+}
+
+// TestIdleLinkBrokenByGuestIsNoticed: with no call in flight, the guest
+// writes garbage into the stream. The host must notice on its own, close
+// the link and mark the agent unhealthy, and log it once.
+func TestIdleLinkBrokenByGuestIsNoticed(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "agent.sock")
+	inner, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &capturingListener{Listener: inner, conns: make(chan net.Conn, 4)}
+	_, h := agentv1connect.NewAgentServiceHandler(&fakeAgent{})
+	srv := protocol.NewHTTPServer(h)
+	go srv.Serve(l)
+	defer srv.Close()
+	var logs logCounter
+	link := New(func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", path)
+	}, slog.New(slog.NewTextHandler(&logs, nil)))
+	defer link.Close()
+	if err := link.WaitReady(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	guestSide := <-l.conns
+	guestSide.Write([]byte("\x00\x00\x08\x07garbage that breaks the framing"))
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if st, _ := link.State(); st == Unhealthy {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("idle link broken by the guest was not noticed")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond)
+	if n := logs.count("guest agent unhealthy"); n != 1 {
+		t.Errorf("logged %d times:\n%s", n, logs.buf.String())
+	}
+	// The guest behaves again: a fresh connection makes it ready.
+	if _, err := link.Health(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := link.State(); st != Ready {
+		t.Errorf("state after recovery = %v", st)
+	}
+}

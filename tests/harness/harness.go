@@ -208,6 +208,14 @@ func (d *Daemon) start(wrap []string) {
 	}
 }
 
+// Pid is carreld's process id.
+func (d *Daemon) Pid() int {
+	if d.cmd == nil || d.cmd.Process == nil {
+		return 0
+	}
+	return d.cmd.Process.Pid
+}
+
 // Kill ends carreld with SIGKILL, as a crash would.
 func (d *Daemon) Kill() {
 	if d.cmd == nil || d.cmd.Process == nil {

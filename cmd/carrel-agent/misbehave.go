@@ -1,0 +1,149 @@
+//go:build carrel_misbehave
+
+// The test build of the agent misbehaves on purpose, to show that the host
+// survives a hostile guest. It is built only with -tags carrel_misbehave
+// (tests/hostile_test.go does) and never ships.
+//
+// Writing a mode to /tmp/misbehave inside the guest (with carrel exec)
+// makes the agent, within 100 ms, do that to its current connection to
+// the host, once:
+//
+//	garbage    write random bytes into the HTTP/2 stream
+//	oversized  announce a 16 MiB HTTP/2 frame
+//	slowloris  start a frame, then trickle it a byte at a time
+//	silent     stop reading and writing for 30 s, as a wedged guest would,
+//	           then drop the connection
+//
+// The next connection from the host is served normally again.
+package main
+
+import (
+	"crypto/rand"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"time"
+)
+
+const misbehaveFile = "/tmp/misbehave"
+
+func init() {
+	wrapListener = func(l net.Listener, log *slog.Logger) net.Listener {
+		ml := &misbehavingListener{Listener: l, log: log}
+		go ml.watch()
+		return ml
+	}
+}
+
+type misbehavingListener struct {
+	net.Listener
+	log *slog.Logger
+
+	mu  sync.Mutex
+	cur *misbehavingConn
+}
+
+func (l *misbehavingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err != nil {
+		return nil, err
+	}
+	mc := &misbehavingConn{Conn: c, stop: make(chan struct{}), resume: make(chan struct{})}
+	l.mu.Lock()
+	l.cur = mc
+	l.mu.Unlock()
+	return mc, nil
+}
+
+func (l *misbehavingListener) watch() {
+	for range time.Tick(100 * time.Millisecond) {
+		b, err := os.ReadFile(misbehaveFile)
+		if err != nil {
+			continue
+		}
+		os.Remove(misbehaveFile)
+		mode := strings.TrimSpace(string(b))
+		l.mu.Lock()
+		c := l.cur
+		l.mu.Unlock()
+		if c == nil {
+			continue
+		}
+		l.log.Warn("misbehaving on purpose", "mode", mode)
+		go c.misbehave(mode)
+	}
+}
+
+type misbehavingConn struct {
+	net.Conn
+	wmu    sync.Mutex // raw writes interleave with the server's
+	stop   chan struct{}
+	resume chan struct{}
+	stopMu sync.Once
+}
+
+// silenced blocks while the connection is silent, and reports whether it
+// was, after which the connection is gone.
+func (c *misbehavingConn) silenced() bool {
+	select {
+	case <-c.stop:
+		<-c.resume
+		return true
+	default:
+		return false
+	}
+}
+
+func (c *misbehavingConn) Write(p []byte) (int, error) {
+	if c.silenced() {
+		return 0, net.ErrClosed
+	}
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	return c.Conn.Write(p)
+}
+
+func (c *misbehavingConn) Read(p []byte) (int, error) {
+	if c.silenced() {
+		return 0, net.ErrClosed
+	}
+	return c.Conn.Read(p)
+}
+
+func (c *misbehavingConn) raw(p []byte) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.Conn.Write(p)
+}
+
+func (c *misbehavingConn) misbehave(mode string) {
+	switch mode {
+	case "garbage":
+		b := make([]byte, 64<<10)
+		rand.Read(b)
+		c.raw(b)
+	case "oversized":
+		// DATA frame header: length 0xffffff, type 0, flags 0, stream 1.
+		c.raw([]byte{0xff, 0xff, 0xff, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01})
+	case "slowloris":
+		c.wmu.Lock() // hold the stream: nothing else gets through
+		defer c.wmu.Unlock()
+		c.Conn.Write([]byte{0x00, 0x40, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x01})
+		for i := 0; i < 120; i++ {
+			if _, err := c.Conn.Write([]byte{0}); err != nil {
+				return
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+	case "silent":
+		c.stopMu.Do(func() {
+			close(c.stop)
+			time.AfterFunc(30*time.Second, func() {
+				c.Conn.Close()
+				close(c.resume)
+			})
+		})
+	}
+}
