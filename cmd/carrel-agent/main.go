@@ -32,6 +32,11 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/user"
 )
 
+// wrapListener is the identity, except in the test build of the agent
+// (build tag carrel_misbehave), where it lets the agent misbehave on
+// purpose; see misbehave.go.
+var wrapListener = func(l net.Listener, _ *slog.Logger) net.Listener { return l }
+
 // deviceWait bounds how long we wait for the transport's device to appear
 // after its module loads (probing is asynchronous).
 const deviceWait = 2 * time.Second
@@ -119,6 +124,7 @@ func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool) error {
 		return err
 	}
 	log.Info("listening", "transport", name, "addr", l.Addr())
+	l = wrapListener(l, log)
 	fmt.Printf("%s transport=%s\n", protocol.ReadyMarker, name)
 	return server.Serve(ctx, l, server.Config{
 		Transport: name,
