@@ -1,5 +1,10 @@
-// Package client connects to carreld's API on its unix socket. It is what
-// the carrel CLI uses, and any Go program can use it the same way.
+// Package client is the Go SDK for carreld's API on its unix socket; the
+// carrel CLI is built on it. Besides the generated service clients (VMs,
+// Images, System, and the guest's Files and Agent services relayed by
+// carreld), it has the operations a harness needs: Run (an interactive or
+// detached command), Upload and Download (files, atomic in the guest),
+// UploadTree and DownloadTree (directories as tar), ListProcesses and
+// Signal. See the examples.
 package client
 
 import (
@@ -37,6 +42,9 @@ type Client struct {
 	// Agent is the guest agent's own service (interactive processes,
 	// process lists, signals), relayed the same way.
 	Agent agentv1connect.AgentServiceClient
+	// Ports is the guest agent's port service, relayed the same way;
+	// DialPort wraps it in a net.Conn.
+	Ports agentv1connect.PortServiceClient
 }
 
 // maxResponseBytes caps one message from carreld.
@@ -62,5 +70,6 @@ func New(path string) *Client {
 		System: apiv1connect.NewSystemServiceClient(hc, base, opts...),
 		Files:  agentv1connect.NewFileServiceClient(hc, base, opts...),
 		Agent:  agentv1connect.NewAgentServiceClient(hc, base, opts...),
+		Ports:  agentv1connect.NewPortServiceClient(hc, base, opts...),
 	}
 }
