@@ -129,7 +129,8 @@ func (l *Link) dialFor(ctx context.Context, s *session) (net.Conn, error) {
 		c.Close()
 		return nil, net.ErrClosed
 	}
-	tc := &watchedConn{Conn: c, broken: func(err error) { l.connBroken(s, err) }}
+	tc := &watchedConn{Conn: c}
+	tc.broken = func(err error) { l.connBroken(s, tc, err) }
 	s.conn = tc
 	return tc, nil
 }
@@ -139,14 +140,15 @@ func (l *Link) dialFor(ctx context.Context, s *session) (net.Conn, error) {
 // frame) or a keepalive ping that went unanswered.
 var errTransportClosed = errors.New("the connection was closed by the HTTP/2 transport (protocol error or no answer to keepalive)")
 
-// connBroken is called when session s's connection ends without the link
-// having ended it: the guest closed it, or broke the protocol. That makes
-// the agent unhealthy even when no call was in flight to notice.
-func (l *Link) connBroken(s *session, err error) {
+// connBroken is called when connection c of session s ends without the
+// link having ended it: the guest closed it, or broke the protocol. That
+// makes the agent unhealthy even when no call was in flight to notice. A
+// connection the transport has already replaced is not the link's.
+func (l *Link) connBroken(s *session, c net.Conn, err error) {
 	s.mu.Lock()
-	dead := s.dead
+	current := !s.dead && s.conn == c
 	s.mu.Unlock()
-	if !dead {
+	if current {
 		l.fail(s, err)
 	}
 }
