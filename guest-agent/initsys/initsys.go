@@ -2,8 +2,9 @@
 
 // Package initsys does what PID 1 must do in the minimal guest image: mount
 // the kernel file systems, load the transport's kernel modules, set the
-// hostname, and power the machine off. Everything here refuses to run
-// unless the process is PID 1, so that it cannot harm a development host.
+// hostname, bring up the loopback interface, and power the machine off.
+// Everything here refuses to run unless the process is PID 1, so that it
+// cannot harm a development host.
 package initsys
 
 import (
@@ -61,10 +62,10 @@ var devLinks = [][2]string{
 }
 
 // Setup mounts the kernel and scratch file systems, creates the usual /dev
-// links, sets the hostname from /etc/hostname, and loads the modules listed
-// in ModuleList. A mount failure is returned (after trying the rest); a
-// module that fails to load is logged and skipped, since the transport may
-// not need it.
+// links, sets the hostname from /etc/hostname, brings up the loopback
+// interface, and loads the modules listed in ModuleList. A mount failure is
+// returned (after trying the rest); a module that fails to load is logged
+// and skipped, since the transport may not need it.
 func Setup(log *slog.Logger) error {
 	if os.Getpid() != 1 {
 		return ErrNotInit
@@ -82,6 +83,9 @@ func Setup(log *slog.Logger) error {
 	}
 	if err := setHostname("/etc/hostname"); err != nil {
 		log.Warn("set hostname", "err", err)
+	}
+	if err := loopbackUp(); err != nil {
+		log.Warn("loopback", "err", err)
 	}
 	LoadModules(log, ModuleList)
 	return errors.Join(errs...)

@@ -1,7 +1,8 @@
 //go:build linux
 
-// Package server serves carrel.agent.v1.AgentService and FileService on any
-// net.Listener: vsock or virtio-serial in the guest, a unix socket in tests.
+// Package server serves carrel.agent.v1.AgentService, FileService and
+// PortService on any net.Listener: vsock or virtio-serial in the guest, a
+// unix socket in tests.
 package server
 
 import (
@@ -21,6 +22,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/files"
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/ports"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
 	"github.com/carrel-os/carrel/guest-agent/session"
@@ -47,6 +49,8 @@ type Config struct {
 	Runner *exec.Runner
 	// Files serves FileService; nil means files.New(files.Options{}).
 	Files agentv1connect.FileServiceHandler
+	// Ports serves PortService; nil means ports.New with Log.
+	Ports agentv1connect.PortServiceHandler
 	// PowerOff is called once a Shutdown call has been answered and the
 	// server has stopped; nil makes Shutdown fail with CodeUnimplemented.
 	PowerOff func(reboot bool)
@@ -68,8 +72,11 @@ func Serve(ctx context.Context, l net.Listener, cfg Config) error {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
+	if cfg.Ports == nil {
+		cfg.Ports = ports.New(ports.Options{Log: cfg.Log})
+	}
 	svc := &service{cfg: cfg, sessions: session.New(cfg.Runner), shutdown: make(chan bool, 1)}
-	srv := protocol.NewHTTPServer(NewHandler(svc, cfg.Files))
+	srv := protocol.NewHTTPServer(NewHandler(svc, cfg.Files, cfg.Ports))
 	srv.ErrorLog = slog.NewLogLogger(cfg.Log.Handler(), slog.LevelWarn)
 	srv.BaseContext = func(net.Listener) context.Context { return ctx }
 
@@ -98,13 +105,14 @@ func Serve(ctx context.Context, l net.Listener, cfg Config) error {
 	}
 }
 
-// NewHandler returns the HTTP handler for the agent and file services, and
+// NewHandler returns the HTTP handler for the agent, file and port services, and
 // a 404 (which connect clients see as CodeUnimplemented) for every other
 // path.
-func NewHandler(agent agentv1connect.AgentServiceHandler, fs agentv1connect.FileServiceHandler) http.Handler {
+func NewHandler(agent agentv1connect.AgentServiceHandler, fs agentv1connect.FileServiceHandler, ps agentv1connect.PortServiceHandler) http.Handler {
 	mux := http.NewServeMux()
 	mux.Handle(agentv1connect.NewAgentServiceHandler(agent, protocol.HandlerOptions()...))
 	mux.Handle(agentv1connect.NewFileServiceHandler(fs, protocol.HandlerOptions()...))
+	mux.Handle(agentv1connect.NewPortServiceHandler(ps, protocol.HandlerOptions()...))
 	return mux
 }
 

@@ -94,6 +94,11 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 	defer cancel()
 	g := c.Process(ctx)
 	defer g.CloseResponse()
+	// Cancelling ctx alone does not wake a Receive while the request body
+	// is open (net/http's HTTP/2 client): close the response when the
+	// client goes, so the guest side ends at once.
+	stop := context.AfterFunc(ctx, func() { g.CloseResponse() })
+	defer stop()
 	go func() {
 		// Client to guest. The guest checks these too; the host has
 		// already capped their size.

@@ -67,6 +67,7 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle(apiv1connect.NewSystemServiceHandler(&systemService{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewFileServiceHandler(&fileRelay{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewAgentServiceHandler(&agentRelay{cfg: cfg}, opts...))
+	mux.Handle(agentv1connect.NewPortServiceHandler(&portRelay{cfg: cfg}, opts...))
 	return mux
 }
 
@@ -124,8 +125,9 @@ func (deadlineInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFun
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
 		if _, ok := ctx.Deadline(); !ok {
 			d := defaultStreamDeadline
-			if conn.Spec().Procedure == agentv1connect.AgentServiceProcessProcedure {
-				d = maxSessionDeadline // an interactive shell
+			switch conn.Spec().Procedure {
+			case agentv1connect.AgentServiceProcessProcedure, agentv1connect.PortServiceConnectProcedure:
+				d = maxSessionDeadline // an interactive shell, a forwarded connection
 			}
 			var cancel context.CancelFunc
 			ctx, cancel = context.WithTimeout(ctx, d)

@@ -65,6 +65,9 @@ func (c *Client) Run(ctx context.Context, s Session) (*agentv1.ExitStatus, error
 		stream.CloseResponse()
 	}()
 	stream.RequestHeader().Set(vmHeader, s.VM)
+	// A cancelled ctx must end a Receive that waits on a quiet command.
+	stopClose := context.AfterFunc(ctx, func() { stream.CloseResponse() })
+	defer stopClose()
 	first := &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: s.Start}}
 	if s.Start == nil {
 		first = &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Attach{Attach: &agentv1.AttachRequest{Id: s.Attach}}}

@@ -81,6 +81,67 @@ func (FileType) EnumDescriptor() ([]byte, []int) {
 	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{0}
 }
 
+// WatchOp is what happened to a path.
+type WatchOp int32
+
+const (
+	WatchOp_WATCH_OP_UNSPECIFIED WatchOp = 0
+	// Created, or moved in from outside the watched tree. A directory moved
+	// in is one create; what it holds is watched but not reported.
+	WatchOp_WATCH_OP_CREATE WatchOp = 1
+	// Written to. Writes to a path within one reply are reported once.
+	WatchOp_WATCH_OP_MODIFY WatchOp = 2
+	// Removed, or moved out of the watched tree.
+	WatchOp_WATCH_OP_DELETE WatchOp = 3
+	// Moved within the watched tree, from old_path to path.
+	WatchOp_WATCH_OP_RENAME WatchOp = 4
+)
+
+// Enum value maps for WatchOp.
+var (
+	WatchOp_name = map[int32]string{
+		0: "WATCH_OP_UNSPECIFIED",
+		1: "WATCH_OP_CREATE",
+		2: "WATCH_OP_MODIFY",
+		3: "WATCH_OP_DELETE",
+		4: "WATCH_OP_RENAME",
+	}
+	WatchOp_value = map[string]int32{
+		"WATCH_OP_UNSPECIFIED": 0,
+		"WATCH_OP_CREATE":      1,
+		"WATCH_OP_MODIFY":      2,
+		"WATCH_OP_DELETE":      3,
+		"WATCH_OP_RENAME":      4,
+	}
+)
+
+func (x WatchOp) Enum() *WatchOp {
+	p := new(WatchOp)
+	*p = x
+	return p
+}
+
+func (x WatchOp) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (WatchOp) Descriptor() protoreflect.EnumDescriptor {
+	return file_carrel_agent_v1_files_proto_enumTypes[1].Descriptor()
+}
+
+func (WatchOp) Type() protoreflect.EnumType {
+	return &file_carrel_agent_v1_files_proto_enumTypes[1]
+}
+
+func (x WatchOp) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use WatchOp.Descriptor instead.
+func (WatchOp) EnumDescriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{1}
+}
+
 type ReadTarRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Path          string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
@@ -1254,6 +1315,216 @@ func (*ChownResponse) Descriptor() ([]byte, []int) {
 	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{21}
 }
 
+type WatchRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The directory to watch. A symlink here is followed; symlinks below it
+	// are not.
+	Path      string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	Recursive bool   `protobuf:"varint,2,opt,name=recursive,proto3" json:"recursive,omitempty"`
+	// The most events a second to send; 0 means the agent's default (1000).
+	// Events over it are dropped and counted. carreld lowers it to its own
+	// cap.
+	MaxEventsPerSecond uint32 `protobuf:"varint,3,opt,name=max_events_per_second,json=maxEventsPerSecond,proto3" json:"max_events_per_second,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *WatchRequest) Reset() {
+	*x = WatchRequest{}
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchRequest) ProtoMessage() {}
+
+func (x *WatchRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchRequest.ProtoReflect.Descriptor instead.
+func (*WatchRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *WatchRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *WatchRequest) GetRecursive() bool {
+	if x != nil {
+		return x.Recursive
+	}
+	return false
+}
+
+func (x *WatchRequest) GetMaxEventsPerSecond() uint32 {
+	if x != nil {
+		return x.MaxEventsPerSecond
+	}
+	return 0
+}
+
+type WatchEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Op    WatchOp                `protobuf:"varint,1,opt,name=op,proto3,enum=carrel.agent.v1.WatchOp" json:"op,omitempty"`
+	// Absolute, below the watched directory (or the directory itself).
+	Path string `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// RENAME only: where it was before.
+	OldPath string `protobuf:"bytes,3,opt,name=old_path,json=oldPath,proto3" json:"old_path,omitempty"`
+	IsDir   bool   `protobuf:"varint,4,opt,name=is_dir,json=isDir,proto3" json:"is_dir,omitempty"`
+	// When the agent read the event, nanoseconds since the Unix epoch.
+	TimeUnixNano  int64 `protobuf:"varint,5,opt,name=time_unix_nano,json=timeUnixNano,proto3" json:"time_unix_nano,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchEvent) Reset() {
+	*x = WatchEvent{}
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchEvent) ProtoMessage() {}
+
+func (x *WatchEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchEvent.ProtoReflect.Descriptor instead.
+func (*WatchEvent) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *WatchEvent) GetOp() WatchOp {
+	if x != nil {
+		return x.Op
+	}
+	return WatchOp_WATCH_OP_UNSPECIFIED
+}
+
+func (x *WatchEvent) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *WatchEvent) GetOldPath() string {
+	if x != nil {
+		return x.OldPath
+	}
+	return ""
+}
+
+func (x *WatchEvent) GetIsDir() bool {
+	if x != nil {
+		return x.IsDir
+	}
+	return false
+}
+
+func (x *WatchEvent) GetTimeUnixNano() int64 {
+	if x != nil {
+		return x.TimeUnixNano
+	}
+	return 0
+}
+
+type WatchResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// At most 1024 events.
+	Events []*WatchEvent `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
+	// Events dropped since the last reply: over the rate, or lost when the
+	// kernel's queue overflowed (an overflow counts at least one).
+	Dropped uint64 `protobuf:"varint,2,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	// Directories left unwatched since the last reply, because the agent's
+	// cap on directories per watch (or the kernel's) was reached: changes in
+	// them are not reported.
+	UnwatchedDirs uint64 `protobuf:"varint,3,opt,name=unwatched_dirs,json=unwatchedDirs,proto3" json:"unwatched_dirs,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchResponse) Reset() {
+	*x = WatchResponse{}
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchResponse) ProtoMessage() {}
+
+func (x *WatchResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_files_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchResponse.ProtoReflect.Descriptor instead.
+func (*WatchResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_files_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *WatchResponse) GetEvents() []*WatchEvent {
+	if x != nil {
+		return x.Events
+	}
+	return nil
+}
+
+func (x *WatchResponse) GetDropped() uint64 {
+	if x != nil {
+		return x.Dropped
+	}
+	return 0
+}
+
+func (x *WatchResponse) GetUnwatchedDirs() uint64 {
+	if x != nil {
+		return x.UnwatchedDirs
+	}
+	return 0
+}
+
 var File_carrel_agent_v1_files_proto protoreflect.FileDescriptor
 
 const file_carrel_agent_v1_files_proto_rawDesc = "" +
@@ -1324,13 +1595,34 @@ const file_carrel_agent_v1_files_proto_rawDesc = "" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x10\n" +
 	"\x03uid\x18\x02 \x01(\x03R\x03uid\x12\x10\n" +
 	"\x03gid\x18\x03 \x01(\x03R\x03gid\"\x0f\n" +
-	"\rChownResponse*\x81\x01\n" +
+	"\rChownResponse\"s\n" +
+	"\fWatchRequest\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x1c\n" +
+	"\trecursive\x18\x02 \x01(\bR\trecursive\x121\n" +
+	"\x15max_events_per_second\x18\x03 \x01(\rR\x12maxEventsPerSecond\"\xa2\x01\n" +
+	"\n" +
+	"WatchEvent\x12(\n" +
+	"\x02op\x18\x01 \x01(\x0e2\x18.carrel.agent.v1.WatchOpR\x02op\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x19\n" +
+	"\bold_path\x18\x03 \x01(\tR\aoldPath\x12\x15\n" +
+	"\x06is_dir\x18\x04 \x01(\bR\x05isDir\x12$\n" +
+	"\x0etime_unix_nano\x18\x05 \x01(\x03R\ftimeUnixNano\"\x85\x01\n" +
+	"\rWatchResponse\x123\n" +
+	"\x06events\x18\x01 \x03(\v2\x1b.carrel.agent.v1.WatchEventR\x06events\x12\x18\n" +
+	"\adropped\x18\x02 \x01(\x04R\adropped\x12%\n" +
+	"\x0eunwatched_dirs\x18\x03 \x01(\x04R\runwatchedDirs*\x81\x01\n" +
 	"\bFileType\x12\x19\n" +
 	"\x15FILE_TYPE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11FILE_TYPE_REGULAR\x10\x01\x12\x17\n" +
 	"\x13FILE_TYPE_DIRECTORY\x10\x02\x12\x15\n" +
 	"\x11FILE_TYPE_SYMLINK\x10\x03\x12\x13\n" +
-	"\x0fFILE_TYPE_OTHER\x10\x042\xb8\x06\n" +
+	"\x0fFILE_TYPE_OTHER\x10\x04*w\n" +
+	"\aWatchOp\x12\x18\n" +
+	"\x14WATCH_OP_UNSPECIFIED\x10\x00\x12\x13\n" +
+	"\x0fWATCH_OP_CREATE\x10\x01\x12\x13\n" +
+	"\x0fWATCH_OP_MODIFY\x10\x02\x12\x13\n" +
+	"\x0fWATCH_OP_DELETE\x10\x03\x12\x13\n" +
+	"\x0fWATCH_OP_RENAME\x10\x042\x82\a\n" +
 	"\vFileService\x12C\n" +
 	"\x04Stat\x12\x1c.carrel.agent.v1.StatRequest\x1a\x1d.carrel.agent.v1.StatResponse\x12E\n" +
 	"\x04List\x12\x1c.carrel.agent.v1.ListRequest\x1a\x1d.carrel.agent.v1.ListResponse0\x01\x12E\n" +
@@ -1342,7 +1634,8 @@ const file_carrel_agent_v1_files_proto_rawDesc = "" +
 	"\x05Chmod\x12\x1d.carrel.agent.v1.ChmodRequest\x1a\x1e.carrel.agent.v1.ChmodResponse\x12F\n" +
 	"\x05Chown\x12\x1d.carrel.agent.v1.ChownRequest\x1a\x1e.carrel.agent.v1.ChownResponse\x12K\n" +
 	"\aReadTar\x12\x1f.carrel.agent.v1.ReadTarRequest\x1a\x1d.carrel.agent.v1.ReadResponse0\x01\x12K\n" +
-	"\bWriteTar\x12\x1d.carrel.agent.v1.WriteRequest\x1a\x1e.carrel.agent.v1.WriteResponse(\x01B=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
+	"\bWriteTar\x12\x1d.carrel.agent.v1.WriteRequest\x1a\x1e.carrel.agent.v1.WriteResponse(\x01\x12H\n" +
+	"\x05Watch\x12\x1d.carrel.agent.v1.WatchRequest\x1a\x1e.carrel.agent.v1.WatchResponse0\x01B=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
 
 var (
 	file_carrel_agent_v1_files_proto_rawDescOnce sync.Once
@@ -1356,66 +1649,74 @@ func file_carrel_agent_v1_files_proto_rawDescGZIP() []byte {
 	return file_carrel_agent_v1_files_proto_rawDescData
 }
 
-var file_carrel_agent_v1_files_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_carrel_agent_v1_files_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_carrel_agent_v1_files_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_carrel_agent_v1_files_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
 var file_carrel_agent_v1_files_proto_goTypes = []any{
 	(FileType)(0),           // 0: carrel.agent.v1.FileType
-	(*ReadTarRequest)(nil),  // 1: carrel.agent.v1.ReadTarRequest
-	(*FileInfo)(nil),        // 2: carrel.agent.v1.FileInfo
-	(*StatRequest)(nil),     // 3: carrel.agent.v1.StatRequest
-	(*StatResponse)(nil),    // 4: carrel.agent.v1.StatResponse
-	(*ListRequest)(nil),     // 5: carrel.agent.v1.ListRequest
-	(*ListResponse)(nil),    // 6: carrel.agent.v1.ListResponse
-	(*ReadRequest)(nil),     // 7: carrel.agent.v1.ReadRequest
-	(*ReadResponse)(nil),    // 8: carrel.agent.v1.ReadResponse
-	(*WriteRequest)(nil),    // 9: carrel.agent.v1.WriteRequest
-	(*WriteCommit)(nil),     // 10: carrel.agent.v1.WriteCommit
-	(*WriteHeader)(nil),     // 11: carrel.agent.v1.WriteHeader
-	(*WriteResponse)(nil),   // 12: carrel.agent.v1.WriteResponse
-	(*MakeDirRequest)(nil),  // 13: carrel.agent.v1.MakeDirRequest
-	(*MakeDirResponse)(nil), // 14: carrel.agent.v1.MakeDirResponse
-	(*RemoveRequest)(nil),   // 15: carrel.agent.v1.RemoveRequest
-	(*RemoveResponse)(nil),  // 16: carrel.agent.v1.RemoveResponse
-	(*RenameRequest)(nil),   // 17: carrel.agent.v1.RenameRequest
-	(*RenameResponse)(nil),  // 18: carrel.agent.v1.RenameResponse
-	(*ChmodRequest)(nil),    // 19: carrel.agent.v1.ChmodRequest
-	(*ChmodResponse)(nil),   // 20: carrel.agent.v1.ChmodResponse
-	(*ChownRequest)(nil),    // 21: carrel.agent.v1.ChownRequest
-	(*ChownResponse)(nil),   // 22: carrel.agent.v1.ChownResponse
+	(WatchOp)(0),            // 1: carrel.agent.v1.WatchOp
+	(*ReadTarRequest)(nil),  // 2: carrel.agent.v1.ReadTarRequest
+	(*FileInfo)(nil),        // 3: carrel.agent.v1.FileInfo
+	(*StatRequest)(nil),     // 4: carrel.agent.v1.StatRequest
+	(*StatResponse)(nil),    // 5: carrel.agent.v1.StatResponse
+	(*ListRequest)(nil),     // 6: carrel.agent.v1.ListRequest
+	(*ListResponse)(nil),    // 7: carrel.agent.v1.ListResponse
+	(*ReadRequest)(nil),     // 8: carrel.agent.v1.ReadRequest
+	(*ReadResponse)(nil),    // 9: carrel.agent.v1.ReadResponse
+	(*WriteRequest)(nil),    // 10: carrel.agent.v1.WriteRequest
+	(*WriteCommit)(nil),     // 11: carrel.agent.v1.WriteCommit
+	(*WriteHeader)(nil),     // 12: carrel.agent.v1.WriteHeader
+	(*WriteResponse)(nil),   // 13: carrel.agent.v1.WriteResponse
+	(*MakeDirRequest)(nil),  // 14: carrel.agent.v1.MakeDirRequest
+	(*MakeDirResponse)(nil), // 15: carrel.agent.v1.MakeDirResponse
+	(*RemoveRequest)(nil),   // 16: carrel.agent.v1.RemoveRequest
+	(*RemoveResponse)(nil),  // 17: carrel.agent.v1.RemoveResponse
+	(*RenameRequest)(nil),   // 18: carrel.agent.v1.RenameRequest
+	(*RenameResponse)(nil),  // 19: carrel.agent.v1.RenameResponse
+	(*ChmodRequest)(nil),    // 20: carrel.agent.v1.ChmodRequest
+	(*ChmodResponse)(nil),   // 21: carrel.agent.v1.ChmodResponse
+	(*ChownRequest)(nil),    // 22: carrel.agent.v1.ChownRequest
+	(*ChownResponse)(nil),   // 23: carrel.agent.v1.ChownResponse
+	(*WatchRequest)(nil),    // 24: carrel.agent.v1.WatchRequest
+	(*WatchEvent)(nil),      // 25: carrel.agent.v1.WatchEvent
+	(*WatchResponse)(nil),   // 26: carrel.agent.v1.WatchResponse
 }
 var file_carrel_agent_v1_files_proto_depIdxs = []int32{
 	0,  // 0: carrel.agent.v1.FileInfo.type:type_name -> carrel.agent.v1.FileType
-	2,  // 1: carrel.agent.v1.StatResponse.info:type_name -> carrel.agent.v1.FileInfo
-	2,  // 2: carrel.agent.v1.ListResponse.entries:type_name -> carrel.agent.v1.FileInfo
-	11, // 3: carrel.agent.v1.WriteRequest.header:type_name -> carrel.agent.v1.WriteHeader
-	10, // 4: carrel.agent.v1.WriteRequest.commit:type_name -> carrel.agent.v1.WriteCommit
-	3,  // 5: carrel.agent.v1.FileService.Stat:input_type -> carrel.agent.v1.StatRequest
-	5,  // 6: carrel.agent.v1.FileService.List:input_type -> carrel.agent.v1.ListRequest
-	7,  // 7: carrel.agent.v1.FileService.Read:input_type -> carrel.agent.v1.ReadRequest
-	9,  // 8: carrel.agent.v1.FileService.Write:input_type -> carrel.agent.v1.WriteRequest
-	13, // 9: carrel.agent.v1.FileService.MakeDir:input_type -> carrel.agent.v1.MakeDirRequest
-	15, // 10: carrel.agent.v1.FileService.Remove:input_type -> carrel.agent.v1.RemoveRequest
-	17, // 11: carrel.agent.v1.FileService.Rename:input_type -> carrel.agent.v1.RenameRequest
-	19, // 12: carrel.agent.v1.FileService.Chmod:input_type -> carrel.agent.v1.ChmodRequest
-	21, // 13: carrel.agent.v1.FileService.Chown:input_type -> carrel.agent.v1.ChownRequest
-	1,  // 14: carrel.agent.v1.FileService.ReadTar:input_type -> carrel.agent.v1.ReadTarRequest
-	9,  // 15: carrel.agent.v1.FileService.WriteTar:input_type -> carrel.agent.v1.WriteRequest
-	4,  // 16: carrel.agent.v1.FileService.Stat:output_type -> carrel.agent.v1.StatResponse
-	6,  // 17: carrel.agent.v1.FileService.List:output_type -> carrel.agent.v1.ListResponse
-	8,  // 18: carrel.agent.v1.FileService.Read:output_type -> carrel.agent.v1.ReadResponse
-	12, // 19: carrel.agent.v1.FileService.Write:output_type -> carrel.agent.v1.WriteResponse
-	14, // 20: carrel.agent.v1.FileService.MakeDir:output_type -> carrel.agent.v1.MakeDirResponse
-	16, // 21: carrel.agent.v1.FileService.Remove:output_type -> carrel.agent.v1.RemoveResponse
-	18, // 22: carrel.agent.v1.FileService.Rename:output_type -> carrel.agent.v1.RenameResponse
-	20, // 23: carrel.agent.v1.FileService.Chmod:output_type -> carrel.agent.v1.ChmodResponse
-	22, // 24: carrel.agent.v1.FileService.Chown:output_type -> carrel.agent.v1.ChownResponse
-	8,  // 25: carrel.agent.v1.FileService.ReadTar:output_type -> carrel.agent.v1.ReadResponse
-	12, // 26: carrel.agent.v1.FileService.WriteTar:output_type -> carrel.agent.v1.WriteResponse
-	16, // [16:27] is the sub-list for method output_type
-	5,  // [5:16] is the sub-list for method input_type
-	5,  // [5:5] is the sub-list for extension type_name
-	5,  // [5:5] is the sub-list for extension extendee
-	0,  // [0:5] is the sub-list for field type_name
+	3,  // 1: carrel.agent.v1.StatResponse.info:type_name -> carrel.agent.v1.FileInfo
+	3,  // 2: carrel.agent.v1.ListResponse.entries:type_name -> carrel.agent.v1.FileInfo
+	12, // 3: carrel.agent.v1.WriteRequest.header:type_name -> carrel.agent.v1.WriteHeader
+	11, // 4: carrel.agent.v1.WriteRequest.commit:type_name -> carrel.agent.v1.WriteCommit
+	1,  // 5: carrel.agent.v1.WatchEvent.op:type_name -> carrel.agent.v1.WatchOp
+	25, // 6: carrel.agent.v1.WatchResponse.events:type_name -> carrel.agent.v1.WatchEvent
+	4,  // 7: carrel.agent.v1.FileService.Stat:input_type -> carrel.agent.v1.StatRequest
+	6,  // 8: carrel.agent.v1.FileService.List:input_type -> carrel.agent.v1.ListRequest
+	8,  // 9: carrel.agent.v1.FileService.Read:input_type -> carrel.agent.v1.ReadRequest
+	10, // 10: carrel.agent.v1.FileService.Write:input_type -> carrel.agent.v1.WriteRequest
+	14, // 11: carrel.agent.v1.FileService.MakeDir:input_type -> carrel.agent.v1.MakeDirRequest
+	16, // 12: carrel.agent.v1.FileService.Remove:input_type -> carrel.agent.v1.RemoveRequest
+	18, // 13: carrel.agent.v1.FileService.Rename:input_type -> carrel.agent.v1.RenameRequest
+	20, // 14: carrel.agent.v1.FileService.Chmod:input_type -> carrel.agent.v1.ChmodRequest
+	22, // 15: carrel.agent.v1.FileService.Chown:input_type -> carrel.agent.v1.ChownRequest
+	2,  // 16: carrel.agent.v1.FileService.ReadTar:input_type -> carrel.agent.v1.ReadTarRequest
+	10, // 17: carrel.agent.v1.FileService.WriteTar:input_type -> carrel.agent.v1.WriteRequest
+	24, // 18: carrel.agent.v1.FileService.Watch:input_type -> carrel.agent.v1.WatchRequest
+	5,  // 19: carrel.agent.v1.FileService.Stat:output_type -> carrel.agent.v1.StatResponse
+	7,  // 20: carrel.agent.v1.FileService.List:output_type -> carrel.agent.v1.ListResponse
+	9,  // 21: carrel.agent.v1.FileService.Read:output_type -> carrel.agent.v1.ReadResponse
+	13, // 22: carrel.agent.v1.FileService.Write:output_type -> carrel.agent.v1.WriteResponse
+	15, // 23: carrel.agent.v1.FileService.MakeDir:output_type -> carrel.agent.v1.MakeDirResponse
+	17, // 24: carrel.agent.v1.FileService.Remove:output_type -> carrel.agent.v1.RemoveResponse
+	19, // 25: carrel.agent.v1.FileService.Rename:output_type -> carrel.agent.v1.RenameResponse
+	21, // 26: carrel.agent.v1.FileService.Chmod:output_type -> carrel.agent.v1.ChmodResponse
+	23, // 27: carrel.agent.v1.FileService.Chown:output_type -> carrel.agent.v1.ChownResponse
+	9,  // 28: carrel.agent.v1.FileService.ReadTar:output_type -> carrel.agent.v1.ReadResponse
+	13, // 29: carrel.agent.v1.FileService.WriteTar:output_type -> carrel.agent.v1.WriteResponse
+	26, // 30: carrel.agent.v1.FileService.Watch:output_type -> carrel.agent.v1.WatchResponse
+	19, // [19:31] is the sub-list for method output_type
+	7,  // [7:19] is the sub-list for method input_type
+	7,  // [7:7] is the sub-list for extension type_name
+	7,  // [7:7] is the sub-list for extension extendee
+	0,  // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_carrel_agent_v1_files_proto_init() }
@@ -1433,8 +1734,8 @@ func file_carrel_agent_v1_files_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_files_proto_rawDesc), len(file_carrel_agent_v1_files_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   22,
+			NumEnums:      2,
+			NumMessages:   25,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -32,6 +32,8 @@ type Behavior struct {
 	Silent bool
 	// Files, if set, serves the agent's file service (e.g. a hostile one).
 	Files agentv1connect.FileServiceHandler
+	// Ports, if set, serves the agent's port service (e.g. a hostile one).
+	Ports agentv1connect.PortServiceHandler
 }
 
 // Driver is a fake driver. Its zero value is not usable: call New.
@@ -285,6 +287,9 @@ func serveAgent(v *VM) {
 	mux.Handle(agentv1connect.NewAgentServiceHandler(&agent{vm: v}, protocol.HandlerOptions()...))
 	if v.behavior.Files != nil {
 		mux.Handle(agentv1connect.NewFileServiceHandler(v.behavior.Files, protocol.HandlerOptions()...))
+	}
+	if v.behavior.Ports != nil {
+		mux.Handle(agentv1connect.NewPortServiceHandler(v.behavior.Ports, protocol.HandlerOptions()...))
 	}
 	srv := protocol.NewHTTPServer(mux)
 	go srv.Serve(v.agent)

@@ -59,6 +59,8 @@ const (
 	FileServiceReadTarProcedure = "/carrel.agent.v1.FileService/ReadTar"
 	// FileServiceWriteTarProcedure is the fully-qualified name of the FileService's WriteTar RPC.
 	FileServiceWriteTarProcedure = "/carrel.agent.v1.FileService/WriteTar"
+	// FileServiceWatchProcedure is the fully-qualified name of the FileService's Watch RPC.
+	FileServiceWatchProcedure = "/carrel.agent.v1.FileService/Watch"
 )
 
 // FileServiceClient is a client for the carrel.agent.v1.FileService service.
@@ -97,6 +99,14 @@ type FileServiceClient interface {
 	// on an error, entries already extracted stay. The commit ends the
 	// archive; the reply counts the archive's bytes.
 	WriteTar(context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse]
+	// Watch streams changes below a directory, through inotify, until the
+	// call ends or the directory itself is removed or moved away (reported as
+	// a delete of the directory; then the stream ends). With recursive,
+	// every subdirectory is watched too, including those made later. The
+	// first reply, with no events, says that the watch is in place. Events
+	// over the rate asked for, or lost when the kernel's queue overflowed,
+	// are counted in dropped, not sent.
+	Watch(context.Context, *connect.Request[agentv1.WatchRequest]) (*connect.ServerStreamForClient[agentv1.WatchResponse], error)
 }
 
 // NewFileServiceClient constructs a client for the carrel.agent.v1.FileService service. By default,
@@ -176,6 +186,12 @@ func NewFileServiceClient(httpClient connect.HTTPClient, baseURL string, opts ..
 			connect.WithSchema(fileServiceMethods.ByName("WriteTar")),
 			connect.WithClientOptions(opts...),
 		),
+		watch: connect.NewClient[agentv1.WatchRequest, agentv1.WatchResponse](
+			httpClient,
+			baseURL+FileServiceWatchProcedure,
+			connect.WithSchema(fileServiceMethods.ByName("Watch")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -192,6 +208,7 @@ type fileServiceClient struct {
 	chown    *connect.Client[agentv1.ChownRequest, agentv1.ChownResponse]
 	readTar  *connect.Client[agentv1.ReadTarRequest, agentv1.ReadResponse]
 	writeTar *connect.Client[agentv1.WriteRequest, agentv1.WriteResponse]
+	watch    *connect.Client[agentv1.WatchRequest, agentv1.WatchResponse]
 }
 
 // Stat calls carrel.agent.v1.FileService.Stat.
@@ -249,6 +266,11 @@ func (c *fileServiceClient) WriteTar(ctx context.Context) *connect.ClientStreamF
 	return c.writeTar.CallClientStream(ctx)
 }
 
+// Watch calls carrel.agent.v1.FileService.Watch.
+func (c *fileServiceClient) Watch(ctx context.Context, req *connect.Request[agentv1.WatchRequest]) (*connect.ServerStreamForClient[agentv1.WatchResponse], error) {
+	return c.watch.CallServerStream(ctx, req)
+}
+
 // FileServiceHandler is an implementation of the carrel.agent.v1.FileService service.
 type FileServiceHandler interface {
 	// Stat describes one path. It does not follow a final symlink.
@@ -285,6 +307,14 @@ type FileServiceHandler interface {
 	// on an error, entries already extracted stay. The commit ends the
 	// archive; the reply counts the archive's bytes.
 	WriteTar(context.Context, *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error)
+	// Watch streams changes below a directory, through inotify, until the
+	// call ends or the directory itself is removed or moved away (reported as
+	// a delete of the directory; then the stream ends). With recursive,
+	// every subdirectory is watched too, including those made later. The
+	// first reply, with no events, says that the watch is in place. Events
+	// over the rate asked for, or lost when the kernel's queue overflowed,
+	// are counted in dropped, not sent.
+	Watch(context.Context, *connect.Request[agentv1.WatchRequest], *connect.ServerStream[agentv1.WatchResponse]) error
 }
 
 // NewFileServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -360,6 +390,12 @@ func NewFileServiceHandler(svc FileServiceHandler, opts ...connect.HandlerOption
 		connect.WithSchema(fileServiceMethods.ByName("WriteTar")),
 		connect.WithHandlerOptions(opts...),
 	)
+	fileServiceWatchHandler := connect.NewServerStreamHandler(
+		FileServiceWatchProcedure,
+		svc.Watch,
+		connect.WithSchema(fileServiceMethods.ByName("Watch")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.agent.v1.FileService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case FileServiceStatProcedure:
@@ -384,6 +420,8 @@ func NewFileServiceHandler(svc FileServiceHandler, opts ...connect.HandlerOption
 			fileServiceReadTarHandler.ServeHTTP(w, r)
 		case FileServiceWriteTarProcedure:
 			fileServiceWriteTarHandler.ServeHTTP(w, r)
+		case FileServiceWatchProcedure:
+			fileServiceWatchHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -435,4 +473,8 @@ func (UnimplementedFileServiceHandler) ReadTar(context.Context, *connect.Request
 
 func (UnimplementedFileServiceHandler) WriteTar(context.Context, *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.FileService.WriteTar is not implemented"))
+}
+
+func (UnimplementedFileServiceHandler) Watch(context.Context, *connect.Request[agentv1.WatchRequest], *connect.ServerStream[agentv1.WatchResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.FileService.Watch is not implemented"))
 }
