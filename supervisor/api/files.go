@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"strings"
 
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/supervisor/agentlink"
 )
 
 // VMHeader names the VM a FileService call is for. The file API is the
@@ -31,15 +33,25 @@ type fileRelay struct {
 
 var _ agentv1connect.FileServiceHandler = (*fileRelay)(nil)
 
-// files returns the guest's file service for the VM the call names.
-func (r *fileRelay) files(h interface{ Get(string) string }) (agentv1connect.FileServiceClient, func(context.Context, error) error, error) {
+// linkFor returns the agent link of the running VM a relayed call names in
+// its Carrel-Vm header.
+func linkFor(cfg Config, h http.Header) (*agentlink.Link, error) {
 	name := h.Get(VMHeader)
 	if name == "" {
-		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", VMHeader))
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", VMHeader))
 	}
-	link, err := r.cfg.Manager.Link(name)
+	link, err := cfg.Manager.Link(name)
 	if err != nil {
-		return nil, nil, toConnect(err)
+		return nil, toConnect(err)
+	}
+	return link, nil
+}
+
+// files returns the guest's file service for the VM the call names.
+func (r *fileRelay) files(h http.Header) (agentv1connect.FileServiceClient, func(context.Context, error) error, error) {
+	link, err := linkFor(r.cfg, h)
+	if err != nil {
+		return nil, nil, err
 	}
 	c, done := link.Files()
 	return c, done, nil

@@ -33,9 +33,9 @@ var _ agentv1connect.PortServiceHandler = (*portRelay)(nil)
 // (after both directions are closed, or with the connection's error), when
 // the client goes away, or when either side breaks the protocol.
 func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.PortData, agentv1.PortData]) error {
-	name := in.RequestHeader().Get(VMHeader)
-	if name == "" {
-		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", VMHeader))
+	link, err := linkFor(r.cfg, in.RequestHeader())
+	if err != nil {
+		return err
 	}
 	first, err := in.Receive()
 	if errors.Is(err, io.EOF) {
@@ -50,10 +50,6 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 	}
 	if _, err := ports.Address(open); err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("port connect: %w", err))
-	}
-	link, err := r.cfg.Manager.Link(name)
-	if err != nil {
-		return toConnect(err)
 	}
 	c, done := link.Ports()
 

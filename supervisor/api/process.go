@@ -3,8 +3,8 @@ package api
 import (
 	"context"
 	"errors"
-	"fmt"
 	"io"
+	"net/http"
 
 	"connectrpc.com/connect"
 
@@ -29,14 +29,10 @@ type agentRelay struct {
 
 var _ agentv1connect.AgentServiceHandler = (*agentRelay)(nil)
 
-func (r *agentRelay) agent(h interface{ Get(string) string }) (agentv1connect.AgentServiceClient, func(context.Context, error) error, error) {
-	name := h.Get(VMHeader)
-	if name == "" {
-		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", VMHeader))
-	}
-	link, err := r.cfg.Manager.Link(name)
+func (r *agentRelay) agent(h http.Header) (agentv1connect.AgentServiceClient, func(context.Context, error) error, error) {
+	link, err := linkFor(r.cfg, h)
 	if err != nil {
-		return nil, nil, toConnect(err)
+		return nil, nil, err
 	}
 	c, done := link.Agent()
 	return c, done, nil
