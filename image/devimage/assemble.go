@@ -66,7 +66,7 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	a, guestMods, err := buildArchive(o, tree.Release(), mods, applets, in.busybox)
+	a, guestMods, err := buildArchive(o, tree.Release(), mods, applets, in)
 	if err != nil {
 		return nil, err
 	}
@@ -79,6 +79,15 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 		InitrdPath:   filepath.Join(o.OutDir, InitrdFile),
 		ManifestPath: filepath.Join(o.OutDir, ManifestFile),
 		Modules:      guestMods,
+	}
+	if in.qemuGA != nil {
+		res.QemuGA = QemuGABinary
+		if in.qemuGA.interp != nil {
+			res.QemuGALibs = append(res.QemuGALibs, "/"+in.qemuGA.interp.guest)
+		}
+		for _, l := range in.qemuGA.libs {
+			res.QemuGALibs = append(res.QemuGALibs, "/"+l.guest)
+		}
 	}
 	kernel, err := writeAtomic(res.KernelPath, func(w io.Writer) error {
 		f, err := os.Open(in.kernel)
@@ -175,7 +184,7 @@ func parseApplets(out string) ([]string, error) {
 
 // buildArchive lays out the initramfs and returns it with the guest paths of
 // the modules in load order.
-func buildArchive(o Options, release string, mods []*kmod.Module, applets []string, busybox string) (*initramfs.Archive, []string, error) {
+func buildArchive(o Options, release string, mods []*kmod.Module, applets []string, in inputs) (*initramfs.Archive, []string, error) {
 	a := initramfs.New()
 	var errs []error
 	for _, d := range guestDirs {
@@ -188,7 +197,13 @@ func buildArchive(o Options, release string, mods []*kmod.Module, applets []stri
 	// mount devtmpfs.
 	errs = append(errs, a.CharDev("dev/console", 0o600, 5, 1))
 	errs = append(errs, a.FileFrom("init", 0o755, o.AgentBinary))
-	errs = append(errs, a.FileFrom("bin/busybox", 0o755, busybox))
+	errs = append(errs, a.FileFrom("bin/busybox", 0o755, in.busybox))
+	if in.qemuGA != nil {
+		// qemu-ga keeps its state in /var/run unless told otherwise; Debian
+		// links it to /run, a tmpfs the agent mounts.
+		errs = append(errs, a.Symlink("var/run", "/run"))
+		errs = append(errs, addDynamic(a.FileFrom, QemuGABinary, in.qemuGA)...)
+	}
 	for _, ap := range applets {
 		if !a.Has(ap) {
 			errs = append(errs, a.Symlink(ap, "/bin/busybox"))

@@ -3,6 +3,10 @@
 // virtio and vsock modules the agent loads at boot. Production images are
 // built with Nix instead (see nix/).
 //
+// Options.WithQemuGA builds a variant that also holds Debian's qemu-ga
+// (qemu-guest-agent) with its shared libraries, which the benchmarks
+// compare carrel-agent with (see qemuga.go and tests/bench).
+//
 // Build fetches packages with apt-get download and unpacks them with
 // dpkg-deb -x into a cache it reuses, so it needs a Debian host but never
 // installs anything on it. The same inputs always give byte-identical
@@ -78,6 +82,15 @@ type Options struct {
 	// Compress gzips the initramfs. It is off by default: under TCG the
 	// kernel spends longer decompressing than it saves reading.
 	Compress bool
+	// WithQemuGA builds the qemu-guest-agent variant: the image also holds
+	// Debian's qemu-ga at QemuGABinary with its shared libraries and
+	// dynamic loader, for benchmarks against it. /init is still
+	// carrel-agent and nothing starts qemu-ga (see QemuGAPortName). Name
+	// defaults to QemuGAName.
+	WithQemuGA bool
+	// LibDirs are the host directories searched for qemu-ga's shared
+	// libraries after the package's own tree. Nil means DefaultLibDirs.
+	LibDirs []string
 	// Logger receives progress; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -92,6 +105,11 @@ type Result struct {
 	// Modules are the guest paths of the modules in /etc/carrel/modules, in
 	// load order.
 	Modules []string
+	// QemuGA is qemu-ga's guest path in the qemu-guest-agent variant
+	// (Options.WithQemuGA), else empty; QemuGALibs are the guest paths of
+	// its loader and libraries.
+	QemuGA     string
+	QemuGALibs []string
 }
 
 func (o *Options) withDefaults() (Options, error) {
@@ -114,7 +132,14 @@ func (o *Options) withDefaults() (Options, error) {
 	c.Modules = slices.Clone(c.Modules)
 	if c.Name == "" {
 		c.Name = DefaultName
+		if c.WithQemuGA {
+			c.Name = QemuGAName
+		}
 	}
+	if c.LibDirs == nil {
+		c.LibDirs = DefaultLibDirs
+	}
+	c.LibDirs = slices.Clone(c.LibDirs)
 	if !manifest.ValidName(c.Name) {
 		return c, fmt.Errorf("image name %q: want [a-z0-9][a-z0-9._-]{0,62}", c.Name)
 	}
@@ -143,7 +168,7 @@ func Build(ctx context.Context, opts Options) (*Result, error) {
 	if err != nil {
 		return nil, fmt.Errorf("build dev image: %w", err)
 	}
-	in, err := fetchInputs(ctx, f, o.KernelPackage)
+	in, err := fetchInputs(ctx, f, o)
 	if err != nil {
 		return nil, fmt.Errorf("build dev image: %w", err)
 	}
@@ -159,10 +184,15 @@ type inputs struct {
 	kernel     string // vmlinuz-<release>
 	moduleRoot string // lib/modules/<release>
 	busybox    string // static busybox executable
+	qemuGA     *dynamicBinary
 }
 
-func fetchInputs(ctx context.Context, f *fetcher, kernelPkg string) (inputs, error) {
-	pkgs, err := f.fetch(ctx, kernelPkg, BusyboxPackage)
+func fetchInputs(ctx context.Context, f *fetcher, o Options) (inputs, error) {
+	others := []string{BusyboxPackage}
+	if o.WithQemuGA {
+		others = append(others, QemuGAPackage)
+	}
+	pkgs, err := f.fetch(ctx, o.KernelPackage, others...)
 	if err != nil {
 		return inputs{}, err
 	}
@@ -195,6 +225,13 @@ func fetchInputs(ctx context.Context, f *fetcher, kernelPkg string) (inputs, err
 	}
 	f.log.Info("image inputs", "kernel_package", kpkg.Name, "kernel_version", kpkg.Version,
 		"release", release, "busybox_version", bpkg.Version)
+	if o.WithQemuGA {
+		qpkg := pkgs[2].pkg
+		if in.qemuGA, err = qemuGAInputs(pkgs[2].tree, o.LibDirs); err != nil {
+			return inputs{}, fmt.Errorf("package %s %s: %w", qpkg.Name, qpkg.Version, err)
+		}
+		f.log.Info("qemu-guest-agent variant", "version", qpkg.Version, "libraries", len(in.qemuGA.libs))
+	}
 	return in, nil
 }
 

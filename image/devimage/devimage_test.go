@@ -408,9 +408,170 @@ func TestBuildDebian(t *testing.T) {
 	t.Logf("kernel %s, initrd %d bytes, modules:\n%s", res.Manifest.KernelVersion, res.Manifest.Initrd.Size, files["etc/carrel/modules"].Data)
 }
 
+// TestBuildDebianQemuGA builds the qemu-guest-agent variant for real and
+// runs the qemu-ga it installed, through the loader and libraries it
+// installed, on the host.
+func TestBuildDebianQemuGA(t *testing.T) {
+	if os.Getenv("CARREL_IMAGE_TEST") != "1" {
+		t.Skip("set CARREL_IMAGE_TEST=1 to download Debian's packages and build a real qemu-guest-agent variant")
+	}
+	if _, err := exec.LookPath("apt-get"); err != nil {
+		t.Skip("apt-get not found; the dev image builder needs a Debian host")
+	}
+	dir := t.TempDir()
+	agent := fakeAgent(t, dir)
+	cache := os.Getenv("CARREL_IMAGE_CACHE")
+	if cache == "" {
+		cache = filepath.Join(dir, "cache")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	res, err := Build(ctx, Options{CacheDir: cache, OutDir: filepath.Join(dir, "out"), AgentBinary: agent, WithQemuGA: true,
+		Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.QemuGA != QemuGABinary || res.Manifest.Name != QemuGAName {
+		t.Fatalf("QemuGA %q, name %q", res.QemuGA, res.Manifest.Name)
+	}
+	files := readInitrd(t, res.InitrdPath, false)
+	root := filepath.Join(dir, "root")
+	var loader string
+	for _, p := range append([]string{res.QemuGA}, res.QemuGALibs...) {
+		e, ok := files[strings.TrimPrefix(p, "/")]
+		if !ok || !e.Mode.IsRegular() {
+			t.Fatalf("%s missing from the initramfs", p)
+		}
+		dst := filepath.Join(root, p)
+		if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(dst, e.Data, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(p, "ld-linux") {
+			loader = dst
+		}
+	}
+	if files["var/run"].Linkname != "/run" {
+		t.Errorf("var/run: %+v", files["var/run"])
+	}
+	// The image's loader with only the image's libraries must run it.
+	out, err := exec.Command(loader, "--inhibit-cache", "--library-path", filepath.Join(root, guestLibDir),
+		filepath.Join(root, QemuGABinary), "--version").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "QEMU Guest Agent") {
+		t.Fatalf("qemu-ga --version: %v\n%s", err, out)
+	}
+	t.Logf("%s; libraries %v", strings.TrimSpace(string(out)), res.QemuGALibs)
+}
+
 type testWriter struct{ t *testing.T }
 
 func (w testWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimRight(string(p), "\n"))
 	return len(p), nil
+}
+
+// TestResolveDynamic resolves a dynamically linked host program against
+// the host's library directories, and fails clearly where they lack one.
+func TestResolveDynamic(t *testing.T) {
+	bin, err := exec.LookPath("ls")
+	if err != nil {
+		t.Skip("no ls on PATH")
+	}
+	d, err := resolveDynamic(bin, DefaultLibDirs)
+	if err != nil {
+		if errors.Is(err, fs.ErrNotExist) || strings.Contains(err.Error(), "want x86-64") {
+			t.Skipf("not an x86-64 Debian host: %v", err)
+		}
+		t.Fatal(err)
+	}
+	if d.interp == nil {
+		t.Skipf("%s is static", bin)
+	}
+	if d.interp.guest != "lib64/ld-linux-x86-64.so.2" {
+		t.Errorf("loader at %s", d.interp.guest)
+	}
+	var libc bool
+	for _, l := range d.libs {
+		if !strings.HasPrefix(l.guest, guestLibDir+"/") || !filepath.IsAbs(l.src) {
+			t.Errorf("library %+v", l)
+		}
+		libc = libc || l.guest == guestLibDir+"/libc.so.6"
+	}
+	if !libc {
+		t.Errorf("libc.so.6 not among %+v", d.libs)
+	}
+	if _, err := resolveDynamic(bin, []string{t.TempDir()}); err == nil || !strings.Contains(err.Error(), "no x86-64") {
+		t.Errorf("empty library dir: %v", err)
+	}
+	// A static executable needs nothing.
+	d, err = resolveDynamic(fakeAgent(t, t.TempDir()), nil)
+	if err != nil || d.interp != nil || len(d.libs) != 0 {
+		t.Errorf("static: %+v, %v", d, err)
+	}
+}
+
+// TestAssembleQemuGA lays out the qemu-guest-agent variant from synthetic
+// inputs: qemu-ga, its loader at the PT_INTERP path, its libraries in the
+// loader's default directory, and /var/run.
+func TestAssembleQemuGA(t *testing.T) {
+	in, agent := syntheticInputs(t)
+	dir := t.TempDir()
+	write := func(name, content string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	in.qemuGA = &dynamicBinary{
+		binary: write("qemu-ga", "qga"),
+		interp: &sharedObject{guest: "lib64/ld-linux-x86-64.so.2", src: write("ld.so", "loader")},
+		libs: []sharedObject{
+			{guest: guestLibDir + "/libglib-2.0.so.0", src: write("glib", "glib")},
+			{guest: guestLibDir + "/libc.so.6", src: write("libc", "libc")},
+		},
+	}
+	o, err := (&Options{CacheDir: t.TempDir(), OutDir: t.TempDir(), AgentBinary: agent, WithQemuGA: true, Logger: quietLogger()}).withDefaults()
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := assemble(context.Background(), in, o, execRun)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Manifest.Name != QemuGAName || res.QemuGA != QemuGABinary {
+		t.Errorf("name %q, QemuGA %q", res.Manifest.Name, res.QemuGA)
+	}
+	want := map[string]string{
+		"usr/sbin/qemu-ga":                          "qga",
+		"lib64/ld-linux-x86-64.so.2":                "loader",
+		"usr/lib/x86_64-linux-gnu/libglib-2.0.so.0": "glib",
+		"usr/lib/x86_64-linux-gnu/libc.so.6":        "libc",
+	}
+	files := readInitrd(t, res.InitrdPath, false)
+	for p, content := range want {
+		if e := files[p]; string(e.Data) != content || e.Mode.Perm()&0o444 != 0o444 {
+			t.Errorf("%s: %q, mode %v", p, e.Data, e.Mode)
+		}
+	}
+	if files["usr/sbin/qemu-ga"].Mode != 0o755 || files["var/run"].Linkname != "/run" {
+		t.Errorf("qemu-ga mode %v, var/run %+v", files["usr/sbin/qemu-ga"].Mode, files["var/run"])
+	}
+	if len(res.QemuGALibs) != 3 || res.QemuGALibs[0] != "/lib64/ld-linux-x86-64.so.2" {
+		t.Errorf("QemuGALibs %v", res.QemuGALibs)
+	}
+	// The plain image has none of it.
+	plain, err := assemble(context.Background(), inputs{kernel: in.kernel, moduleRoot: in.moduleRoot, busybox: in.busybox}, testOptions(t, agent), execRun)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files = readInitrd(t, plain.InitrdPath, false)
+	if _, ok := files["usr/sbin/qemu-ga"]; ok || plain.QemuGA != "" {
+		t.Error("qemu-ga in the plain image")
+	}
+	if _, ok := files["var/run"]; ok {
+		t.Error("var/run in the plain image")
+	}
 }

@@ -1,0 +1,559 @@
+package main
+
+// The comparison with qemu-guest-agent.
+//
+// Design: everything runs in ONE VM that carreld boots from the
+// qemu-guest-agent variant of the dev image (devimage.Options.WithQemuGA:
+// the same kernel, busybox and carrel-agent as /init, plus Debian's
+// qemu-ga and its libraries). carreld gives the VM its usual devices,
+// including the virtio-serial controller vser0 with carrel's port on it.
+// The benchmark then hot-adds, over the VM's QMP socket, two more ports on
+// that same controller, each behind a unix socket chardev like carrel's:
+//
+//	org.qemu.guest_agent.0   qemu-ga serves it (started as root through carrel exec)
+//	org.carrel.bench.raw.0   a bare port for the raw stream throughput
+//
+// So carrel, qemu-ga and the raw port share the machine, memory, vCPU,
+// kernel, controller and chardev backend; they differ only in the software
+// on each end. Measurements alternate between them, round by round, in the
+// same run.
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"connectrpc.com/connect"
+	"github.com/digitalocean/go-qemu/qmp"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/image/devimage"
+	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/supervisor/client"
+	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
+	"github.com/carrel-os/carrel/tests/harness"
+	"github.com/carrel-os/carrel/tests/qga"
+)
+
+const (
+	qgaImageTag = "dev-qga"
+	qgaVMName   = "qga"
+	rawPortName = "org.carrel.bench.raw.0"
+	// serialBus is the bus of carreld's virtio-serial controller (id vser0).
+	serialBus = "vser0.0"
+)
+
+// qgaBench is the VM the comparison runs in.
+type qgaBench struct {
+	d       *harness.Daemon
+	c       *client.Client
+	vm      string
+	dir     string // host side sockets
+	qgaSock string
+	rawSock string
+	rawDev  string // guest device node of the raw port
+	ga      *qga.Client
+	gaVer   string
+}
+
+// setupQGA builds and stores the qemu-guest-agent variant, boots a VM from
+// it through carreld, hot-adds the two ports and starts qemu-ga. Unless the
+// bench is nil, close it, even after an error.
+func setupQGA(ctx context.Context, d *harness.Daemon, c *client.Client, memory string) (*qgaBench, error) {
+	dir, err := os.MkdirTemp("/tmp", "qgab-") // short: sun_path
+	if err != nil {
+		return nil, err
+	}
+	b := &qgaBench{d: d, c: c, vm: qgaVMName, dir: dir,
+		qgaSock: filepath.Join(dir, "qga.sock"), rawSock: filepath.Join(dir, "raw.sock")}
+
+	st, err := store.Open(filepath.Join(d.State, "images"))
+	if err != nil {
+		return b, err
+	}
+	res, err := devimage.Build(ctx, devimage.Options{
+		CacheDir: harness.CacheDir(), OutDir: filepath.Join(dir, "image"),
+		AgentBinary: filepath.Join(d.Bin, "carrel-agent"), WithQemuGA: true,
+	})
+	if err != nil {
+		return b, err
+	}
+	if _, err := devimage.StoreResult(st, res, qgaImageTag); err != nil {
+		return b, err
+	}
+	if dev, err := st.Resolve("dev"); err == nil && dev.Manifest.Kernel != res.Manifest.Kernel {
+		return b, fmt.Errorf("the variant's kernel %s differs from the dev image's %s", res.Manifest.Kernel.Digest, dev.Manifest.Kernel.Digest)
+	}
+	d.Must("vm", "create", b.vm, "--image", qgaImageTag, "--memory", memory, "--cpus", "1")
+
+	if err := b.hotplug(); err != nil {
+		return b, err
+	}
+	qgaDev, err := b.findPort(ctx, devimage.QemuGAPortName)
+	if err != nil {
+		return b, err
+	}
+	if b.rawDev, err = b.findPort(ctx, rawPortName); err != nil {
+		return b, err
+	}
+	// -d: qemu-ga daemonises, and carrel-agent (PID 1) adopts it.
+	if _, err := b.root(ctx, `exec "$@"`, devimage.QemuGABinary, "-d", "-m", "virtio-serial", "-p", qgaDev,
+		"-t", "/run", "-f", "/run/qemu-ga.pid", "-l", "/run/qemu-ga.log"); err != nil {
+		return b, fmt.Errorf("start qemu-ga: %w", err)
+	}
+	dctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	if b.ga, err = qga.Dial(dctx, b.qgaSock); err != nil {
+		log, _ := b.root(ctx, "cat /run/qemu-ga.log")
+		return b, fmt.Errorf("%w; qemu-ga log: %s", err, log)
+	}
+	var info struct {
+		Version string `json:"version"`
+	}
+	if err := b.ga.Call(dctx, "guest-info", nil, &info); err != nil {
+		return b, err
+	}
+	b.gaVer = info.Version
+	return b, nil
+}
+
+func (b *qgaBench) close() {
+	if b.ga != nil {
+		b.ga.Close()
+	}
+	os.RemoveAll(b.dir)
+}
+
+// hotplug adds the qemu-ga and raw ports to the running VM through its QMP
+// socket. carreld opens QMP only briefly, per operation, so a short
+// connection here does not get in its way.
+func (b *qgaBench) hotplug() error {
+	mon, err := qmp.NewSocketMonitor("unix", filepath.Join(b.d.State, "vms", b.vm, "qmp.sock"), 10*time.Second)
+	if err != nil {
+		return fmt.Errorf("qmp: %w", err)
+	}
+	if err := mon.Connect(); err != nil {
+		return fmt.Errorf("qmp: %w", err)
+	}
+	defer mon.Disconnect()
+	for _, p := range []struct{ id, sock, name string }{
+		{"qga", b.qgaSock, devimage.QemuGAPortName},
+		{"raw", b.rawSock, rawPortName},
+	} {
+		cmds := []map[string]any{
+			{"execute": "chardev-add", "arguments": map[string]any{
+				"id": p.id, "backend": map[string]any{"type": "socket", "data": map[string]any{
+					"addr":   map[string]any{"type": "unix", "data": map[string]any{"path": p.sock}},
+					"server": true, "wait": false,
+				}},
+			}},
+			{"execute": "device_add", "arguments": map[string]any{
+				"driver": "virtserialport", "bus": serialBus, "chardev": p.id, "name": p.name, "id": p.id + "port",
+			}},
+		}
+		for _, cmd := range cmds {
+			j, _ := json.Marshal(cmd)
+			if _, err := mon.Run(j); err != nil {
+				return fmt.Errorf("qmp %s: %w", cmd["execute"], err)
+			}
+		}
+	}
+	return nil
+}
+
+// root runs a shell script as root in the guest and returns its stdout.
+func (b *qgaBench) root(ctx context.Context, script string, args ...string) (string, error) {
+	out, _, err := b.root2(ctx, script, args...)
+	return out, err
+}
+
+// root2 is root, returning stderr too.
+func (b *qgaBench) root2(ctx context.Context, script string, args ...string) (string, string, error) {
+	var out, errb bytes.Buffer
+	st, err := b.c.Run(ctx, client.Session{VM: b.vm, Stdout: &out, Stderr: &errb,
+		Start: &agentv1.ExecRequest{Argv: append([]string{"/bin/sh", "-c", script, "sh"}, args...), User: "root"}})
+	if err != nil {
+		return "", "", err
+	}
+	if st.Code != 0 || st.Signal != "" {
+		return out.String(), errb.String(), fmt.Errorf("guest script %q: exit %d signal %q: %s", script, st.Code, st.Signal, strings.TrimSpace(errb.String()))
+	}
+	return out.String(), errb.String(), nil
+}
+
+// spawnFloor is what starting and reaping /bin/true costs inside the guest
+// (busybox sh, n times in a loop): no agent can return faster than that.
+func (b *qgaBench) spawnFloor(ctx context.Context, n int) (time.Duration, error) {
+	_, stderr, err := b.root2(ctx, `time sh -c 'i=0; while [ $i -lt "$1" ]; do /bin/true; i=$((i+1)); done' sh "$1"`, strconv.Itoa(n))
+	if err != nil {
+		return 0, err
+	}
+	// busybox time: "real\t0m 1.23s"
+	for _, line := range strings.Split(stderr, "\n") {
+		f := strings.Fields(line)
+		if len(f) == 3 && f[0] == "real" {
+			m, err1 := strconv.Atoi(strings.TrimSuffix(f[1], "m"))
+			sec, err2 := strconv.ParseFloat(strings.TrimSuffix(f[2], "s"), 64)
+			if err1 == nil && err2 == nil {
+				return time.Duration((float64(m)*60 + sec) * float64(time.Second) / float64(n)), nil
+			}
+		}
+	}
+	return 0, fmt.Errorf("no time in %q", stderr)
+}
+
+// findPort waits until the hot-added port named name has a device node.
+func (b *qgaBench) findPort(ctx context.Context, name string) (string, error) {
+	const script = `for p in /sys/class/virtio-ports/*; do
+	[ "$(cat "$p/name" 2>/dev/null)" = "$1" ] && [ -c "/dev/${p##*/}" ] && { echo "/dev/${p##*/}"; exit 0; }
+done
+exit 1`
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		out, err := b.root(ctx, script, name)
+		if err == nil {
+			return strings.TrimSpace(out), nil
+		}
+		if time.Now().After(deadline) {
+			return "", fmt.Errorf("port %s never appeared in the guest: %w", name, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// carrelExec runs argv through VMService.Exec (server streaming) and
+// returns the exit code.
+func carrelExec(ctx context.Context, c *client.Client, vm string, argv ...string) (int32, error) {
+	s, err := c.VMs.Exec(ctx, connect.NewRequest(&apiv1.ExecRequest{Vm: vm, Argv: argv}))
+	if err != nil {
+		return 0, err
+	}
+	defer s.Close()
+	for s.Receive() {
+		if x := s.Msg().GetExit(); x != nil {
+			if x.Signal != "" {
+				return 0, fmt.Errorf("killed by %s", x.Signal)
+			}
+			return x.Code, nil
+		}
+	}
+	if err := s.Err(); err != nil {
+		return 0, err
+	}
+	return 0, errors.New("exec stream ended without an exit status")
+}
+
+// carrelRun runs argv through the client's Run (AgentService.Process, the
+// bidirectional stream the CLI uses) and returns the exit code.
+func carrelRun(ctx context.Context, c *client.Client, vm string, argv ...string) (int32, error) {
+	st, err := c.Run(ctx, client.Session{VM: vm, Start: &agentv1.ExecRequest{Argv: argv}})
+	if err != nil {
+		return 0, err
+	}
+	return st.Code, nil
+}
+
+// benchExec compares the round trip of `true`.
+func (b *qgaBench) benchExec(ctx context.Context, n int) error {
+	type side struct {
+		name string
+		run  func() error
+		lat  []time.Duration
+	}
+	polls := 0
+	sides := []*side{
+		{name: "carrel, Go client, VMService.Exec", run: func() error {
+			code, err := carrelExec(ctx, b.c, b.vm, "true")
+			if err == nil && code != 0 {
+				err = fmt.Errorf("exit %d", code)
+			}
+			return err
+		}},
+		{name: "carrel, Go client, Run (Process stream)", run: func() error {
+			code, err := carrelRun(ctx, b.c, b.vm, "true")
+			if err == nil && code != 0 {
+				err = fmt.Errorf("exit %d", code)
+			}
+			return err
+		}},
+		{name: "carrel, CLI (`carrel exec`, its start too)", run: func() error {
+			if r := b.d.Carrel("exec", b.vm, "--", "true"); r.Code != 0 {
+				return fmt.Errorf("exit %d: %s", r.Code, r.Stderr)
+			}
+			return nil
+		}},
+		{name: "qemu-ga, guest-exec + guest-exec-status", run: func() error {
+			st, p, err := b.ga.Run(ctx, "/bin/true")
+			polls += p
+			if err == nil && (st.ExitCode == nil || *st.ExitCode != 0) {
+				err = fmt.Errorf("status %+v", st)
+			}
+			return err
+		}},
+	}
+	for _, s := range sides { // warm up each path
+		for range 3 {
+			if err := s.run(); err != nil {
+				return fmt.Errorf("%s: %w", s.name, err)
+			}
+		}
+	}
+	polls = 0
+	for i := range n {
+		for j := range sides {
+			s := sides[(i+j)%len(sides)] // rotate who goes first
+			start := time.Now()
+			if err := s.run(); err != nil {
+				return fmt.Errorf("%s: %w", s.name, err)
+			}
+			s.lat = append(s.lat, time.Since(start))
+		}
+	}
+	fmt.Printf("\nexec round trip of `true`, same VM, %d runs of each, interleaved:\n", n)
+	for _, s := range sides {
+		extra := ""
+		if strings.HasPrefix(s.name, "qemu-ga") {
+			extra = fmt.Sprintf("   (%.1f status polls per run, each sent as soon as the last said not exited)", float64(polls)/float64(n))
+		}
+		fmt.Printf("  %-42s p50 %9s   p99 %9s%s\n", s.name, fmtDur(median(s.lat)), fmtDur(percentile(s.lat, 99)), extra)
+	}
+	qs := sides[len(sides)-1]
+	q := median(qs.lat)
+	if floor, err := b.spawnFloor(ctx, 200); err == nil {
+		fmt.Printf("  %-42s mean %8s   (a busybox sh loop in the guest: the floor under any agent,\n", "in-guest fork+exec+wait of /bin/true", fmtDur(floor))
+		fmt.Printf("  %-42s                   so no agent can beat qemu-ga's p50 by more than %.1fx here)\n", "", float64(q)/float64(floor))
+	} else {
+		fmt.Printf("  (in-guest spawn floor not measured: %v)\n", err)
+	}
+	for _, s := range sides[:len(sides)-1] {
+		r := float64(q) / float64(median(s.lat))
+		fmt.Printf("  speed-up over qemu-ga, %-36s p50 %.1fx (target >= 10x: %s), p99 %.1fx\n", strings.TrimPrefix(s.name, "carrel, ")+":", r, verdict(r >= 10),
+			float64(percentile(qs.lat, 99))/float64(percentile(s.lat, 99)))
+	}
+	return nil
+}
+
+// benchFiles compares file write (host to guest) and read (guest to host)
+// throughput with each other and with the raw port.
+func (b *qgaBench) benchFiles(ctx context.Context, size int64, rounds, chunk int) error {
+	// Random content, so no layer can compress it; made before any timing.
+	data := make([]byte, size)
+	rng := rand.NewChaCha8([32]byte{'c', 'a', 'r', 'r', 'e', 'l'})
+	rng.Read(data)
+	back := bytes.NewBuffer(make([]byte, 0, size))
+
+	const carrelPath, qgaPath = "/tmp/bench-carrel", "/tmp/bench-qga"
+	type series struct{ write, read []float64 }
+	var car, ga, raw series
+
+	carrelRound := func() error {
+		start := time.Now()
+		if _, err := b.c.Upload(ctx, b.vm, carrelPath, bytes.NewReader(data), 0o644); err != nil {
+			return fmt.Errorf("carrel upload: %w", err)
+		}
+		car.write = append(car.write, mibps(size, time.Since(start)))
+		back.Reset()
+		start = time.Now()
+		if _, err := b.c.Download(ctx, b.vm, carrelPath, back); err != nil {
+			return fmt.Errorf("carrel download: %w", err)
+		}
+		car.read = append(car.read, mibps(size, time.Since(start)))
+		if !bytes.Equal(back.Bytes(), data) {
+			return fmt.Errorf("carrel download: %d bytes differ from the %d uploaded", back.Len(), size)
+		}
+		_, err := b.root(ctx, `rm -f "$1"`, carrelPath)
+		return err
+	}
+	qgaRound := func() error {
+		start := time.Now()
+		if _, err := b.ga.WriteFile(ctx, qgaPath, bytes.NewReader(data), chunk); err != nil {
+			return fmt.Errorf("qemu-ga write: %w", err)
+		}
+		ga.write = append(ga.write, mibps(size, time.Since(start)))
+		back.Reset()
+		start = time.Now()
+		if _, err := b.ga.ReadFile(ctx, qgaPath, back, chunk); err != nil {
+			return fmt.Errorf("qemu-ga read: %w", err)
+		}
+		ga.read = append(ga.read, mibps(size, time.Since(start)))
+		if !bytes.Equal(back.Bytes(), data) {
+			return fmt.Errorf("qemu-ga read: %d bytes differ from the %d written", back.Len(), size)
+		}
+		_, err := b.root(ctx, `rm -f "$1"`, qgaPath)
+		return err
+	}
+	rawRound := func() error {
+		w, err := b.rawToGuest(ctx, data)
+		if err != nil {
+			return fmt.Errorf("raw port, host to guest: %w", err)
+		}
+		r, err := b.rawFromGuest(ctx, size)
+		if err != nil {
+			return fmt.Errorf("raw port, guest to host: %w", err)
+		}
+		raw.write, raw.read = append(raw.write, w), append(raw.read, r)
+		return nil
+	}
+
+	fmt.Printf("\nfile throughput, %d MiB of random bytes, same VM, %d rounds, interleaved (MiB/s; qemu-ga with %d KiB per guest-file-read/-write):\n",
+		size>>20, rounds, chunk>>10)
+	for i := range rounds {
+		order := []func() error{carrelRound, qgaRound, rawRound}
+		if i%2 == 1 {
+			order = []func() error{rawRound, qgaRound, carrelRound}
+		}
+		for _, f := range order {
+			if err := f(); err != nil {
+				return err
+			}
+		}
+		fmt.Printf("  round %d: write carrel %.1f, qemu-ga %.1f, raw %.1f; read carrel %.1f, qemu-ga %.1f, raw %.1f\n", i+1,
+			car.write[i], ga.write[i], raw.write[i], car.read[i], ga.read[i], raw.read[i])
+	}
+	fmt.Printf("  %-26s %10s %10s %10s %16s %14s\n", "median MiB/s", "carrel", "qemu-ga", "raw port", "carrel/qemu-ga", "carrel/raw")
+	for _, row := range []struct {
+		name       string
+		c, q, r    []float64
+		cAPI, qAPI string
+	}{
+		{"write (host -> guest)", car.write, ga.write, raw.write, "Upload", "guest-file-write"},
+		{"read  (guest -> host)", car.read, ga.read, raw.read, "Download", "guest-file-read"},
+	} {
+		c, q, r := medianFloat(row.c), medianFloat(row.q), medianFloat(row.r)
+		fmt.Printf("  %-26s %10.1f %10.1f %10.1f %15.1fx %13.0f%%\n", row.name, c, q, r, c/q, 100*c/r)
+		fmt.Printf("  %-26s target carrel/qemu-ga >= 10x: %s; carrel/raw >= 50%%: %s\n", "", verdict(c/q >= 10), verdict(c/r >= 0.5))
+	}
+	fmt.Printf("  (carrel: supervisor/client Upload/Download through carreld; qemu-ga: guest-file-open/write/read/close;\n" +
+		"   raw: the hot-added port into / out of `dd` in the guest, timed from when the guest has the port open, so without start-up)\n")
+	return nil
+}
+
+// guestCmd is a guest command running in the background.
+type guestCmd struct {
+	done   chan struct{}
+	err    error
+	stderr string // once done
+}
+
+func (b *qgaBench) background(ctx context.Context, script string, args ...string) *guestCmd {
+	g := &guestCmd{done: make(chan struct{})}
+	go func() {
+		_, g.stderr, g.err = b.root2(ctx, script, args...)
+		close(g.done)
+	}()
+	return g
+}
+
+func (g *guestCmd) wait() error {
+	<-g.done
+	return g.err
+}
+
+// rawToGuest times data through the raw port to a guest shell that signals
+// when it has the port open and again when it has read len(data) bytes.
+func (b *qgaBench) rawToGuest(ctx context.Context, data []byte) (float64, error) {
+	conn, err := net.Dial("unix", b.rawSock)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Minute))
+	// Each read of a port returns at most one 4 KiB buffer, so the reader's
+	// syscalls per buffer set the pace: dd gathers full 1 MiB blocks before
+	// each write to /dev/null, one syscall per buffer as carrel-agent does
+	// (a 4 KiB read-and-write tool such as head makes two).
+	const bs = 1 << 20
+	if len(data)%bs != 0 {
+		return 0, fmt.Errorf("size %d is not a multiple of %d", len(data), bs)
+	}
+	g := b.background(ctx, `exec 3<>"$1"; echo r >&3; dd of=/dev/null bs="$2" count="$3" iflag=fullblock <&3 && echo d >&3`,
+		b.rawDev, strconv.Itoa(bs), strconv.Itoa(len(data)/bs))
+	r := bufio.NewReader(conn)
+	if err := expectLine(r, "r", g); err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	if _, err := conn.Write(data); err != nil {
+		return 0, errors.Join(err, g.wait())
+	}
+	if err := expectLine(r, "d", g); err != nil {
+		return 0, err
+	}
+	el := time.Since(start)
+	if err := g.wait(); err != nil {
+		return 0, err
+	}
+	// dd's own count: every byte arrived, in full blocks.
+	if want := fmt.Sprintf("%d+0 records in", len(data)/bs); !strings.Contains(g.stderr, want) {
+		return 0, fmt.Errorf("guest dd did not read %d bytes in full blocks: %q", len(data), g.stderr)
+	}
+	return mibps(int64(len(data)), el), nil
+}
+
+// rawFromGuest times size bytes from the guest's /dev/zero through the raw
+// port, from the first byte to the last.
+func (b *qgaBench) rawFromGuest(ctx context.Context, size int64) (float64, error) {
+	conn, err := net.Dial("unix", b.rawSock)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close()
+	conn.SetDeadline(time.Now().Add(10 * time.Minute))
+	// dd writes 32 KiB at a time, the most the kernel takes per write to a
+	// port; a shell tool's 4 KiB writes would understate the port.
+	const bs = 32 << 10
+	if size%bs != 0 {
+		return 0, fmt.Errorf("size %d is not a multiple of %d", size, bs)
+	}
+	g := b.background(ctx, `exec 3<>"$1"; dd if=/dev/zero bs="$2" count="$3" status=none >&3`, b.rawDev, strconv.Itoa(bs), strconv.FormatInt(size/bs, 10))
+	var first [1]byte
+	if _, err := io.ReadFull(conn, first[:]); err != nil {
+		return 0, errors.Join(err, g.wait())
+	}
+	start := time.Now()
+	n, err := io.CopyN(io.Discard, conn, size-1)
+	el := time.Since(start)
+	if err != nil {
+		return 0, fmt.Errorf("got %d of %d bytes: %w", n+1, size, errors.Join(err, g.wait()))
+	}
+	return mibps(size-1, el), g.wait()
+}
+
+// expectLine reads one line and checks it, failing early if the guest
+// command fails first.
+func expectLine(r *bufio.Reader, want string, g *guestCmd) error {
+	got := make(chan error, 1)
+	go func() {
+		line, err := r.ReadString('\n')
+		if err == nil && strings.TrimSpace(line) != want {
+			err = fmt.Errorf("guest said %q, want %q", line, want)
+		}
+		got <- err
+	}()
+	select {
+	case err := <-got:
+		return err
+	case <-g.done:
+		if g.err != nil {
+			return g.err
+		}
+	}
+	// The command ended well: its line is on its way or lost.
+	select {
+	case err := <-got:
+		return err
+	case <-time.After(10 * time.Second):
+		return fmt.Errorf("guest command ended without saying %q", want)
+	}
+}
