@@ -63,7 +63,8 @@ func New(path string) *Client {
 		Protocols: p,
 	}}
 	const base = "http://carreld"
-	opts := []connect.ClientOption{connect.WithGRPC(), connect.WithReadMaxBytes(maxResponseBytes)}
+	// No compression: a local socket gains nothing from it.
+	opts := []connect.ClientOption{connect.WithGRPC(), connect.WithReadMaxBytes(maxResponseBytes), connect.WithAcceptCompression("gzip", nil, nil)}
 	return &Client{
 		VMs:    apiv1connect.NewVMServiceClient(hc, base, opts...),
 		Images: apiv1connect.NewImageServiceClient(hc, base, opts...),
