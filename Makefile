@@ -59,7 +59,7 @@ integration: deps build ## End-to-end tests: a real carreld boots real VMs under
 	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 20m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
 
 .PHONY: bench
-bench: deps build ## Benchmarks: boot to agent-ready vs bare QEMU, warm exec latency
+bench: deps build ## Benchmarks: boot vs bare QEMU, warm exec, exec and file throughput vs qemu-guest-agent
 	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) run ./tests/bench $(BENCH_ARGS)
 
 .PHONY: lint
