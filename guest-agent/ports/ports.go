@@ -136,13 +136,15 @@ func unwrapOp(err error) error {
 	return err
 }
 
-// firstErr keeps the first error of several goroutines.
-type firstErr struct {
+// FirstError keeps the first error that several goroutines pumping one
+// connection report. The zero value is ready to use.
+type FirstError struct {
 	mu  sync.Mutex
 	err error
 }
 
-func (f *firstErr) set(err error) {
+// Set records err unless an error was recorded already.
+func (f *FirstError) Set(err error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.err == nil {
@@ -150,7 +152,8 @@ func (f *firstErr) set(err error) {
 	}
 }
 
-func (f *firstErr) get() error {
+// Get returns the first error recorded, or nil.
+func (f *FirstError) Get() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.err
@@ -167,9 +170,9 @@ type portStream interface {
 // out bytes to it. Only this goroutine sends on stream, so nothing is sent
 // after the handler returns.
 func pump(ctx context.Context, stream portStream, conn *net.TCPConn) (in, out int64, err error) {
-	var first firstErr
+	var first FirstError
 	stop := context.AfterFunc(ctx, func() {
-		first.set(ctx.Err())
+		first.Set(ctx.Err())
 		conn.Close()
 	})
 	defer stop()
@@ -180,7 +183,7 @@ func pump(ctx context.Context, stream portStream, conn *net.TCPConn) (in, out in
 		if err != nil {
 			// Record the cause before the close makes the other
 			// direction fail too.
-			first.set(err)
+			first.Set(err)
 			conn.Close()
 		}
 		down <- n
@@ -188,7 +191,7 @@ func pump(ctx context.Context, stream portStream, conn *net.TCPConn) (in, out in
 
 	out, err = copyToHost(conn, stream)
 	if err != nil {
-		first.set(err)
+		first.Set(err)
 		conn.Close()
 		// The other direction may wait on a host that sends nothing;
 		// ending the call ends it.
@@ -196,7 +199,7 @@ func pump(ctx context.Context, stream portStream, conn *net.TCPConn) (in, out in
 		case in = <-down:
 		default:
 		}
-		return in, out, first.get()
+		return in, out, first.Get()
 	}
 	select {
 	case in = <-down:
@@ -204,7 +207,7 @@ func pump(ctx context.Context, stream portStream, conn *net.TCPConn) (in, out in
 		// The AfterFunc has closed conn; the host side may still be
 		// blocked in Receive, which ending the call unblocks.
 	}
-	return in, out, first.get()
+	return in, out, first.Get()
 }
 
 // copyToHost sends what the guest service writes, then a close at its EOF.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"sync"
 
 	"connectrpc.com/connect"
 
@@ -80,10 +79,10 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 		return err
 	}
 
-	var clientErr firstError
+	var clientErr ports.FirstError
 	go func() {
 		if err := relayToGuest(in, g); err != nil {
-			clientErr.set(err)
+			clientErr.Set(err)
 			cancel()
 		}
 	}()
@@ -92,7 +91,7 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 	for {
 		msg, err := g.Receive()
 		if err != nil {
-			if e := clientErr.get(); e != nil {
+			if e := clientErr.Get(); e != nil {
 				return e
 			}
 			if errors.Is(err, io.EOF) {
@@ -187,24 +186,4 @@ func (c *portCheck) end() error {
 		return errGuest("ended the connection without a close")
 	}
 	return nil
-}
-
-// firstError keeps the first error set.
-type firstError struct {
-	mu  sync.Mutex
-	err error
-}
-
-func (f *firstError) set(err error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.err == nil {
-		f.err = err
-	}
-}
-
-func (f *firstError) get() error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.err
 }
