@@ -42,6 +42,16 @@ func main() {
 		fmt.Fprintln(os.Stderr, "carreld: --machine must be auto, microvm or q35")
 		os.Exit(2)
 	}
+	// Image builds run tools in other working directories, so every path
+	// given on the command line is made absolute once, here.
+	for _, p := range []*string{&cfg.StateDir, &cfg.Socket, &cfg.CacheDir, &cfg.AgentBinary} {
+		abs, err := filepath.Abs(*p)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "carreld:", err)
+			os.Exit(2)
+		}
+		*p = abs
+	}
 	cfg.Logger = slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lv}))
 	slog.SetDefault(cfg.Logger)
 

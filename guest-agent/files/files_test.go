@@ -516,8 +516,8 @@ func TestWriteReadRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := "sha256:" + hex.EncodeToString(sum.Sum(nil))
-	if resp.Msg.Size != size || resp.Msg.Digest != want {
-		t.Fatalf("write: %v, want size %d digest %s", resp.Msg, size, want)
+	if resp.Msg.Size != size || resp.Msg.Digest != "" {
+		t.Fatalf("write: %v, want size %d and no digest (carreld computes it)", resp.Msg, size)
 	}
 
 	rs, err := c.Read(ctx, connect.NewRequest(&agentv1.ReadRequest{Path: file}))
@@ -612,8 +612,7 @@ func TestWrite(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	abc := sha256.Sum256([]byte("abc"))
-	if resp.Size != 3 || resp.Digest != "sha256:"+hex.EncodeToString(abc[:]) {
+	if resp.Size != 3 {
 		t.Fatalf("response %v", resp)
 	}
 	if got, m := mustRead(t, dir+"/new"), modeOf(t, dir+"/new"); got != "abc" || m != 0o644 {

@@ -2,8 +2,6 @@ package files
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"io"
 	"os"
@@ -113,7 +111,6 @@ func (s *Service) WriteTar(ctx context.Context, stream *connect.ClientStream[age
 	defer root.Close()
 
 	pr, pw := io.Pipe()
-	h := sha256.New()
 	var size int64
 	committed := false
 	recvErr := make(chan error, 1)
@@ -125,7 +122,6 @@ func (s *Service) WriteTar(ctx context.Context, stream *connect.ClientStream[age
 				}
 				switch m := stream.Msg().GetMsg().(type) {
 				case *agentv1.WriteRequest_Data:
-					h.Write(m.Data)
 					size += int64(len(m.Data))
 					if _, err := pw.Write(m.Data); err != nil {
 						return err
@@ -162,5 +158,5 @@ func (s *Service) WriteTar(ctx context.Context, stream *connect.ClientStream[age
 		}
 		return nil, connect.NewError(codeOf(xerr), xerr)
 	}
-	return connect.NewResponse(&agentv1.WriteResponse{Size: size, Digest: "sha256:" + hex.EncodeToString(h.Sum(nil))}), nil
+	return connect.NewResponse(&agentv1.WriteResponse{Size: size}), nil
 }

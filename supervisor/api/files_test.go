@@ -3,6 +3,8 @@ package api
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"io"
 	"strings"
@@ -59,9 +61,19 @@ func (hostileFiles) Read(_ context.Context, req *connect.Request[agentv1.ReadReq
 }
 
 func (hostileFiles) Write(_ context.Context, s *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
+	var path string
+	var n int64
 	for s.Receive() {
+		if h := s.Msg().GetHeader(); h != nil {
+			path = h.Path
+		}
+		n += int64(len(s.Msg().GetData()))
 	}
-	return connect.NewResponse(&agentv1.WriteResponse{Size: 999, Digest: "sha256:" + strings.Repeat("0", 64)}), nil
+	forged := "sha256:" + strings.Repeat("0", 64)
+	if path == "/forged-digest" {
+		return connect.NewResponse(&agentv1.WriteResponse{Size: n, Digest: forged}), nil
+	}
+	return connect.NewResponse(&agentv1.WriteResponse{Size: 999, Digest: forged}), nil
 }
 
 func (hostileFiles) MakeDir(context.Context, *connect.Request[agentv1.MakeDirRequest]) (*connect.Response[agentv1.MakeDirResponse], error) {
@@ -112,6 +124,11 @@ func TestFileRelayRejectsHostileReplies(t *testing.T) {
 
 	if _, err := c.Upload(ctx, "evil", "/f", bytes.NewReader([]byte("hello")), 0); connect.CodeOf(err) != connect.CodeDataLoss {
 		t.Errorf("write with a lying reply: %v", err)
+	}
+	// The digest a client gets is carreld's, of the bytes it forwarded.
+	hello := sha256.Sum256([]byte("hello"))
+	if w, err := c.Upload(ctx, "evil", "/forged-digest", bytes.NewReader([]byte("hello")), 0); err != nil || w.Digest != "sha256:"+hex.EncodeToString(hello[:]) {
+		t.Errorf("write digest came from the guest: %v %v", w, err)
 	}
 
 	_, err = c.Files.MakeDir(ctx, forVM("evil", &agentv1.MakeDirRequest{Path: "/d"}))

@@ -808,7 +808,9 @@ func (x *WriteHeader) GetMakeParents() bool {
 type WriteResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Size  int64                  `protobuf:"varint,1,opt,name=size,proto3" json:"size,omitempty"`
-	// "sha256:<hex>" of the bytes written.
+	// "sha256:<hex>" of the bytes written. The agent leaves it empty;
+	// carreld fills it in from the bytes it forwarded, so the digest a
+	// client sees never rests on the guest's word.
 	Digest        string `protobuf:"bytes,2,opt,name=digest,proto3" json:"digest,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -89,6 +89,14 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		// panicking guest (panic=-1) spins instead of letting QEMU exit.
 		cmdline = strings.TrimSpace(cmdline + " reboot=t")
 	}
+	if acc == accel.TCG && !hasParam(cmdline, "tsc") {
+		// Under TCG every vCPU's TSC is QEMU's reading of the host's, so
+		// they agree; but with two or more vCPUs the kernel cannot prove it,
+		// marks the TSC unstable and falls back to the HPET. The vDSO cannot
+		// read the HPET, so every clock read (the Go runtime makes many)
+		// becomes a system call plus an emulated MMIO read.
+		cmdline = strings.TrimSpace(cmdline + " tsc=reliable")
+	}
 	cpu := "max"
 	if acc == accel.KVM {
 		cpu = "host"

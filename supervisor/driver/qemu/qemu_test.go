@@ -42,7 +42,7 @@ func TestArgs(t *testing.T) {
 	if got := argValue(a, "-machine"); len(got) != 1 || got[0] != "microvm,accel=tcg" {
 		t.Errorf("machine = %v", got)
 	}
-	if got := argValue(a, "-append"); got[0] != "console=ttyS0 reboot=t" {
+	if got := argValue(a, "-append"); got[0] != "console=ttyS0 reboot=t tsc=reliable" {
 		t.Errorf("microvm cmdline = %v", got)
 	}
 	if got := argValue(a, "-m"); got[0] != "512M" {
@@ -71,7 +71,11 @@ func TestArgs(t *testing.T) {
 		t.Errorf("q35 devices = %s", devs)
 	}
 	if got := argValue(a, "-append"); got[0] != "console=ttyS0" {
-		t.Errorf("q35 cmdline = %v", got)
+		t.Errorf("q35 cmdline under KVM = %v", got)
+	}
+	spec.Cmdline = "console=ttyS0 tsc=nowatchdog"
+	if got := argValue(args(spec, MachineQ35, "tcg", l), "-append"); got[0] != "console=ttyS0 tsc=nowatchdog" {
+		t.Errorf("an image's own tsc= must win: %v", got)
 	}
 	if got := argValue(a, "-cpu"); got[0] != "host" {
 		t.Errorf("kvm cpu = %v", got)
