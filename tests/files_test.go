@@ -63,8 +63,9 @@ func TestCopyFiles(t *testing.T) {
 		args []string
 		want string
 	}{
-		{[]string{"cp", "files:/nope", filepath.Join(dir, "x")}, "no such file"},
-		{[]string{"cp", local, "files:/no/such/dir/x"}, "no such file"},
+		{[]string{"cp", "files:/workspace/nope", filepath.Join(dir, "x")}, "no such file"},
+		{[]string{"cp", local, "files:/workspace/no/such/dir/x"}, "no such file"},
+		{[]string{"cp", local, "files:/srv/x"}, "carrel.fs.default_deny"},
 		{[]string{"cp", "files:/dev/null", dir}, "not a regular file"},
 		{[]string{"cp", local, filepath.Join(dir, "y")}, "one side must be"},
 		{[]string{"cp", local, "ghost:/tmp/x"}, "ghost"},

@@ -17,7 +17,8 @@ func TestInteractiveProcesses(t *testing.T) {
 	d := harness.New(t)
 	d.Start()
 	d.BuildImage()
-	d.Must("vm", "create", "procs")
+	// The default policy denies root in the guest; this VM's allows it.
+	d.Must("vm", "create", "procs", "--policy", d.ApplyPolicy("root-ok", harness.AllowRoot))
 
 	t.Run("stdin", func(t *testing.T) {
 		r := d.CarrelStdin("hello\nworld\n", "exec", "-i", "procs", "--", "sh", "-c", "tr a-z A-Z; echo done")
@@ -33,7 +34,8 @@ func TestInteractiveProcesses(t *testing.T) {
 		if out := d.Must("exec", "--user", "root", "procs", "--", "id", "-u"); out != "0\n" {
 			t.Errorf("root uid = %q", out)
 		}
-		if r := d.Carrel("exec", "--user", "nosuchuser", "procs", "--", "true"); r.Code != 125 || !strings.Contains(r.Stderr, "nosuchuser") {
+		// Denied by policy before the guest is asked, naming the rule.
+		if r := d.Carrel("exec", "--user", "nosuchuser", "procs", "--", "true"); r.Code != 125 || !strings.Contains(r.Stderr, "nosuchuser") || !strings.Contains(r.Stderr, "carrel.exec.default_deny") {
 			t.Errorf("unknown user: %+v", r)
 		}
 		// What carrel cp puts in the guest belongs to the agent user.

@@ -206,7 +206,8 @@ func TestWatch(t *testing.T) {
 	})
 
 	for _, c := range []struct{ path, want string }{
-		{"/nope", "no such file"},
+		{"/workspace/nope", "no such file"},
+		{"/srv", "carrel.fs.default_deny"},
 		{"/etc/passwd", "not a directory"},
 		{"relative", "absolute"},
 	} {

@@ -4,6 +4,11 @@
 // PID 1 (/init): it sets the system up, then serves the agent API to the host
 // over vsock or virtio-serial. Run as any other pid (on a development host)
 // it only serves, and can listen on a unix socket.
+//
+// Every command it starts runs with no_new_privs, and, once the host has
+// set a sandbox (SetSandbox), inside a Landlock domain where the kernel has
+// Landlock; the file service then keeps to the sandbox's roots. The agent
+// itself is never confined.
 package main
 
 import (
@@ -22,10 +27,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/carrel-os/carrel/guest-agent/exec"
 	"github.com/carrel-os/carrel/guest-agent/files"
 	"github.com/carrel-os/carrel/guest-agent/initsys"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
+	"github.com/carrel-os/carrel/guest-agent/sandbox"
 	"github.com/carrel-os/carrel/guest-agent/server"
 	"github.com/carrel-os/carrel/guest-agent/tarfs"
 	"github.com/carrel-os/carrel/guest-agent/transport"
@@ -95,10 +102,17 @@ func main() {
 	}
 	reaper.Default()
 	log.Info("starting", "version", server.Version, "pid1", pid1, "transport", o.transport)
+	if abi, err := sandbox.ABI(); err != nil {
+		log.Warn("no Landlock: commands will run with no_new_privs only", "err", err)
+	} else {
+		log.Info("landlock available", "abi", abi)
+	}
+	// One sandbox for the agent's life: it outlives a serve that fails.
+	sb := &sandbox.Guard{Log: log}
 
 	backoff := time.Second
 	for {
-		err := serve(ctx, log, o, pid1)
+		err := serve(ctx, log, o, pid1, sb)
 		if ctx.Err() != nil {
 			return
 		}
@@ -118,7 +132,7 @@ func main() {
 
 // serve listens on the chosen transport, prints the ready line, and serves
 // until ctx ends or serving fails.
-func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool) error {
+func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sandbox.Guard) error {
 	l, name, err := listen(ctx, log, o, pid1)
 	if err != nil {
 		return err
@@ -130,7 +144,9 @@ func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool) error {
 		Transport: name,
 		Log:       log,
 		PowerOff:  func(reboot bool) { powerOff(log, pid1, reboot) },
-		Files:     files.New(files.Options{Owner: fileOwner(log, pid1)}),
+		Sandbox:   sb,
+		Runner:    &exec.Runner{Reaper: reaper.Default(), Sandbox: sb},
+		Files:     files.New(files.Options{Owner: fileOwner(log, pid1), Sandbox: sb}),
 	})
 }
 

@@ -8,9 +8,15 @@ import (
 
 type globals struct {
 	socket string
+	token  string
 }
 
-func (g *globals) client() *client.Client { return client.New(g.socket) }
+func (g *globals) client() *client.Client {
+	if g.token != "" {
+		return client.New(g.socket, client.WithToken(g.token))
+	}
+	return client.New(g.socket)
+}
 
 func newRootCmd() *cobra.Command {
 	g := &globals{}
@@ -21,6 +27,8 @@ func newRootCmd() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.PersistentFlags().StringVar(&g.socket, "socket", client.SocketFromEnv(), "carreld's API socket (env CARREL_SOCKET)")
-	root.AddCommand(newVMCmd(g), newExecCmd(g), newAttachCmd(g), newShellCmd(g), newPsCmd(g), newKillCmd(g), newCpCmd(g), newWatchCmd(g), newPortForwardCmd(g), newImageCmd(g), newInfoCmd(g))
+	root.PersistentFlags().StringVar(&g.token, "token", client.TokenFromEnv(), "call as the holder of this token instead of as the local user (env CARREL_TOKEN)")
+	root.AddCommand(newVMCmd(g), newExecCmd(g), newAttachCmd(g), newShellCmd(g), newPsCmd(g), newKillCmd(g), newCpCmd(g), newWatchCmd(g), newPortForwardCmd(g), newImageCmd(g), newInfoCmd(g),
+		newPolicyCmd(g), newTokenCmd(g))
 	return root
 }

@@ -13,7 +13,7 @@ import (
 )
 
 func newVMCreateCmd(g *globals) *cobra.Command {
-	var image, memory string
+	var image, memory, pol string
 	var cpus uint32
 	c := &cobra.Command{
 		Use:   "create NAME",
@@ -25,19 +25,20 @@ func newVMCreateCmd(g *globals) *cobra.Command {
 				return fmt.Errorf("--memory: %w", err)
 			}
 			resp, err := g.client().VMs.CreateVM(cmd.Context(), connect.NewRequest(&apiv1.CreateVMRequest{
-				Name: args[0], Image: image, MemoryBytes: mem, Cpus: cpus,
+				Name: args[0], Image: image, MemoryBytes: mem, Cpus: cpus, Policy: pol,
 			}))
 			if err != nil {
 				return err
 			}
 			v := resp.Msg.Vm
-			fmt.Printf("%s %s (image %s, pid %d, %s)\n", v.Name, stateName(v.State), short(v.ImageDigest), v.Pid, v.Accelerator)
+			fmt.Printf("%s %s (image %s, policy %s, pid %d, %s)\n", v.Name, stateName(v.State), short(v.ImageDigest), v.Policy, v.Pid, v.Accelerator)
 			return nil
 		},
 	}
 	c.Flags().StringVar(&image, "image", "dev", "image tag or digest")
 	c.Flags().StringVar(&memory, "memory", "512M", "guest memory, e.g. 512M or 2G")
 	c.Flags().Uint32Var(&cpus, "cpus", 1, "virtual CPUs")
+	c.Flags().StringVar(&pol, "policy", "default", "the policy that decides everything done in the VM (see carrel policy ls)")
 	return c
 }
 

@@ -28,9 +28,9 @@ func newVMListCmd(g *globals) *cobra.Command {
 				return printJSON(cmd.OutOrStdout(), resp.Msg)
 			}
 			w := newTable()
-			fmt.Fprintln(w, "NAME\tSTATE\tAGENT\tCPUS\tMEMORY\tIMAGE\tPID")
+			fmt.Fprintln(w, "NAME\tSTATE\tAGENT\tCPUS\tMEMORY\tIMAGE\tPOLICY\tPID")
 			for _, v := range resp.Msg.Vms {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%dM\t%s\t%d\n", v.Name, stateName(v.State), agentName(v.AgentState), v.Cpus, v.MemoryBytes>>20, short(v.ImageDigest), v.Pid)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%dM\t%s\t%s\t%d\n", v.Name, stateName(v.State), agentName(v.AgentState), v.Cpus, v.MemoryBytes>>20, short(v.ImageDigest), v.Policy, v.Pid)
 			}
 			return w.Flush()
 		},

@@ -5,6 +5,11 @@
 // (or session, on a terminal) through the reaper, streams its output as it
 // arrives, feeds its stdin, and reports how it ended. It keeps a registry of
 // the commands still running, by id, for signals and process listings.
+//
+// Every command starts with no_new_privs (setuid programs such as sudo do
+// not raise its privileges) and, once the host has set a sandbox and the
+// kernel has Landlock, inside the sandbox's Landlock domain: see
+// sandbox.Guard.Spawn.
 package exec
 
 import (
@@ -24,6 +29,7 @@ import (
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/pty"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
+	"github.com/carrel-os/carrel/guest-agent/sandbox"
 	"github.com/carrel-os/carrel/guest-agent/user"
 )
 
@@ -59,6 +65,10 @@ var DefaultEnv = []string{
 type Runner struct {
 	// Reaper starts and waits for every command.
 	Reaper *reaper.Reaper
+	// Sandbox confines every command as it starts: no_new_privs, and the
+	// Landlock domain of the sandbox in force, if any. nil gives
+	// no_new_privs only.
+	Sandbox *sandbox.Guard
 	// Dir replaces DefaultDir when set (tests).
 	Dir string
 	// User replaces DefaultUser when set (tests).

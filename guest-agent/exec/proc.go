@@ -21,6 +21,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/pty"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
+	"github.com/carrel-os/carrel/guest-agent/sandbox"
 )
 
 var (
@@ -155,10 +156,23 @@ func (r *Runner) start(c *command, withStdin bool) (_ *Proc, err error) {
 		sys.Setpgid = true
 	}
 
-	rp, err := r.Reaper.Start(c.path, c.argv, &os.ProcAttr{Dir: c.dir, Env: c.env, Files: files, Sys: sys})
+	// The child is forked from a thread confined for it; sys must not set
+	// Pdeathsig, which would fire when that thread exits.
+	var rp *reaper.Process
+	landlocked, err := r.Sandbox.Spawn(func() (err error) {
+		rp, err = r.Reaper.Start(c.path, c.argv, &os.ProcAttr{Dir: c.dir, Env: c.env, Files: files, Sys: sys})
+		return err
+	})
 	if err != nil {
+		if errors.Is(err, sandbox.ErrConfine) {
+			return nil, internal("start", err)
+		}
 		if pe, ok := errors.AsType[*os.PathError](err); ok {
 			err = pe.Err
+		}
+		if errors.Is(err, syscall.EACCES) && landlocked {
+			return nil, connect.NewError(connect.CodePermissionDenied, fmt.Errorf(
+				"exec: %q: permission denied, by the guest sandbox or by file permissions (the program, or the working directory %q)", c.argv[0], c.dir))
 		}
 		if errors.Is(err, syscall.EACCES) && c.cred != nil && c.cred.Uid != 0 {
 			// The child cannot say which step failed; name both suspects.

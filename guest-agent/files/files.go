@@ -7,6 +7,22 @@
 // itself (Write replaces the link with a regular file); Read, Chmod and List
 // follow it. Symlinks below a List root are listed, never descended.
 //
+// Once the host has set a sandbox (Options.Sandbox), every path must lie
+// under one of its roots, and not at or beneath one of its secret paths:
+// reads (stat, list, read, read tar, watch) under any root, writes (write,
+// mkdir, remove, rename, chmod, chown, write tar) under a read-write one.
+// A path belongs to the longest root it lies under, and the operation goes
+// through an os.Root there, so no symlink or ".." leads out of that root;
+// an absolute symlink is refused even when it points inside. Paths are
+// checked again as the kernel resolves them, so a symlink to a secret path
+// is refused too (a symlink swapped in between that check and the
+// operation can still reach a secret in the same root; the root itself
+// always holds). Rename works within one root. Walks (list, read tar,
+// watch) leave secret paths out; remove, rename and write tar refuse a tree
+// with a secret path in it; a root itself cannot be removed or renamed.
+// Everything refused is CodePermissionDenied, "refused by the guest
+// sandbox". Before the first sandbox, the whole file system is open.
+//
 // Every error is a *connect.Error whose message names the operation and the
 // path, e.g. "stat /x: no such file or directory".
 package files
@@ -18,8 +34,10 @@ import (
 	"io"
 	"io/fs"
 	"math"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -30,6 +48,7 @@ import (
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/guest-agent/sandbox"
 	"github.com/carrel-os/carrel/guest-agent/tarfs"
 )
 
@@ -75,6 +94,10 @@ type Options struct {
 	// owner). carrel-agent sets it to the agent user, so that what the
 	// host puts in the guest belongs to the user commands run as.
 	Owner *tarfs.Owner
+	// Sandbox, if set, confines every operation to the roots of the
+	// sandbox in force (see the package comment). nil, or a Guard with no
+	// sandbox yet, leaves the whole file system open.
+	Sandbox *sandbox.Guard
 }
 
 // Service implements FileService. It is safe for concurrent use.
@@ -105,15 +128,20 @@ func New(opts Options) *Service {
 // Stat describes path without following a final symlink. CodeNotFound if
 // it does not exist.
 func (s *Service) Stat(_ context.Context, req *connect.Request[agentv1.StatRequest]) (*connect.Response[agentv1.StatResponse], error) {
-	p, err := cleanPath("stat", req.Msg.GetPath())
+	pl, err := s.resolve("stat", req.Msg.GetPath(), readAccess)
 	if err != nil {
 		return nil, err
 	}
-	fi, err := os.Lstat(p)
+	defer pl.close()
+	p := pl.path
+	if _, err := pl.resolved("stat", false); err != nil {
+		return nil, err
+	}
+	fi, err := pl.t.Lstat(pl.name)
 	if err != nil {
 		return nil, fsError("stat", p, err)
 	}
-	info, err := fileInfo(p, fi)
+	info, err := fileInfo(p, fi, func() (string, error) { return pl.t.Readlink(pl.name) })
 	if err != nil {
 		return nil, fsError("stat", p, err)
 	}
@@ -127,11 +155,17 @@ func (s *Service) Stat(_ context.Context, req *connect.Request[agentv1.StatReque
 // something out, the last message has truncated set. An empty directory
 // yields no messages. CodeFailedPrecondition if path is not a directory.
 func (s *Service) List(ctx context.Context, req *connect.Request[agentv1.ListRequest], stream *connect.ServerStream[agentv1.ListResponse]) error {
-	root, err := cleanPath("list", req.Msg.GetPath())
+	pl, err := s.resolve("list", req.Msg.GetPath(), readAccess)
 	if err != nil {
 		return err
 	}
-	if fi, err := os.Stat(root); err != nil {
+	defer pl.close()
+	root := pl.path
+	resolved, err := pl.resolved("list", true)
+	if err != nil {
+		return err
+	}
+	if fi, err := pl.t.Stat(pl.name); err != nil {
 		return fsError("list", root, err)
 	} else if !fi.IsDir() {
 		return fsError("list", root, syscall.ENOTDIR)
@@ -141,10 +175,13 @@ func (s *Service) List(ctx context.Context, req *connect.Request[agentv1.ListReq
 	if req.Msg.GetRecursive() {
 		maxDepth = limit(req.Msg.GetMaxDepth(), s.opts.MaxDepth)
 	}
-	// The trailing slash makes WalkDir follow a symlink at root; paths
-	// below come out clean.
-	walkRoot := strings.TrimSuffix(root, "/") + "/"
-	baseDepth := strings.Count(walkRoot, "/") - 1
+	walk, t, err := walker(pl)
+	if err != nil {
+		return fsError("list", root, err)
+	}
+	if c, ok := t.(io.Closer); ok {
+		defer c.Close()
+	}
 
 	var (
 		batch      []*agentv1.FileInfo
@@ -157,21 +194,28 @@ func (s *Service) List(ctx context.Context, req *connect.Request[agentv1.ListReq
 		batch, batchBytes = nil, 0
 		return stream.Send(msg)
 	}
-	err = filepath.WalkDir(walkRoot, func(p string, d fs.DirEntry, err error) error {
+	err = walk(func(rel, name string, d fs.DirEntry, err error) error {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
-		if p == walkRoot {
+		if rel == "." {
 			if err != nil {
 				return fsError("list", root, err)
 			}
 			return nil
 		}
+		p := pl.display(rel)
 		if err != nil {
 			if errors.Is(err, fs.ErrNotExist) {
 				return nil // removed while we walked
 			}
 			return fsError("list", p, err)
+		}
+		if pl.deniedIn(resolved, rel) {
+			if d.IsDir() {
+				return fs.SkipDir
+			}
+			return nil
 		}
 		if count == maxEntries {
 			truncated = true
@@ -180,7 +224,7 @@ func (s *Service) List(ctx context.Context, req *connect.Request[agentv1.ListReq
 		fi, err := d.Info()
 		if err == nil {
 			var info *agentv1.FileInfo
-			if info, err = fileInfo(p, fi); err == nil {
+			if info, err = fileInfo(p, fi, func() (string, error) { return t.Readlink(name) }); err == nil {
 				batch = append(batch, info)
 				batchBytes += proto.Size(info)
 				count++
@@ -196,8 +240,8 @@ func (s *Service) List(ctx context.Context, req *connect.Request[agentv1.ListReq
 				return err
 			}
 		}
-		if d.IsDir() && strings.Count(p, "/")-baseDepth >= maxDepth {
-			if req.Msg.GetRecursive() && !truncated && hasEntries(p) {
+		if d.IsDir() && strings.Count(rel, "/")+1 >= maxDepth {
+			if req.Msg.GetRecursive() && !truncated && hasEntries(t, name) {
 				truncated = true
 			}
 			return fs.SkipDir
@@ -213,15 +257,53 @@ func (s *Service) List(ctx context.Context, req *connect.Request[agentv1.ListReq
 	return nil
 }
 
+// walkFunc is called for each entry of a walk: rel is its path from the
+// walked directory ("." for the directory itself), name what the walker's
+// tree calls it.
+type walkFunc func(rel, name string, d fs.DirEntry, err error) error
+
+// walker walks the directory at the place, following a symlink there but
+// none below it, depth first and by name: through the whole file system
+// without a sandbox, else through an os.Root at the directory, which
+// entries cannot lead out of. The tree returned reaches the entries by
+// their names; close it if it is an io.Closer.
+func walker(pl *place) (func(walkFunc) error, fileTree, error) {
+	if !pl.sandboxed() {
+		// The trailing slash makes WalkDir follow a symlink at the
+		// directory; paths below come out clean.
+		walkRoot := strings.TrimSuffix(pl.path, "/") + "/"
+		return func(fn walkFunc) error {
+			return filepath.WalkDir(walkRoot, func(p string, d fs.DirEntry, err error) error {
+				rel := "."
+				if p != walkRoot {
+					rel = p[len(walkRoot):]
+				}
+				return fn(rel, p, d, err)
+			})
+		}, hostTree{}, nil
+	}
+	sub, err := pl.root.OpenRoot(pl.name)
+	if err != nil {
+		return nil, nil, err
+	}
+	return func(fn walkFunc) error {
+		return fs.WalkDir(sub.FS(), ".", func(rel string, d fs.DirEntry, err error) error {
+			return fn(rel, rel, d, err)
+		})
+	}, sub, nil
+}
+
 // Read streams a regular file from offset, length bytes or (length 0) to
 // its end, in chunks of at most Options.ReadChunk. An offset at or past the
 // end yields no messages. CodeFailedPrecondition if path is not a regular
 // file; CodeInvalidArgument for a negative offset or length.
 func (s *Service) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequest], stream *connect.ServerStream[agentv1.ReadResponse]) error {
-	p, err := cleanPath("read", req.Msg.GetPath())
+	pl, err := s.resolve("read", req.Msg.GetPath(), readAccess)
 	if err != nil {
 		return err
 	}
+	defer pl.close()
+	p := pl.path
 	off, n := req.Msg.GetOffset(), req.Msg.GetLength()
 	if off < 0 || n < 0 {
 		return invalid("read %s: negative offset or length", p)
@@ -231,16 +313,26 @@ func (s *Service) Read(ctx context.Context, req *connect.Request[agentv1.ReadReq
 	}
 	// Check before opening: opening a device can have side effects, and
 	// O_NONBLOCK keeps a FIFO swapped in meanwhile from blocking the open.
-	if fi, err := os.Stat(p); err != nil {
+	if fi, err := pl.t.Stat(pl.name); err != nil {
 		return fsError("read", p, err)
 	} else if !fi.Mode().IsRegular() {
 		return notRegular("read", p, fi)
 	}
-	f, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+	f, err := pl.t.OpenFile(pl.name, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return fsError("read", p, err)
 	}
 	defer f.Close()
+	if pl.sandboxed() {
+		// Check what was opened, not what the path named a moment ago.
+		resolved, err := filePath(f)
+		if err != nil {
+			return fsError("read", p, err)
+		}
+		if d, ok := pl.sb.DeniedAt(resolved); ok {
+			return refused("read", p, "it resolves to %s, and %s is a secret path", resolved, d)
+		}
+	}
 	if fi, err := f.Stat(); err != nil {
 		return fsError("read", p, err)
 	} else if !fi.Mode().IsRegular() {
@@ -291,16 +383,21 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 	if hdr == nil {
 		return nil, invalid("write: first message is not a header")
 	}
-	p, err := cleanPath("write", hdr.GetPath())
+	pl, err := s.resolve("write", hdr.GetPath(), writeAccess)
 	if err != nil {
 		return nil, err
 	}
+	defer pl.close()
+	p := pl.path
 	if hdr.GetMode() > modeBits {
 		return nil, invalid("write %s: mode %#o has bits above %#o", p, hdr.GetMode(), modeBits)
 	}
+	if _, err := pl.resolved("write", false); err != nil {
+		return nil, err
+	}
 	mode := hdr.GetMode()
 	var existing *syscall.Stat_t // an existing regular file's, to keep
-	switch fi, err := os.Lstat(p); {
+	switch fi, err := pl.t.Lstat(pl.name); {
 	case err == nil && fi.IsDir():
 		return nil, fsError("write", p, syscall.EISDIR)
 	case err == nil && fi.Mode().IsRegular():
@@ -314,14 +411,14 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 			mode = existing.Mode & modeBits
 		}
 	}
-	dir := filepath.Dir(p)
+	dir := filepath.Dir(pl.name)
 	if hdr.GetMakeParents() {
-		if err := os.MkdirAll(dir, 0o755); err != nil {
+		if err := pl.t.MkdirAll(dir, 0o755); err != nil {
 			return nil, fsError("write", p, err)
 		}
 	}
 
-	f, err := os.CreateTemp(dir, tempPattern)
+	f, tmp, err := createTemp(pl.t, dir)
 	if err != nil {
 		return nil, fsError("write", p, err)
 	}
@@ -329,7 +426,7 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 	defer func() {
 		if !done {
 			f.Close()
-			os.Remove(f.Name())
+			pl.t.Remove(tmp)
 		}
 	}()
 	if err := f.Chmod(fileMode(mode)); err != nil {
@@ -377,11 +474,11 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 	if err := f.Close(); err != nil {
 		return nil, fsError("write", p, err)
 	}
-	if err := os.Rename(f.Name(), p); err != nil {
+	if err := pl.t.Rename(tmp, pl.name); err != nil {
 		return nil, fsError("write", p, err)
 	}
 	done = true
-	if err := syncDir(dir); err != nil {
+	if err := syncDir(pl.t, dir); err != nil {
 		return nil, fsError("write", p, fmt.Errorf("written, but not durable: %w", err))
 	}
 	// No digest: carreld hashes what it forwarded, which a guest cannot
@@ -394,8 +491,13 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 // with 0755 and an existing directory (or symlink to one) is success, left
 // as it is; without, anything existing is CodeAlreadyExists.
 func (s *Service) MakeDir(_ context.Context, req *connect.Request[agentv1.MakeDirRequest]) (*connect.Response[agentv1.MakeDirResponse], error) {
-	p, err := cleanPath("mkdir", req.Msg.GetPath())
+	pl, err := s.resolve("mkdir", req.Msg.GetPath(), writeAccess)
 	if err != nil {
+		return nil, err
+	}
+	defer pl.close()
+	p := pl.path
+	if _, err := pl.resolved("mkdir", false); err != nil {
 		return nil, err
 	}
 	m := req.Msg.GetMode()
@@ -406,23 +508,24 @@ func (s *Service) MakeDir(_ context.Context, req *connect.Request[agentv1.MakeDi
 		m = 0o755
 	}
 	if req.Msg.GetParents() {
-		if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		if err := pl.t.MkdirAll(filepath.Dir(pl.name), 0o755); err != nil {
 			return nil, fsError("mkdir", p, err)
 		}
 	}
-	if err := os.Mkdir(p, fileMode(m)); err != nil {
+	// The umask narrows the mode here; Chmod sets it exactly.
+	if err := pl.t.Mkdir(pl.name, fileMode(m)&fs.ModePerm); err != nil {
 		if req.Msg.GetParents() && errors.Is(err, fs.ErrExist) {
-			if fi, serr := os.Stat(p); serr == nil && fi.IsDir() {
+			if fi, serr := pl.t.Stat(pl.name); serr == nil && fi.IsDir() {
 				return connect.NewResponse(&agentv1.MakeDirResponse{}), nil
 			}
 		}
 		return nil, fsError("mkdir", p, err)
 	}
-	if err := os.Chmod(p, fileMode(m)); err != nil {
+	if err := pl.t.Chmod(pl.name, fileMode(m)); err != nil {
 		return nil, fsError("mkdir", p, err)
 	}
 	if o := s.opts.Owner; o != nil {
-		if err := os.Lchown(p, o.UID, o.GID); err != nil {
+		if err := pl.t.Lchown(pl.name, o.UID, o.GID); err != nil {
 			return nil, fsError("mkdir", p, err)
 		}
 	}
@@ -434,17 +537,29 @@ func (s *Service) MakeDir(_ context.Context, req *connect.Request[agentv1.MakeDi
 // with recursive); CodeFailedPrecondition for a non-empty directory without
 // recursive; CodeInvalidArgument for "/".
 func (s *Service) Remove(_ context.Context, req *connect.Request[agentv1.RemoveRequest]) (*connect.Response[agentv1.RemoveResponse], error) {
-	p, err := cleanPath("remove", req.Msg.GetPath())
+	pl, err := s.resolve("remove", req.Msg.GetPath(), writeAccess)
 	if err != nil {
 		return nil, err
 	}
+	defer pl.close()
+	p := pl.path
 	if p == "/" {
 		return nil, invalid("remove /: refused")
 	}
+	if pl.isRoot() {
+		return nil, refused("remove", p, "it is a root of the sandbox")
+	}
+	resolved, err := pl.resolved("remove", false)
+	if err != nil {
+		return nil, err
+	}
+	if err := pl.deniedBeneath("remove", resolved); err != nil {
+		return nil, err
+	}
 	if !req.Msg.GetRecursive() {
-		err = os.Remove(p)
-	} else if _, err = os.Lstat(p); err == nil {
-		err = os.RemoveAll(p)
+		err = pl.t.Remove(pl.name)
+	} else if _, err = pl.t.Lstat(pl.name); err == nil {
+		err = pl.t.RemoveAll(pl.name)
 	}
 	if err != nil {
 		return nil, fsError("remove", p, err)
@@ -455,15 +570,36 @@ func (s *Service) Remove(_ context.Context, req *connect.Request[agentv1.RemoveR
 // Rename moves from to to, replacing to if it is a file (or symlink);
 // CodeAlreadyExists if to is a directory.
 func (s *Service) Rename(_ context.Context, req *connect.Request[agentv1.RenameRequest]) (*connect.Response[agentv1.RenameResponse], error) {
-	from, err := cleanPath("rename", req.Msg.GetFrom())
+	sb := s.opts.Sandbox.Current() // one sandbox for both paths
+	src, err := resolveIn(sb, "rename", req.Msg.GetFrom(), writeAccess)
 	if err != nil {
 		return nil, err
 	}
-	to, err := cleanPath("rename", req.Msg.GetTo())
+	defer src.close()
+	dst, err := resolveIn(sb, "rename", req.Msg.GetTo(), writeAccess)
 	if err != nil {
 		return nil, err
 	}
-	if err := os.Rename(from, to); err != nil {
+	defer dst.close()
+	from, to := src.path, dst.path
+	if src.sandboxed() {
+		if src.rootPath != dst.rootPath {
+			return nil, refused("rename", from+" to "+to, "they lie under different roots (%s and %s)", src.rootPath, dst.rootPath)
+		}
+		for _, pl := range []*place{src, dst} {
+			if pl.isRoot() {
+				return nil, refused("rename", from+" to "+to, "%s is a root of the sandbox", pl.path)
+			}
+			resolved, err := pl.resolved("rename", false)
+			if err != nil {
+				return nil, err
+			}
+			if err := pl.deniedBeneath("rename", resolved); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if err := src.t.Rename(src.name, dst.name); err != nil {
 		return nil, fsError("rename", from+" to "+to, err)
 	}
 	return connect.NewResponse(&agentv1.RenameResponse{}), nil
@@ -472,14 +608,19 @@ func (s *Service) Rename(_ context.Context, req *connect.Request[agentv1.RenameR
 // Chmod sets the mode of path (following a symlink) to exactly mode, which
 // must fit in the low 12 bits (CodeInvalidArgument otherwise).
 func (s *Service) Chmod(_ context.Context, req *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error) {
-	p, err := cleanPath("chmod", req.Msg.GetPath())
+	pl, err := s.resolve("chmod", req.Msg.GetPath(), writeAccess)
 	if err != nil {
 		return nil, err
 	}
+	defer pl.close()
+	p := pl.path
 	if m := req.Msg.GetMode(); m > modeBits {
 		return nil, invalid("chmod %s: mode %#o has bits above %#o", p, m, modeBits)
 	}
-	if err := os.Chmod(p, fileMode(req.Msg.GetMode())); err != nil {
+	if _, err := pl.resolved("chmod", true); err != nil {
+		return nil, err
+	}
+	if err := pl.t.Chmod(pl.name, fileMode(req.Msg.GetMode())); err != nil {
 		return nil, fsError("chmod", p, err)
 	}
 	return connect.NewResponse(&agentv1.ChmodResponse{}), nil
@@ -489,17 +630,22 @@ func (s *Service) Chmod(_ context.Context, req *connect.Request[agentv1.ChmodReq
 // -1 leaves one unchanged. Ids must be -1 or in [0, 2^32-2]
 // (CodeInvalidArgument otherwise; 2^32-1 is the kernel's "unchanged").
 func (s *Service) Chown(_ context.Context, req *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error) {
-	p, err := cleanPath("chown", req.Msg.GetPath())
+	pl, err := s.resolve("chown", req.Msg.GetPath(), writeAccess)
 	if err != nil {
 		return nil, err
 	}
+	defer pl.close()
+	p := pl.path
 	uid, gid := req.Msg.GetUid(), req.Msg.GetGid()
 	for _, id := range []int64{uid, gid} {
 		if id < -1 || id >= math.MaxUint32 {
 			return nil, invalid("chown %s: id %d out of range", p, id)
 		}
 	}
-	if err := os.Lchown(p, int(uid), int(gid)); err != nil {
+	if _, err := pl.resolved("chown", false); err != nil {
+		return nil, err
+	}
+	if err := pl.t.Lchown(pl.name, int(uid), int(gid)); err != nil {
 		return nil, fsError("chown", p, err)
 	}
 	return connect.NewResponse(&agentv1.ChownResponse{}), nil
@@ -520,8 +666,9 @@ func cleanPath(op, p string) (string, error) {
 	return filepath.Clean(p), nil
 }
 
-// fileInfo describes p from its Lstat result.
-func fileInfo(p string, fi fs.FileInfo) (*agentv1.FileInfo, error) {
+// fileInfo describes p from its Lstat result; readlink reads it if it is
+// a symlink.
+func fileInfo(p string, fi fs.FileInfo, readlink func() (string, error)) (*agentv1.FileInfo, error) {
 	info := &agentv1.FileInfo{
 		Path:          p,
 		Size:          fi.Size(),
@@ -538,7 +685,7 @@ func fileInfo(p string, fi fs.FileInfo) (*agentv1.FileInfo, error) {
 		info.Type = agentv1.FileType_FILE_TYPE_DIRECTORY
 	case m&fs.ModeSymlink != 0:
 		info.Type = agentv1.FileType_FILE_TYPE_SYMLINK
-		target, err := os.Readlink(p)
+		target, err := readlink()
 		if err != nil {
 			return nil, err
 		}
@@ -577,17 +724,32 @@ func keepOwner(f *os.File, st *syscall.Stat_t) error {
 	return f.Chown(int(st.Uid), int(st.Gid))
 }
 
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
+// createTemp creates a new file for Write in dir, in t: named after
+// tempPattern, mode 0600.
+func createTemp(t fileTree, dir string) (*os.File, string, error) {
+	for range 10000 {
+		name := filepath.Join(dir, strings.Replace(tempPattern, "*", strconv.FormatUint(uint64(rand.Uint32()), 10), 1))
+		f, err := t.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		if errors.Is(err, fs.ErrExist) {
+			continue
+		}
+		return f, name, err
+	}
+	return nil, "", &fs.PathError{Op: "createtemp", Path: filepath.Join(dir, tempPattern), Err: fs.ErrExist}
+}
+
+func syncDir(t fileTree, dir string) error {
+	d, err := t.OpenFile(dir, os.O_RDONLY, 0)
 	if err != nil {
 		return err
 	}
 	return errors.Join(d.Sync(), d.Close())
 }
 
-// hasEntries reports whether the directory dir has at least one entry.
-func hasEntries(dir string) bool {
-	f, err := os.Open(dir)
+// hasEntries reports whether the directory dir in t has at least one
+// entry.
+func hasEntries(t fileTree, dir string) bool {
+	f, err := t.OpenFile(dir, os.O_RDONLY, 0)
 	if err != nil {
 		return false
 	}
@@ -621,6 +783,9 @@ func notRegular(op, p string, fi fs.FileInfo) error {
 func fsError(op, what string, err error) error {
 	if ce := new(connect.Error); errors.As(err, &ce) {
 		return ce
+	}
+	if escapes(err) {
+		return refused(op, what, "a symlink or \"..\" in the path leads out of its root (symlinks must be relative and stay inside)")
 	}
 	// Drop the os package's own "op path:" prefix; ours names the path as
 	// the client gave it.

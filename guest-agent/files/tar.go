@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
-	"os"
+	"path/filepath"
 
 	"connectrpc.com/connect"
 
@@ -29,18 +29,33 @@ func (w chunkWriter) Write(p []byte) (int, error) {
 }
 
 // ReadTar streams the tree at the request's path as a tar archive, in
-// chunks of at most ReadChunk bytes. Sockets and devices are left out.
+// chunks of at most ReadChunk bytes. Sockets and devices are left out, and
+// so are secret paths under a sandbox.
 func (s *Service) ReadTar(ctx context.Context, req *connect.Request[agentv1.ReadTarRequest], stream *connect.ServerStream[agentv1.ReadResponse]) error {
-	p, err := cleanPath("read tar", req.Msg.GetPath())
+	pl, err := s.resolve("read tar", req.Msg.GetPath(), readAccess)
 	if err != nil {
 		return err
 	}
-	if _, err := os.Lstat(p); err != nil {
+	defer pl.close()
+	p := pl.path
+	resolved, err := pl.resolved("read tar", false)
+	if err != nil {
+		return err
+	}
+	if _, err := pl.t.Lstat(pl.name); err != nil {
 		return fsError("read tar", p, err)
 	}
 	// bufio-like batching: the archive writer makes many small writes.
 	w := &batcher{out: chunkWriter{ctx, stream}, buf: make([]byte, 0, s.opts.ReadChunk)}
-	if err := tarfs.Pack(w, p, nil); err != nil {
+	if pl.sandboxed() {
+		err = tarfs.PackRoot(w, pl.root, pl.name, tarfs.PackOptions{
+			Name:    filepath.Base(p),
+			Exclude: func(rel string) bool { return pl.deniedIn(resolved, filepath.FromSlash(rel)) },
+		})
+	} else {
+		err = tarfs.Pack(w, p, nil)
+	}
+	if err != nil {
 		if ctx.Err() != nil {
 			return fsError("read tar", p, ctx.Err())
 		}
@@ -95,16 +110,25 @@ func (s *Service) WriteTar(ctx context.Context, stream *connect.ClientStream[age
 	if hdr == nil {
 		return nil, invalid("write tar: first message is not a header")
 	}
-	dir, err := cleanPath("write tar", hdr.GetPath())
+	pl, err := s.resolve("write tar", hdr.GetPath(), writeAccess)
 	if err != nil {
 		return nil, err
 	}
+	defer pl.close()
+	dir := pl.path
+	resolved, err := pl.resolved("write tar", true)
+	if err != nil {
+		return nil, err
+	}
+	if err := pl.deniedBeneath("write tar", resolved); err != nil {
+		return nil, err
+	}
 	if hdr.GetMakeParents() {
-		if err := os.MkdirAll(dir, 0o755); err != nil {
+		if err := pl.t.MkdirAll(pl.name, 0o755); err != nil {
 			return nil, fsError("write tar", dir, err)
 		}
 	}
-	root, err := os.OpenRoot(dir)
+	root, err := pl.t.OpenRoot(pl.name)
 	if err != nil {
 		return nil, fsError("write tar", dir, err)
 	}
@@ -155,6 +179,9 @@ func (s *Service) WriteTar(ctx context.Context, stream *connect.ClientStream[age
 	case xerr != nil:
 		if errors.Is(xerr, tarfs.ErrUnsafe) {
 			return nil, connect.NewError(connect.CodeInvalidArgument, xerr)
+		}
+		if pl.sandboxed() && escapes(xerr) {
+			return nil, fsError("write tar", dir, xerr)
 		}
 		return nil, connect.NewError(codeOf(xerr), xerr)
 	}

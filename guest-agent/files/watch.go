@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"connectrpc.com/connect"
@@ -31,14 +32,40 @@ var watchOps = map[watch.Op]agentv1.WatchOp{
 // UTF-8 are sent with "?" in place of each run of bad bytes.
 // CodeFailedPrecondition if path is not a directory; CodeResourceExhausted
 // when the kernel's inotify limits are reached.
+//
+// Under a sandbox the directory must resolve inside its root; events for
+// secret paths beneath it are left out (and not counted as dropped).
+// Subdirectories are watched as found, never through a symlink, so the
+// watch stays in the directory's own tree.
 func (s *Service) Watch(ctx context.Context, req *connect.Request[agentv1.WatchRequest], stream *connect.ServerStream[agentv1.WatchResponse]) error {
-	p, err := cleanPath("watch", req.Msg.GetPath())
+	pl, err := s.resolve("watch", req.Msg.GetPath(), readAccess)
+	if err != nil {
+		return err
+	}
+	p := pl.path
+	resolved, err := pl.resolved("watch", true)
+	if err == nil && pl.sandboxed() {
+		// Refuses a symlink at p that leads out of the root.
+		_, err = pl.t.Stat(pl.name)
+		if err != nil {
+			err = fsError("watch", p, err)
+		}
+	}
+	pl.close()
 	if err != nil {
 		return err
 	}
 	rate := int(min(req.Msg.GetMaxEventsPerSecond(), MaxWatchRate))
 	opts := watch.Options{Recursive: req.Msg.GetRecursive(), Rate: rate}
 	err = watch.Run(ctx, p, opts, func(b watch.Batch) error {
+		if n := len(b.Events); n > 0 && pl.sandboxed() {
+			b.Events = slices.DeleteFunc(b.Events, func(e watch.Event) bool {
+				return pl.deniedIn(resolved, relTo(p, e.Path)) || (e.OldPath != "" && pl.deniedIn(resolved, relTo(p, e.OldPath)))
+			})
+			if len(b.Events) == 0 && b.Dropped == 0 && b.UnwatchedDirs == 0 {
+				return nil // only secrets: nothing to say
+			}
+		}
 		return stream.Send(watchResponse(b))
 	})
 	switch {
@@ -48,6 +75,15 @@ func (s *Service) Watch(ctx context.Context, req *connect.Request[agentv1.WatchR
 		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("watch %s: inotify limit reached: %w", p, err))
 	}
 	return fsError("watch", p, err)
+}
+
+// relTo returns the path of an event's path from the watched directory
+// dir, which it begins with.
+func relTo(dir, p string) string {
+	if p == dir {
+		return "."
+	}
+	return strings.TrimPrefix(strings.TrimPrefix(p, dir), "/")
 }
 
 func watchResponse(b watch.Batch) *agentv1.WatchResponse {

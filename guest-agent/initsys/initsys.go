@@ -1,8 +1,9 @@
 //go:build linux
 
 // Package initsys does what PID 1 must do in the minimal guest image: mount
-// the kernel file systems, load the transport's kernel modules, set the
-// hostname, bring up the loopback interface, and power the machine off.
+// the kernel file systems, turn on the kernel's link protections, load the
+// transport's kernel modules, set the hostname, bring up the loopback
+// interface, and power the machine off.
 // Everything here refuses to run unless the process is PID 1, so that it
 // cannot harm a development host.
 package initsys
@@ -52,6 +53,15 @@ var mounts = []mount{
 	{"workspace", "/workspace", "tmpfs", nodevNosuid, "mode=0755,uid=1000,gid=1000", 0o755},
 }
 
+// sysctls harden what systemd would otherwise set: no hard links to files
+// a user does not own and cannot write (which would carry them into a
+// sandbox root), and no following of other users' symlinks in sticky
+// directories such as /tmp.
+var sysctls = [][2]string{
+	{"/proc/sys/fs/protected_hardlinks", "1"},
+	{"/proc/sys/fs/protected_symlinks", "1"},
+}
+
 // devLinks are created in /dev when missing.
 var devLinks = [][2]string{
 	{"/proc/self/fd", "/dev/fd"},
@@ -62,7 +72,8 @@ var devLinks = [][2]string{
 }
 
 // Setup mounts the kernel and scratch file systems, creates the usual /dev
-// links, sets the hostname from /etc/hostname, brings up the loopback
+// links, turns on the link protections (fs.protected_hardlinks and
+// fs.protected_symlinks), sets the hostname from /etc/hostname, brings up the loopback
 // interface, and loads the modules listed in ModuleList. A mount failure is
 // returned (after trying the rest); a module that fails to load is logged
 // and skipped, since the transport may not need it.
@@ -79,6 +90,11 @@ func Setup(log *slog.Logger) error {
 	for _, l := range devLinks {
 		if err := os.Symlink(l[0], l[1]); err != nil && !errors.Is(err, os.ErrExist) {
 			log.Warn("create link", "link", l[1], "err", err)
+		}
+	}
+	for _, kv := range sysctls {
+		if err := os.WriteFile(kv[0], []byte(kv[1]), 0); err != nil {
+			log.Warn("set sysctl", "path", kv[0], "err", err)
 		}
 	}
 	if err := setHostname("/etc/hostname"); err != nil {

@@ -2,7 +2,8 @@
 
 // Package server serves carrel.agent.v1.AgentService, FileService and
 // PortService on any net.Listener: vsock or virtio-serial in the guest, a
-// unix socket in tests.
+// unix socket in tests. SetSandbox puts the host's sandbox into force for
+// the commands and file operations that follow (package sandbox).
 package server
 
 import (
@@ -25,6 +26,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/ports"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
+	"github.com/carrel-os/carrel/guest-agent/sandbox"
 	"github.com/carrel-os/carrel/guest-agent/session"
 )
 
@@ -43,11 +45,17 @@ const shutdownGrace = 2 * time.Second
 type Config struct {
 	// Transport is reported by Health: "vsock", "virtio-serial" or "unix".
 	Transport string
+	// Sandbox is what SetSandbox sets; nil means a new Guard, given to the
+	// default Runner and Files. A Runner or Files passed in must be given
+	// the same Guard to be confined by it.
+	Sandbox *sandbox.Guard
 	// Runner runs Exec and Process calls; nil means one using
-	// reaper.Default(). Detached commands are kept per Serve call: they
-	// keep running after Serve returns but can no longer be attached.
+	// reaper.Default() and Sandbox. Detached commands are kept per Serve
+	// call: they keep running after Serve returns but can no longer be
+	// attached.
 	Runner *exec.Runner
-	// Files serves FileService; nil means files.New(files.Options{}).
+	// Files serves FileService; nil means
+	// files.New(files.Options{Sandbox: Sandbox}).
 	Files agentv1connect.FileServiceHandler
 	// Ports serves PortService; nil means ports.New with Log.
 	Ports agentv1connect.PortServiceHandler
@@ -63,14 +71,17 @@ type Config struct {
 // returns, returns nil). It returns an error if accepting fails. l is
 // closed when Serve returns.
 func Serve(ctx context.Context, l net.Listener, cfg Config) error {
-	if cfg.Runner == nil {
-		cfg.Runner = &exec.Runner{Reaper: reaper.Default()}
-	}
-	if cfg.Files == nil {
-		cfg.Files = files.New(files.Options{})
-	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
+	}
+	if cfg.Sandbox == nil {
+		cfg.Sandbox = &sandbox.Guard{Log: cfg.Log}
+	}
+	if cfg.Runner == nil {
+		cfg.Runner = &exec.Runner{Reaper: reaper.Default(), Sandbox: cfg.Sandbox}
+	}
+	if cfg.Files == nil {
+		cfg.Files = files.New(files.Options{Sandbox: cfg.Sandbox})
 	}
 	if cfg.Ports == nil {
 		cfg.Ports = ports.New(ports.Options{Log: cfg.Log})

@@ -47,8 +47,9 @@ type fixture struct {
 	reboot chan bool
 }
 
-// serve starts the server on a unix socket and returns a client for it.
-func serve(t *testing.T) *fixture {
+// serve starts the server on a unix socket and returns a client for it;
+// configure, if given, adjusts its Config first.
+func serve(t *testing.T, configure ...func(*Config)) *fixture {
 	t.Helper()
 	f := &fixture{dir: t.TempDir(), served: make(chan error, 1), reboot: make(chan bool, 1)}
 	sock := filepath.Join(t.TempDir(), "agent.sock")
@@ -62,6 +63,9 @@ func serve(t *testing.T) *fixture {
 		Transport: "unix",
 		Runner:    &exec.Runner{Reaper: reaper.Default(), Dir: f.dir, User: testUser(), WaitDelay: 200 * time.Millisecond},
 		PowerOff:  func(reboot bool) { f.reboot <- reboot },
+	}
+	for _, c := range configure {
+		c(&cfg)
 	}
 	go func() { f.served <- Serve(ctx, l, cfg) }()
 	t.Cleanup(func() {

@@ -6,7 +6,8 @@
 // Extraction goes through an os.Root: every path is resolved beneath the
 // destination by the kernel, so an archive cannot climb out with "..", an
 // absolute name, a symlink that points out, or a symlink swapped in while
-// it is being extracted. Names that try are refused outright.
+// it is being extracted. Names that try are refused outright. PackRoot
+// packs through an os.Root in the same way.
 package tarfs
 
 import (
@@ -235,49 +236,124 @@ func Pack(w io.Writer, p string, skipped func(name, why string)) error {
 		if err != nil {
 			return err
 		}
-		link := ""
-		switch {
-		case fi.Mode()&fs.ModeSymlink != 0:
-			if link, err = os.Readlink(file); err != nil {
-				return err
-			}
-		case fi.Mode().IsRegular(), fi.IsDir():
-		default:
-			if skipped != nil {
-				skipped(rel, "not a regular file, directory or symlink")
-			}
-			return nil
-		}
-		hdr, err := tar.FileInfoHeader(fi, link)
-		if err != nil {
-			return err
-		}
-		hdr.Name = filepath.ToSlash(rel)
-		if fi.IsDir() {
-			hdr.Name += "/"
-		}
-		hdr.Format = tar.FormatPAX
-		hdr.ModTime = hdr.ModTime.Truncate(time.Second)
-		hdr.AccessTime, hdr.ChangeTime = time.Time{}, time.Time{}
-		hdr.Uname, hdr.Gname = "", ""
-		if err := tw.WriteHeader(hdr); err != nil {
-			return err
-		}
-		if !fi.Mode().IsRegular() {
-			return nil
-		}
-		f, err := os.Open(file)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		// A file that grows while packed is cut at its header's size; one
-		// that shrinks fails the archive rather than padding it silently.
-		_, err = io.Copy(tw, io.LimitReader(f, hdr.Size))
-		return err
+		return packEntry(tw, rel, fi, skipped,
+			func() (string, error) { return os.Readlink(file) },
+			func() (*os.File, error) { return os.Open(file) })
 	})
 	if err != nil {
 		return fmt.Errorf("pack %s: %w", p, err)
 	}
 	return tw.Close()
+}
+
+// PackOptions configure PackRoot.
+type PackOptions struct {
+	// Name is the archive name of the packed file or directory, which
+	// starts every entry's name; empty means the last element of the name
+	// given to PackRoot.
+	Name string
+	// Skipped is told about entries left out because of their type
+	// (sockets, devices); nil ignores them.
+	Skipped func(name, why string)
+	// Exclude, if set, is asked about each entry below the packed one, by
+	// its archive name (slash-separated, without Name and without a
+	// trailing slash); true leaves it out, and everything beneath it.
+	Exclude func(rel string) bool
+}
+
+// PackRoot is Pack for the file or tree at name beneath root. Every file is
+// reached through root, so nothing outside it is packed, even through a
+// symlink or a directory swapped for one while packing.
+func PackRoot(w io.Writer, root *os.Root, name string, opts PackOptions) error {
+	as := opts.Name
+	if as == "" {
+		as = filepath.Base(name)
+	}
+	tw := tar.NewWriter(w)
+	err := func() error {
+		fi, err := root.Lstat(name)
+		if err != nil {
+			return err
+		}
+		if !fi.IsDir() {
+			return packEntry(tw, as, fi, opts.Skipped,
+				func() (string, error) { return root.Readlink(name) },
+				func() (*os.File, error) { return root.Open(name) })
+		}
+		sub, err := root.OpenRoot(name)
+		if err != nil {
+			return err
+		}
+		defer sub.Close()
+		return fs.WalkDir(sub.FS(), ".", func(rel string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return err
+			}
+			if rel != "." && opts.Exclude != nil && opts.Exclude(filepath.ToSlash(rel)) {
+				if d.IsDir() {
+					return fs.SkipDir
+				}
+				return nil
+			}
+			fi, err := d.Info()
+			if err != nil {
+				return err
+			}
+			return packEntry(tw, filepath.Join(as, rel), fi, opts.Skipped,
+				func() (string, error) { return sub.Readlink(rel) },
+				func() (*os.File, error) { return sub.Open(rel) })
+		})
+	}()
+	if err != nil {
+		return fmt.Errorf("pack %s: %w", name, err)
+	}
+	return tw.Close()
+}
+
+// packEntry writes one entry named rel, described by fi (an Lstat), to tw:
+// a directory, a symlink (through readlink) or a regular file's content
+// (through open). Other types are skipped.
+func packEntry(tw *tar.Writer, rel string, fi fs.FileInfo, skipped func(name, why string),
+	readlink func() (string, error), open func() (*os.File, error)) error {
+	link := ""
+	switch {
+	case fi.Mode()&fs.ModeSymlink != 0:
+		var err error
+		if link, err = readlink(); err != nil {
+			return err
+		}
+	case fi.Mode().IsRegular(), fi.IsDir():
+	default:
+		if skipped != nil {
+			skipped(rel, "not a regular file, directory or symlink")
+		}
+		return nil
+	}
+	hdr, err := tar.FileInfoHeader(fi, link)
+	if err != nil {
+		return err
+	}
+	hdr.Name = filepath.ToSlash(rel)
+	if fi.IsDir() {
+		hdr.Name += "/"
+	}
+	hdr.Format = tar.FormatPAX
+	hdr.ModTime = hdr.ModTime.Truncate(time.Second)
+	hdr.AccessTime, hdr.ChangeTime = time.Time{}, time.Time{}
+	hdr.Uname, hdr.Gname = "", ""
+	if err := tw.WriteHeader(hdr); err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() {
+		return nil
+	}
+	f, err := open()
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	// A file that grows while packed is cut at its header's size; one
+	// that shrinks fails the archive rather than padding it silently.
+	_, err = io.Copy(tw, io.LimitReader(f, hdr.Size))
+	return err
 }

@@ -4,9 +4,11 @@ import (
 	"archive/tar"
 	"bytes"
 	"errors"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"testing"
 )
@@ -205,5 +207,66 @@ func TestExtractOwner(t *testing.T) {
 		if st := fi.Sys().(*syscall.Stat_t); st.Uid != 65534 || st.Gid != 65534 {
 			t.Errorf("%s owned by %d:%d", n, st.Uid, st.Gid)
 		}
+	}
+}
+
+// names lists the entries of an archive, "name -> link" for symlinks.
+func names(t *testing.T, b []byte) []string {
+	t.Helper()
+	var out []string
+	tr := tar.NewReader(bytes.NewReader(b))
+	for {
+		hdr, err := tr.Next()
+		if err != nil {
+			if !errors.Is(err, io.EOF) {
+				t.Fatal(err)
+			}
+			return out
+		}
+		if hdr.Linkname != "" {
+			out = append(out, hdr.Name+" -> "+hdr.Linkname)
+		} else {
+			out = append(out, hdr.Name)
+		}
+	}
+}
+
+func TestPackRootStaysInTheRoot(t *testing.T) {
+	base := t.TempDir()
+	dir := filepath.Join(base, "root")
+	os.MkdirAll(filepath.Join(dir, "proj", "sub"), 0o755)
+	os.MkdirAll(filepath.Join(dir, "proj", "secret"), 0o755)
+	os.WriteFile(filepath.Join(dir, "proj", "a"), []byte("a"), 0o644)
+	os.WriteFile(filepath.Join(dir, "proj", "secret", "k"), []byte("k"), 0o600)
+	os.WriteFile(filepath.Join(base, "outside"), []byte("o"), 0o644)
+	os.Symlink("../../outside", filepath.Join(dir, "proj", "out"))
+	os.Symlink("../../..", filepath.Join(dir, "proj", "sub", "up"))
+	root, err := os.OpenRoot(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+
+	var buf bytes.Buffer
+	err = PackRoot(&buf, root, "proj", PackOptions{Name: "p", Exclude: func(rel string) bool { return rel == "secret" }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"p/", "p/a", "p/out -> ../../outside", "p/sub/", "p/sub/up -> ../../.."}
+	if got := names(t, buf.Bytes()); !slices.Equal(got, want) {
+		t.Errorf("entries %q, want %q", got, want)
+	}
+
+	// A file, named after its last element by default.
+	buf.Reset()
+	if err := PackRoot(&buf, root, "proj/a", PackOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if got := names(t, buf.Bytes()); !slices.Equal(got, []string{"a"}) {
+		t.Errorf("entries %q", got)
+	}
+	// A path through a symlink that leads out is refused.
+	if err := PackRoot(io.Discard, root, "proj/sub/up/outside", PackOptions{}); err == nil || errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("packing through a symlink out of the root: %v, want refused", err)
 	}
 }

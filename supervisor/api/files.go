@@ -13,6 +13,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 )
 
@@ -91,6 +92,9 @@ func checkInfo(fi *agentv1.FileInfo) error {
 }
 
 func (r *fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatRequest]) (*connect.Response[agentv1.StatResponse], error) {
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpList, &req.Msg.Path, false); err != nil {
+		return nil, err
+	}
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return nil, err
@@ -106,6 +110,9 @@ func (r *fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatR
 }
 
 func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListRequest], out *connect.ServerStream[agentv1.ListResponse]) error {
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpList, &req.Msg.Path, req.Msg.Recursive); err != nil {
+		return err
+	}
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return err
@@ -143,6 +150,9 @@ func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListR
 }
 
 func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequest], out *connect.ServerStream[agentv1.ReadResponse]) error {
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpRead, &req.Msg.Path, false); err != nil {
+		return err
+	}
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return err
@@ -166,15 +176,15 @@ func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadR
 }
 
 func (r *fileRelay) Write(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
-	return r.relayWrite(ctx, in, agentv1connect.FileServiceClient.Write)
+	return r.relayWrite(ctx, in, false, agentv1connect.FileServiceClient.Write)
 }
 
 func (r *fileRelay) WriteTar(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
-	return r.relayWrite(ctx, in, agentv1connect.FileServiceClient.WriteTar)
+	return r.relayWrite(ctx, in, true, agentv1connect.FileServiceClient.WriteTar)
 }
 
 // relayWrite passes a header, data and commit stream on to the guest.
-func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest],
+func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest], tree bool,
 	open func(agentv1connect.FileServiceClient, context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse]) (*connect.Response[agentv1.WriteResponse], error) {
 	c, done, err := r.files(in.RequestHeader())
 	if err != nil {
@@ -186,8 +196,12 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 		}
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: no header"))
 	}
-	if in.Msg().GetHeader() == nil {
+	hdr := in.Msg().GetHeader()
+	if hdr == nil {
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: the first message must be the header"))
+	}
+	if err := r.cfg.allowFile(ctx, in.RequestHeader(), policy.OpWrite, &hdr.Path, tree); err != nil {
+		return nil, err
 	}
 	// Cancelled when we return, so the guest drops a write that did not
 	// complete instead of committing it.
@@ -227,6 +241,9 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 // ReadTar relays an archive. carreld does not look inside: whoever
 // extracts it must treat it as hostile (tarfs.Extract does).
 func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.ReadTarRequest], out *connect.ServerStream[agentv1.ReadResponse]) error {
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpRead, &req.Msg.Path, true); err != nil {
+		return err
+	}
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return err
@@ -259,21 +276,40 @@ func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Reques
 }
 
 func (r *fileRelay) MakeDir(ctx context.Context, req *connect.Request[agentv1.MakeDirRequest]) (*connect.Response[agentv1.MakeDirResponse], error) {
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.Path, req.Msg.Parents); err != nil {
+		return nil, err
+	}
 	return unary(ctx, r, req, agentv1connect.FileServiceClient.MakeDir)
 }
 
 func (r *fileRelay) Remove(ctx context.Context, req *connect.Request[agentv1.RemoveRequest]) (*connect.Response[agentv1.RemoveResponse], error) {
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpDelete, &req.Msg.Path, req.Msg.Recursive); err != nil {
+		return nil, err
+	}
 	return unary(ctx, r, req, agentv1connect.FileServiceClient.Remove)
 }
 
 func (r *fileRelay) Rename(ctx context.Context, req *connect.Request[agentv1.RenameRequest]) (*connect.Response[agentv1.RenameResponse], error) {
+	// A rename deletes its source and creates its target.
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpDelete, &req.Msg.From, true); err != nil {
+		return nil, err
+	}
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.To, true); err != nil {
+		return nil, err
+	}
 	return unary(ctx, r, req, agentv1connect.FileServiceClient.Rename)
 }
 
 func (r *fileRelay) Chmod(ctx context.Context, req *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error) {
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
+		return nil, err
+	}
 	return unary(ctx, r, req, agentv1connect.FileServiceClient.Chmod)
 }
 
 func (r *fileRelay) Chown(ctx context.Context, req *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error) {
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
+		return nil, err
+	}
 	return unary(ctx, r, req, agentv1connect.FileServiceClient.Chown)
 }

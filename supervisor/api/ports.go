@@ -50,6 +50,9 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 	if _, err := ports.Address(open); err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("port connect: %w", err))
 	}
+	if err := r.cfg.allowForward(ctx, in.RequestHeader().Get(VMHeader), open.Host, open.Port); err != nil {
+		return err
+	}
 	c, done := link.Ports()
 
 	ctx, cancel := context.WithCancel(ctx)

@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 
@@ -53,6 +54,12 @@ func (r *agentRelay) Health(ctx context.Context, req *connect.Request[agentv1.He
 	}), nil
 }
 
+// SetSandbox is carreld's alone: the sandbox follows from the VM's policy
+// (carrel policy apply), never from a client.
+func (r *agentRelay) SetSandbox(context.Context, *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error) {
+	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("the guest sandbox is not relayed: it follows the vm's policy (carrel policy apply)"))
+}
+
 func (r *agentRelay) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
 	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("shutdown is not relayed: stop the vm with VMService.StopVM (carrel vm stop)"))
 }
@@ -60,6 +67,9 @@ func (r *agentRelay) Shutdown(context.Context, *connect.Request[agentv1.Shutdown
 func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], out *connect.ServerStream[agentv1.ExecResponse]) error {
 	c, done, err := r.agent(req.Header())
 	if err != nil {
+		return err
+	}
+	if err := r.cfg.allowExec(ctx, req.Header().Get(VMHeader), req.Msg); err != nil {
 		return err
 	}
 	s, err := c.Exec(ctx, connect.NewRequest(req.Msg))
@@ -86,6 +96,17 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 	if err != nil {
 		return err
 	}
+	// The first message starts a command (decided here, before the guest
+	// sees it) or attaches to one the policy allowed when it started.
+	first, err := in.Receive()
+	if err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("process: no first message: %w", err))
+	}
+	if start := first.GetStart(); start != nil {
+		if err := r.cfg.allowExec(ctx, in.RequestHeader().Get(VMHeader), start); err != nil {
+			return err
+		}
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	g := c.Process(ctx)
@@ -95,6 +116,8 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 	// client goes, so the guest side ends at once.
 	stop := context.AfterFunc(ctx, func() { g.CloseResponse() })
 	defer stop()
+	// A failed send shows up as the guest's reply (or its absence).
+	_ = g.Send(first)
 	go func() {
 		// Client to guest. The guest checks these too; the host has
 		// already capped their size.

@@ -16,6 +16,8 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
+	"github.com/carrel-os/carrel/supervisor/identity"
+	"github.com/carrel-os/carrel/supervisor/policies"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
 
@@ -42,6 +44,14 @@ type Config struct {
 	Build   ImageBuilder
 	Info    func() Info
 	Logger  *slog.Logger
+	// Policies decides every call; nil turns authorization off (unit tests
+	// of the handlers alone; carreld always sets it).
+	Policies *policies.Store
+	// Tokens verifies bearer tokens; nil means peer credentials only.
+	Tokens *identity.Tokens
+	// DaemonUID is carreld's own uid: the default policy lets that user
+	// (and root) operate.
+	DaemonUID uint32
 }
 
 // Info describes the supervisor for SystemService.GetInfo.
@@ -59,12 +69,14 @@ func Handler(cfg Config) http.Handler {
 	}
 	opts := []connect.HandlerOption{
 		connect.WithReadMaxBytes(maxRequestBytes),
-		connect.WithInterceptors(deadlineInterceptor{}),
+		connect.WithInterceptors(deadlineInterceptor{}, authzInterceptor{cfg: cfg}),
 	}
 	mux := http.NewServeMux()
 	mux.Handle(apiv1connect.NewVMServiceHandler(&vmService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewImageServiceHandler(&imageService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewSystemServiceHandler(&systemService{cfg: cfg}, opts...))
+	mux.Handle(apiv1connect.NewPolicyServiceHandler(&policyService{cfg: cfg}, opts...))
+	mux.Handle(apiv1connect.NewTokenServiceHandler(&tokenService{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewFileServiceHandler(&fileRelay{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewAgentServiceHandler(&agentRelay{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewPortServiceHandler(&portRelay{cfg: cfg}, opts...))
@@ -83,6 +95,7 @@ func Serve(ctx context.Context, l net.Listener, h http.Handler) error {
 		Protocols:         p,
 		MaxHeaderBytes:    maxHeaderBytes,
 		ReadHeaderTimeout: 10 * time.Second,
+		ConnContext:       identity.ConnContext,
 	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(l) }()

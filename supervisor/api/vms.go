@@ -30,7 +30,7 @@ var _ apiv1connect.VMServiceHandler = (*vmService)(nil)
 
 func (s *vmService) CreateVM(ctx context.Context, req *connect.Request[apiv1.CreateVMRequest]) (*connect.Response[apiv1.CreateVMResponse], error) {
 	m := req.Msg
-	rec, err := s.cfg.Manager.Create(ctx, vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus})
+	rec, err := s.cfg.Manager.Create(ctx, vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus, Policy: m.Policy})
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -103,7 +103,11 @@ func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecReq
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	stream, err := s.cfg.Manager.Exec(ctx, m.Vm, &agentv1.ExecRequest{Argv: m.Argv, Env: m.Env, Cwd: m.Cwd})
+	ereq := &agentv1.ExecRequest{Argv: m.Argv, Env: m.Env, Cwd: m.Cwd}
+	if err := s.cfg.allowExec(ctx, m.Vm, ereq); err != nil {
+		return err
+	}
+	stream, err := s.cfg.Manager.Exec(ctx, m.Vm, ereq)
 	if err != nil {
 		return toConnect(err)
 	}
@@ -161,6 +165,7 @@ func toProto(st vm.Status) *apiv1.VM {
 		Transport:   st.Transport,
 		CreatedAt:   st.CreatedAt.Format(time.RFC3339),
 		LastError:   st.LastError,
+		Policy:      st.PolicyName(),
 	}
 	switch st.State {
 	case registry.StateCreating:

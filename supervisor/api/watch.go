@@ -10,6 +10,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/policy"
 )
 
 // Caps on a watch relayed from the guest.
@@ -43,6 +44,9 @@ func (r *fileRelay) Watch(ctx context.Context, req *connect.Request[agentv1.Watc
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("watch: the path must be absolute, without NUL bytes, at most 4096 bytes"))
 	}
 	root := path.Clean(p)
+	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpWatch, &root, req.Msg.Recursive); err != nil {
+		return err
+	}
 	rate := req.Msg.MaxEventsPerSecond
 	if rate == 0 {
 		rate = defaultWatchRate

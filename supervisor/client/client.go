@@ -45,14 +45,35 @@ type Client struct {
 	// Ports is the guest agent's port service, relayed the same way;
 	// DialPort wraps it in a net.Conn.
 	Ports agentv1connect.PortServiceClient
+	// Policies installs, binds and evaluates policies; Tokens issues the
+	// VM-scoped tokens agent harnesses call with.
+	Policies apiv1connect.PolicyServiceClient
+	Tokens   apiv1connect.TokenServiceClient
 }
+
+// An Option configures a Client.
+type Option func(*options)
+
+type options struct{ token string }
+
+// WithToken makes every call carry "Authorization: Bearer token": the
+// caller is then the token's holder, limited to the token's VM, instead
+// of the local user.
+func WithToken(token string) Option { return func(o *options) { o.token = token } }
+
+// TokenFromEnv returns $CARREL_TOKEN.
+func TokenFromEnv() string { return os.Getenv("CARREL_TOKEN") }
 
 // maxResponseBytes caps one message from carreld.
 const maxResponseBytes = 4 << 20
 
 // New returns a client for the carreld serving on the unix socket at path.
 // It speaks gRPC over cleartext HTTP/2, so streaming calls work both ways.
-func New(path string) *Client {
+func New(path string, opt ...Option) *Client {
+	var o options
+	for _, f := range opt {
+		f(&o)
+	}
 	p := new(http.Protocols)
 	p.SetUnencryptedHTTP2(true)
 	hc := &http.Client{Transport: &http.Transport{
@@ -65,6 +86,9 @@ func New(path string) *Client {
 	const base = "http://carreld"
 	// No compression: a local socket gains nothing from it.
 	opts := []connect.ClientOption{connect.WithGRPC(), connect.WithReadMaxBytes(maxResponseBytes), connect.WithAcceptCompression("gzip", nil, nil)}
+	if o.token != "" {
+		opts = append(opts, connect.WithInterceptors(bearer(o.token)))
+	}
 	return &Client{
 		VMs:    apiv1connect.NewVMServiceClient(hc, base, opts...),
 		Images: apiv1connect.NewImageServiceClient(hc, base, opts...),
@@ -72,5 +96,30 @@ func New(path string) *Client {
 		Files:  agentv1connect.NewFileServiceClient(hc, base, opts...),
 		Agent:  agentv1connect.NewAgentServiceClient(hc, base, opts...),
 		Ports:  agentv1connect.NewPortServiceClient(hc, base, opts...),
+
+		Policies: apiv1connect.NewPolicyServiceClient(hc, base, opts...),
+		Tokens:   apiv1connect.NewTokenServiceClient(hc, base, opts...),
 	}
+}
+
+// bearer adds the token to every call, unary and streaming.
+type bearer string
+
+func (b bearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		req.Header().Set("Authorization", "Bearer "+string(b))
+		return next(ctx, req)
+	}
+}
+
+func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		conn := next(ctx, spec)
+		conn.RequestHeader().Set("Authorization", "Bearer "+string(b))
+		return conn
+	}
+}
+
+func (bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
 }

@@ -21,6 +21,8 @@ import (
 	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/api"
 	"github.com/carrel-os/carrel/supervisor/driver/qemu"
+	"github.com/carrel-os/carrel/supervisor/identity"
+	"github.com/carrel-os/carrel/supervisor/policies"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/systemd"
 	"github.com/carrel-os/carrel/supervisor/vm"
@@ -76,7 +78,19 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	drv := qemu.New(qemu.Config{Binary: cfg.QEMUBinary, Machine: cfg.Machine, Accelerator: acc.Name, Logger: log.With("subsystem", "qemu")})
 	log.Info("qemu machine type", "machine", drv.Machine())
-	mgr := vm.New(vm.Config{Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock})
+	pols, err := policies.Open(ctx, filepath.Join(cfg.StateDir, "policies"), log.With("subsystem", "policy"))
+	if err != nil {
+		return err
+	}
+	tokens, err := identity.OpenTokens(filepath.Join(cfg.StateDir, "tokens.json"))
+	if err != nil {
+		return err
+	}
+	mgr := vm.New(vm.Config{
+		Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock,
+		PolicyExists: func(name string) error { _, err := pols.Get(name); return err },
+		AgentReady:   pols.GiveSandbox,
+	})
 	if err := mgr.Reconcile(ctx); err != nil {
 		log.Error("reconcile", "err", err)
 	}
@@ -92,6 +106,10 @@ func Run(ctx context.Context, cfg Config) error {
 		Images:  images,
 		Build:   b.build,
 		Logger:  log,
+		// Every call is authenticated and decided by policy.
+		Policies:  pols,
+		Tokens:    tokens,
+		DaemonUID: uint32(os.Getuid()),
 		Info: func() api.Info {
 			return api.Info{Version: Version, Accelerator: acc.Name, StateDir: cfg.StateDir, Vsock: vsock}
 		},

@@ -47,6 +47,17 @@ type Record struct {
 	Instance *driver.Instance `json:"instance,omitempty"`
 	// LastError says why the VM stopped when it stopped on its own.
 	LastError string `json:"last_error,omitempty"`
+	// Policy names the policy bound to the VM. Records written before
+	// policies existed have none and get the default.
+	Policy string `json:"policy,omitempty"`
+}
+
+// PolicyName is the VM's bound policy, "default" when none was recorded.
+func (r *Record) PolicyName() string {
+	if r.Policy == "" {
+		return "default"
+	}
+	return r.Policy
 }
 
 var nameRE = regexp.MustCompile(`^[a-z][a-z0-9-]{0,62}$`)

@@ -55,6 +55,12 @@ type Config struct {
 	// Vsock says whether the host has /dev/vhost-vsock; without it VMs
 	// get no vsock device and the agent is reached over virtio-serial.
 	Vsock bool
+	// PolicyExists, when set, vets a policy name at create and rebind.
+	PolicyExists func(name string) error
+	// AgentReady, when set, runs once a VM's agent answers and before the
+	// VM counts as running (carreld gives the guest its sandbox here). An
+	// error fails the boot: a VM must not run without its sandbox.
+	AgentReady func(ctx context.Context, rec registry.Record, link *agentlink.Link) error
 }
 
 // Manager owns every VM of one carreld.
@@ -140,6 +146,7 @@ type CreateParams struct {
 	Image       string
 	MemoryBytes uint64
 	CPUs        uint32
+	Policy      string // must exist (Config.PolicyExists); "" is "default"
 }
 
 func (p *CreateParams) validate() error {
@@ -161,6 +168,9 @@ func (p *CreateParams) validate() error {
 	if p.CPUs == 0 {
 		p.CPUs = 1
 	}
+	if p.Policy == "" {
+		p.Policy = "default"
+	}
 	if p.CPUs > MaxCPUs {
 		return fmt.Errorf("%w: %d cpus is out of range (1 to %d)", ErrInvalid, p.CPUs, MaxCPUs)
 	}
@@ -172,6 +182,11 @@ func (p *CreateParams) validate() error {
 func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, error) {
 	if err := p.validate(); err != nil {
 		return registry.Record{}, err
+	}
+	if m.cfg.PolicyExists != nil {
+		if err := m.cfg.PolicyExists(p.Policy); err != nil {
+			return registry.Record{}, fmt.Errorf("%w: %w", ErrInvalid, err)
+		}
 	}
 	img, err := m.cfg.Images.Resolve(p.Image)
 	if errors.Is(err, store.ErrNotFound) {
@@ -194,6 +209,7 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		Driver:      m.cfg.Driver.Name(),
 		State:       registry.StateCreating,
 		CreatedAt:   time.Now().UTC().Truncate(time.Millisecond),
+		Policy:      p.Policy,
 	})
 	mc.op <- struct{}{} // new, so free
 	defer mc.unlock()
@@ -322,6 +338,9 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 	case err = <-readyErr:
 	case <-exited:
 		err = errors.New("qemu exited before the guest agent became ready")
+	}
+	if err == nil && m.cfg.AgentReady != nil {
+		err = m.cfg.AgentReady(ctx, mc.snapshot(), link)
 	}
 	if err != nil {
 		link.Close()

@@ -215,6 +215,55 @@ func (m *Manager) Delete(ctx context.Context, name string, force bool) error {
 	})
 }
 
+// SetPolicy binds a VM to another policy. The record is written first and
+// the live VM switches with it; a running guest then gets the new policy's
+// sandbox through Config.AgentReady. If that fails the binding still
+// stands (the host decides every call by it) and the error says so.
+func (m *Manager) SetPolicy(ctx context.Context, name, policy string) error {
+	if m.cfg.PolicyExists != nil {
+		if err := m.cfg.PolicyExists(policy); err != nil {
+			return fmt.Errorf("%w: %w", ErrInvalid, err)
+		}
+	}
+	return m.locked(ctx, name, func(mc *machine) error {
+		if err := m.persist(mc, func(r *registry.Record) { r.Policy = policy }); err != nil {
+			return err
+		}
+		m.log.Info("vm policy bound", "vm", name, "policy", policy)
+		return m.ResyncSandbox(ctx, name)
+	})
+}
+
+// ResyncSandbox gives a running VM's guest its policy's sandbox again,
+// after the policy changed. A stopped VM gets it at its next boot.
+func (m *Manager) ResyncSandbox(ctx context.Context, name string) error {
+	mc, err := m.get(name)
+	if err != nil {
+		return err
+	}
+	mc.mu.Lock()
+	rec, link := mc.rec, mc.link
+	mc.mu.Unlock()
+	if rec.State != registry.StateRunning || link == nil || m.cfg.AgentReady == nil {
+		return nil
+	}
+	if err := m.cfg.AgentReady(ctx, rec, link); err != nil {
+		return fmt.Errorf("vm %q: the host enforces its new policy, but the guest's sandbox was not updated: %w", name, err)
+	}
+	return nil
+}
+
+// PolicyOf returns the name of the policy bound to a VM.
+func (m *Manager) PolicyOf(name string) (string, error) {
+	mc, err := m.get(name)
+	if err != nil {
+		return "", err
+	}
+	mc.mu.Lock()
+	defer mc.mu.Unlock()
+	return mc.rec.PolicyName(), nil
+}
+
 // Exec starts a command in a running VM.
 func (m *Manager) Exec(ctx context.Context, name string, req *agentv1.ExecRequest) (*agentlink.ExecStream, error) {
 	link, err := m.Link(name)
@@ -341,6 +390,12 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 		defer rcancel()
 		if err := link.WaitReady(rctx); err != nil && live.Err() == nil {
 			log.Warn("adopted vm's agent is not answering", "err", err)
+			return
+		}
+		if m.cfg.AgentReady != nil {
+			if err := m.cfg.AgentReady(rctx, mc.snapshot(), link); err != nil && live.Err() == nil {
+				log.Error("adopted vm's sandbox could not be set; its calls are still decided on the host", "err", err)
+			}
 		}
 	}()
 	log.Info("adopted running vm", "pid", inst.PID)

@@ -12,7 +12,10 @@
 //     controller (see qga.go): the round trip of `true` (carrel's Go
 //     client against guest-exec plus guest-exec-status polling), and file
 //     write and read throughput (Upload/Download against
-//     guest-file-write/-read, and against the raw port).
+//     guest-file-write/-read, and against the raw port);
+//   - policy decisions (-policy): the default bundle's prepared queries
+//     against compiling the bundle on every call (see policy.go); needs
+//     no VM.
 //
 // Every section is on by default; each prints medians and ratios.
 package main
@@ -80,6 +83,7 @@ func main() {
 	fileRounds := flag.Int("file-rounds", 3, "rounds of the throughput comparison (each moves -size both ways on every side)")
 	chunkKiB := flag.Int("qga-chunk", 4096, "KiB per guest-file-read/-write (qemu-ga caps a read at 48 MiB)")
 	qgaMemory := flag.String("qga-memory", "1G", "memory of the comparison VM; its /tmp (tmpfs, half of memory) must hold -size")
+	doPolicy := flag.Bool("policy", true, "policy decision latency: prepared queries against compiling per call")
 	flag.Parse()
 	log.SetFlags(0)
 	switch {
@@ -89,6 +93,15 @@ func main() {
 		log.Fatal("-size must be at least 1 (MiB)")
 	case *chunkKiB < 1 || *chunkKiB<<10 > qga.MaxReadCount:
 		log.Fatalf("-qga-chunk must be 1..%d (KiB)", qga.MaxReadCount>>10)
+	}
+
+	if *doPolicy {
+		if err := benchPolicy(); err != nil {
+			log.Fatalf("policy benchmark: %v", err)
+		}
+	}
+	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles {
+		return // no VM needed
 	}
 
 	t := &tb{}

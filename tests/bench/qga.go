@@ -95,7 +95,15 @@ func setupQGA(ctx context.Context, d *harness.Daemon, c *client.Client, memory s
 	if dev, err := st.Resolve("dev"); err == nil && dev.Manifest.Kernel != res.Manifest.Kernel {
 		return b, fmt.Errorf("the variant's kernel %s differs from the dev image's %s", res.Manifest.Kernel.Digest, dev.Manifest.Kernel.Digest)
 	}
-	d.Must("vm", "create", b.vm, "--image", qgaImageTag, "--memory", memory, "--cpus", "1")
+	// The comparison drives qemu-ga and the raw port through root shells
+	// in the guest, which open the hot-added port devices read-write: its
+	// policy allows root and writing under /dev.
+	pol := d.ApplyPolicy("bench-qga", func(s map[string]any) {
+		harness.AllowRoot(s)
+		fs := s["fs"].(map[string]any)
+		fs["read_write"] = append(fs["read_write"].([]any), "/dev")
+	})
+	d.Must("vm", "create", b.vm, "--image", qgaImageTag, "--memory", memory, "--cpus", "1", "--policy", pol)
 
 	if err := b.hotplug(); err != nil {
 		return b, err

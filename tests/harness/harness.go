@@ -5,6 +5,7 @@ package harness
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -17,6 +18,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/carrel-os/carrel/policy"
 )
 
 // TB is the part of testing.TB the harness uses, so that the benchmark
@@ -337,3 +340,40 @@ func (d *Daemon) BuildImage() string {
 	}
 	return out
 }
+
+// ApplyPolicy applies, as name, the default policy's data changed by
+// edit (which gets data.json's "settings" object), and returns name.
+func (d *Daemon) ApplyPolicy(name string, edit func(settings map[string]any)) string {
+	d.t.Helper()
+	b, err := policy.Builtin(policy.DefaultName)
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	var doc map[string]map[string]any
+	if err := json.Unmarshal(b.Files[policy.DataFile], &doc); err != nil {
+		d.t.Fatal(err)
+	}
+	edit(doc["settings"])
+	out, err := json.MarshalIndent(doc, "", "  ")
+	if err != nil {
+		d.t.Fatal(err)
+	}
+	dir := filepath.Join(d.dir, "policy-"+name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		d.t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, policy.DataFile), out, 0o644); err != nil {
+		d.t.Fatal(err)
+	}
+	// A bundle must bring tests: one that holds whatever the edit did.
+	test := "package carrel.harness_test\n\ntest_compiles if {\n\tdata.carrel.fs.sandbox\n}\n"
+	if err := os.WriteFile(filepath.Join(dir, "harness_test.rego"), []byte(test), 0o644); err != nil {
+		d.t.Fatal(err)
+	}
+	d.Must("policy", "apply", name, dir)
+	return name
+}
+
+// AllowRoot is ApplyPolicy's edit for a policy that lets commands run as
+// root in the guest (the default denies it).
+func AllowRoot(s map[string]any) { s["exec"].(map[string]any)["allow_root"] = true }

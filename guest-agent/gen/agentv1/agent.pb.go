@@ -1133,6 +1133,151 @@ func (*ShutdownResponse) Descriptor() ([]byte, []int) {
 	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{16}
 }
 
+// SetSandboxRequest lists the roots commands and file operations may use.
+// Every path is absolute and clean (no "..", ".", "//" or trailing slash),
+// has no NUL and is at most 4096 bytes; each list has at most 256 entries.
+// A path that does not exist in the guest is skipped (and named in
+// SetSandboxResponse.detail).
+type SetSandboxRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Roots under which everything is allowed: reading, writing, creating,
+	// removing and executing.
+	ReadWrite []string `protobuf:"bytes,1,rep,name=read_write,json=readWrite,proto3" json:"read_write,omitempty"`
+	// Roots under which files may be read, directories listed and watched,
+	// and programs executed.
+	ReadOnly []string `protobuf:"bytes,2,rep,name=read_only,json=readOnly,proto3" json:"read_only,omitempty"`
+	// Secret paths, exact files or directories, denied to the file service
+	// even beneath a root. Landlock cannot express them, so commands are not
+	// kept from them by the guest (the host's policy still denies them).
+	Denied []string `protobuf:"bytes,3,rep,name=denied,proto3" json:"denied,omitempty"`
+	// The policy bundle revision the sandbox was derived from, for logs.
+	Revision      string `protobuf:"bytes,4,opt,name=revision,proto3" json:"revision,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetSandboxRequest) Reset() {
+	*x = SetSandboxRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetSandboxRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetSandboxRequest) ProtoMessage() {}
+
+func (x *SetSandboxRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetSandboxRequest.ProtoReflect.Descriptor instead.
+func (*SetSandboxRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *SetSandboxRequest) GetReadWrite() []string {
+	if x != nil {
+		return x.ReadWrite
+	}
+	return nil
+}
+
+func (x *SetSandboxRequest) GetReadOnly() []string {
+	if x != nil {
+		return x.ReadOnly
+	}
+	return nil
+}
+
+func (x *SetSandboxRequest) GetDenied() []string {
+	if x != nil {
+		return x.Denied
+	}
+	return nil
+}
+
+func (x *SetSandboxRequest) GetRevision() string {
+	if x != nil {
+		return x.Revision
+	}
+	return ""
+}
+
+type SetSandboxResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Commands started from now on run inside a Landlock domain.
+	Landlock bool `protobuf:"varint,1,opt,name=landlock,proto3" json:"landlock,omitempty"`
+	// The kernel's Landlock ABI version; 0 without Landlock.
+	LandlockAbi int32 `protobuf:"varint,2,opt,name=landlock_abi,json=landlockAbi,proto3" json:"landlock_abi,omitempty"`
+	// What was enforced and what was not, in words: e.g. why there is no
+	// Landlock, or which roots were missing.
+	Detail        string `protobuf:"bytes,3,opt,name=detail,proto3" json:"detail,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetSandboxResponse) Reset() {
+	*x = SetSandboxResponse{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetSandboxResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetSandboxResponse) ProtoMessage() {}
+
+func (x *SetSandboxResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetSandboxResponse.ProtoReflect.Descriptor instead.
+func (*SetSandboxResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *SetSandboxResponse) GetLandlock() bool {
+	if x != nil {
+		return x.Landlock
+	}
+	return false
+}
+
+func (x *SetSandboxResponse) GetLandlockAbi() int32 {
+	if x != nil {
+		return x.LandlockAbi
+	}
+	return 0
+}
+
+func (x *SetSandboxResponse) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
 var File_carrel_agent_v1_agent_proto protoreflect.FileDescriptor
 
 const file_carrel_agent_v1_agent_proto_rawDesc = "" +
@@ -1201,14 +1346,26 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x06signal\x18\x02 \x01(\tR\x06signal\")\n" +
 	"\x0fShutdownRequest\x12\x16\n" +
 	"\x06reboot\x18\x01 \x01(\bR\x06reboot\"\x12\n" +
-	"\x10ShutdownResponse2\xe9\x03\n" +
+	"\x10ShutdownResponse\"\x83\x01\n" +
+	"\x11SetSandboxRequest\x12\x1d\n" +
+	"\n" +
+	"read_write\x18\x01 \x03(\tR\treadWrite\x12\x1b\n" +
+	"\tread_only\x18\x02 \x03(\tR\breadOnly\x12\x16\n" +
+	"\x06denied\x18\x03 \x03(\tR\x06denied\x12\x1a\n" +
+	"\brevision\x18\x04 \x01(\tR\brevision\"k\n" +
+	"\x12SetSandboxResponse\x12\x1a\n" +
+	"\blandlock\x18\x01 \x01(\bR\blandlock\x12!\n" +
+	"\flandlock_abi\x18\x02 \x01(\x05R\vlandlockAbi\x12\x16\n" +
+	"\x06detail\x18\x03 \x01(\tR\x06detail2\xc0\x04\n" +
 	"\fAgentService\x12I\n" +
 	"\x06Health\x12\x1e.carrel.agent.v1.HealthRequest\x1a\x1f.carrel.agent.v1.HealthResponse\x12E\n" +
 	"\x04Exec\x12\x1c.carrel.agent.v1.ExecRequest\x1a\x1d.carrel.agent.v1.ExecResponse0\x01\x12K\n" +
 	"\aProcess\x12\x1d.carrel.agent.v1.ProcessInput\x1a\x1d.carrel.agent.v1.ExecResponse(\x010\x01\x12^\n" +
 	"\rListProcesses\x12%.carrel.agent.v1.ListProcessesRequest\x1a&.carrel.agent.v1.ListProcessesResponse\x12I\n" +
 	"\x06Signal\x12\x1e.carrel.agent.v1.SignalRequest\x1a\x1f.carrel.agent.v1.SignalResponse\x12O\n" +
-	"\bShutdown\x12 .carrel.agent.v1.ShutdownRequest\x1a!.carrel.agent.v1.ShutdownResponseB=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
+	"\bShutdown\x12 .carrel.agent.v1.ShutdownRequest\x1a!.carrel.agent.v1.ShutdownResponse\x12U\n" +
+	"\n" +
+	"SetSandbox\x12\".carrel.agent.v1.SetSandboxRequest\x1a#.carrel.agent.v1.SetSandboxResponseB=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
 
 var (
 	file_carrel_agent_v1_agent_proto_rawDescOnce sync.Once
@@ -1222,7 +1379,7 @@ func file_carrel_agent_v1_agent_proto_rawDescGZIP() []byte {
 	return file_carrel_agent_v1_agent_proto_rawDescData
 }
 
-var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(*HealthRequest)(nil),         // 0: carrel.agent.v1.HealthRequest
 	(*HealthResponse)(nil),        // 1: carrel.agent.v1.HealthResponse
@@ -1241,6 +1398,8 @@ var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(*ExitStatus)(nil),            // 14: carrel.agent.v1.ExitStatus
 	(*ShutdownRequest)(nil),       // 15: carrel.agent.v1.ShutdownRequest
 	(*ShutdownResponse)(nil),      // 16: carrel.agent.v1.ShutdownResponse
+	(*SetSandboxRequest)(nil),     // 17: carrel.agent.v1.SetSandboxRequest
+	(*SetSandboxResponse)(nil),    // 18: carrel.agent.v1.SetSandboxResponse
 }
 var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	2,  // 0: carrel.agent.v1.ProcessInput.start:type_name -> carrel.agent.v1.ExecRequest
@@ -1256,14 +1415,16 @@ var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	7,  // 10: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
 	10, // 11: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
 	15, // 12: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
-	1,  // 13: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
-	12, // 14: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
-	12, // 15: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
-	8,  // 16: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
-	11, // 17: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
-	16, // 18: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
-	13, // [13:19] is the sub-list for method output_type
-	7,  // [7:13] is the sub-list for method input_type
+	17, // 13: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
+	1,  // 14: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
+	12, // 15: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
+	12, // 16: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
+	8,  // 17: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
+	11, // 18: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
+	16, // 19: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
+	18, // 20: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
+	14, // [14:21] is the sub-list for method output_type
+	7,  // [7:14] is the sub-list for method input_type
 	7,  // [7:7] is the sub-list for extension type_name
 	7,  // [7:7] is the sub-list for extension extendee
 	0,  // [0:7] is the sub-list for field type_name
@@ -1298,7 +1459,7 @@ func file_carrel_agent_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_agent_proto_rawDesc), len(file_carrel_agent_v1_agent_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   17,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

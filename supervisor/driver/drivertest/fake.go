@@ -59,6 +59,16 @@ type VM struct {
 	once     sync.Once
 	console  chan net.Conn
 	agent    *pipeListener
+
+	mu      sync.Mutex
+	sandbox *agentv1.SetSandboxRequest // the last one carreld set
+}
+
+// Sandbox returns the sandbox carreld last gave the fake agent, or nil.
+func (v *VM) Sandbox() *agentv1.SetSandboxRequest {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.sandbox
 }
 
 // Exit ends the VM as if QEMU had exited.
@@ -244,7 +254,8 @@ func (d *Driver) ConsoleDialer(inst driver.Instance) driver.Dialer {
 	}
 }
 
-// agent is the fake guest agent: Exec echoes its argv, Shutdown powers off.
+// agent is the fake guest agent: Exec echoes its argv, Shutdown powers off,
+// SetSandbox is remembered (VM.Sandbox).
 type agent struct {
 	agentv1connect.UnimplementedAgentServiceHandler
 	vm *VM
@@ -261,6 +272,13 @@ func (a *agent) Exec(ctx context.Context, req *connect.Request[agentv1.ExecReque
 		}
 	}
 	return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 0}}})
+}
+
+func (a *agent) SetSandbox(_ context.Context, req *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error) {
+	a.vm.mu.Lock()
+	a.vm.sandbox = req.Msg
+	a.vm.mu.Unlock()
+	return connect.NewResponse(&agentv1.SetSandboxResponse{Detail: "fake agent: no landlock"}), nil
 }
 
 func (a *agent) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {

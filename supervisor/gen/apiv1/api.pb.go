@@ -161,9 +161,12 @@ type VM struct {
 	// RFC 3339.
 	CreatedAt string `protobuf:"bytes,12,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	// Why the VM stopped, when it stopped on its own.
-	LastError     string `protobuf:"bytes,13,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	LastError string `protobuf:"bytes,13,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
+	// The policy that decides everything done to and in the VM.
+	Policy         string `protobuf:"bytes,14,opt,name=policy,proto3" json:"policy,omitempty"`
+	PolicyRevision string `protobuf:"bytes,15,opt,name=policy_revision,json=policyRevision,proto3" json:"policy_revision,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *VM) Reset() {
@@ -287,6 +290,20 @@ func (x *VM) GetLastError() string {
 	return ""
 }
 
+func (x *VM) GetPolicy() string {
+	if x != nil {
+		return x.Policy
+	}
+	return ""
+}
+
+func (x *VM) GetPolicyRevision() string {
+	if x != nil {
+		return x.PolicyRevision
+	}
+	return ""
+}
+
 type CreateVMRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// 1-63 characters: lower-case letters, digits and '-', starting with a letter.
@@ -296,7 +313,9 @@ type CreateVMRequest struct {
 	// Guest memory in bytes; 0 means 512 MiB.
 	MemoryBytes uint64 `protobuf:"varint,3,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
 	// vCPUs; 0 means 1.
-	Cpus          uint32 `protobuf:"varint,4,opt,name=cpus,proto3" json:"cpus,omitempty"`
+	Cpus uint32 `protobuf:"varint,4,opt,name=cpus,proto3" json:"cpus,omitempty"`
+	// A policy name (see PolicyService); empty means "default".
+	Policy        string `protobuf:"bytes,5,opt,name=policy,proto3" json:"policy,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -357,6 +376,13 @@ func (x *CreateVMRequest) GetCpus() uint32 {
 		return x.Cpus
 	}
 	return 0
+}
+
+func (x *CreateVMRequest) GetPolicy() string {
+	if x != nil {
+		return x.Policy
+	}
+	return ""
 }
 
 type CreateVMResponse struct {
@@ -1462,7 +1488,7 @@ var File_carrel_api_v1_api_proto protoreflect.FileDescriptor
 
 const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
-	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\x94\x03\n" +
+	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xd5\x03\n" +
 	"\x02VM\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12,\n" +
@@ -1480,12 +1506,15 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
 	"created_at\x18\f \x01(\tR\tcreatedAt\x12\x1d\n" +
 	"\n" +
-	"last_error\x18\r \x01(\tR\tlastError\"r\n" +
+	"last_error\x18\r \x01(\tR\tlastError\x12\x16\n" +
+	"\x06policy\x18\x0e \x01(\tR\x06policy\x12'\n" +
+	"\x0fpolicy_revision\x18\x0f \x01(\tR\x0epolicyRevision\"\x8a\x01\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12!\n" +
 	"\fmemory_bytes\x18\x03 \x01(\x04R\vmemoryBytes\x12\x12\n" +
-	"\x04cpus\x18\x04 \x01(\rR\x04cpus\"5\n" +
+	"\x04cpus\x18\x04 \x01(\rR\x04cpus\x12\x16\n" +
+	"\x06policy\x18\x05 \x01(\tR\x06policy\"5\n" +
 	"\x10CreateVMResponse\x12!\n" +
 	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"\"\n" +
 	"\fGetVMRequest\x12\x12\n" +

@@ -50,6 +50,8 @@ const (
 	AgentServiceSignalProcedure = "/carrel.agent.v1.AgentService/Signal"
 	// AgentServiceShutdownProcedure is the fully-qualified name of the AgentService's Shutdown RPC.
 	AgentServiceShutdownProcedure = "/carrel.agent.v1.AgentService/Shutdown"
+	// AgentServiceSetSandboxProcedure is the fully-qualified name of the AgentService's SetSandbox RPC.
+	AgentServiceSetSandboxProcedure = "/carrel.agent.v1.AgentService/SetSandbox"
 )
 
 // AgentServiceClient is a client for the carrel.agent.v1.AgentService service.
@@ -72,6 +74,16 @@ type AgentServiceClient interface {
 	Signal(context.Context, *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error)
 	// Shutdown syncs file systems and powers the guest off (or reboots it).
 	Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error)
+	// SetSandbox sets the guest's own file-system sandbox, defence in depth
+	// behind the host's policy checks. carreld calls it once the link is up
+	// and again whenever the VM's policy changes. It replaces the previous
+	// sandbox atomically, or, for a request that fails validation
+	// (CodeInvalidArgument), leaves it as it was. The sandbox applies to
+	// every command started afterwards (Exec and Process: a Landlock domain
+	// where the kernel has Landlock) and to every later FileService call;
+	// commands already running keep the sandbox they started with. Every
+	// command runs with no_new_privs, sandbox or not.
+	SetSandbox(context.Context, *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error)
 }
 
 // NewAgentServiceClient constructs a client for the carrel.agent.v1.AgentService service. By
@@ -121,6 +133,12 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Shutdown")),
 			connect.WithClientOptions(opts...),
 		),
+		setSandbox: connect.NewClient[agentv1.SetSandboxRequest, agentv1.SetSandboxResponse](
+			httpClient,
+			baseURL+AgentServiceSetSandboxProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("SetSandbox")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -132,6 +150,7 @@ type agentServiceClient struct {
 	listProcesses *connect.Client[agentv1.ListProcessesRequest, agentv1.ListProcessesResponse]
 	signal        *connect.Client[agentv1.SignalRequest, agentv1.SignalResponse]
 	shutdown      *connect.Client[agentv1.ShutdownRequest, agentv1.ShutdownResponse]
+	setSandbox    *connect.Client[agentv1.SetSandboxRequest, agentv1.SetSandboxResponse]
 }
 
 // Health calls carrel.agent.v1.AgentService.Health.
@@ -164,6 +183,11 @@ func (c *agentServiceClient) Shutdown(ctx context.Context, req *connect.Request[
 	return c.shutdown.CallUnary(ctx, req)
 }
 
+// SetSandbox calls carrel.agent.v1.AgentService.SetSandbox.
+func (c *agentServiceClient) SetSandbox(ctx context.Context, req *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error) {
+	return c.setSandbox.CallUnary(ctx, req)
+}
+
 // AgentServiceHandler is an implementation of the carrel.agent.v1.AgentService service.
 type AgentServiceHandler interface {
 	// Health reports that the agent is up and which build it is.
@@ -184,6 +208,16 @@ type AgentServiceHandler interface {
 	Signal(context.Context, *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error)
 	// Shutdown syncs file systems and powers the guest off (or reboots it).
 	Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error)
+	// SetSandbox sets the guest's own file-system sandbox, defence in depth
+	// behind the host's policy checks. carreld calls it once the link is up
+	// and again whenever the VM's policy changes. It replaces the previous
+	// sandbox atomically, or, for a request that fails validation
+	// (CodeInvalidArgument), leaves it as it was. The sandbox applies to
+	// every command started afterwards (Exec and Process: a Landlock domain
+	// where the kernel has Landlock) and to every later FileService call;
+	// commands already running keep the sandbox they started with. Every
+	// command runs with no_new_privs, sandbox or not.
+	SetSandbox(context.Context, *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error)
 }
 
 // NewAgentServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -229,6 +263,12 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Shutdown")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceSetSandboxHandler := connect.NewUnaryHandler(
+		AgentServiceSetSandboxProcedure,
+		svc.SetSandbox,
+		connect.WithSchema(agentServiceMethods.ByName("SetSandbox")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.agent.v1.AgentService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AgentServiceHealthProcedure:
@@ -243,6 +283,8 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceSignalHandler.ServeHTTP(w, r)
 		case AgentServiceShutdownProcedure:
 			agentServiceShutdownHandler.ServeHTTP(w, r)
+		case AgentServiceSetSandboxProcedure:
+			agentServiceSetSandboxHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -274,4 +316,8 @@ func (UnimplementedAgentServiceHandler) Signal(context.Context, *connect.Request
 
 func (UnimplementedAgentServiceHandler) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Shutdown is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) SetSandbox(context.Context, *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.SetSandbox is not implemented"))
 }

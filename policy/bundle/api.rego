@@ -1,0 +1,165 @@
+# carrel.api decides every call to carreld's API, relayed agent calls
+# included, before carreld acts on it or forwards it to a VM.
+#
+# Input (version 1):
+#   {"version": 1, "procedure": "/carrel.api.v1.VMService/Exec", "vm": "demo",
+#    "daemon_uid": 0, "caller": {"type": "peer", "uid": 1000, "gid": 1000, "pid": 4242}}
+# caller is a local process, {"type": "peer", "uid", "gid", "pid"} from
+# SO_PEERCRED, or a bearer token, {"type": "token", "token_id", "vm"},
+# where vm is the one VM the token may act on. vm is the VM the call names,
+# or "" when it names none. daemon_uid is carreld's own uid.
+#
+# Every list of uids, gids and classes lives in data.json under settings.api.
+package carrel.api
+
+# settings is data.settings.api, with data.settings.vms[NAME].api merged
+# over it when this VM has overrides. An override replaces each list it
+# names as a whole.
+settings := object.union(data.settings.api, overrides) if {
+	overrides := data.settings.vms[input.vm].api
+} else := data.settings.api
+
+# procedures classifies every procedure carreld serves. A procedure that is
+# not here is denied, for everyone.
+procedures := {
+	# carreld's own services.
+	"/carrel.api.v1.VMService/CreateVM": "admin",
+	"/carrel.api.v1.VMService/GetVM": "read",
+	"/carrel.api.v1.VMService/ListVMs": "read",
+	"/carrel.api.v1.VMService/StartVM": "admin",
+	"/carrel.api.v1.VMService/StopVM": "admin",
+	"/carrel.api.v1.VMService/DeleteVM": "admin",
+	"/carrel.api.v1.VMService/Exec": "exec",
+	"/carrel.api.v1.ImageService/BuildImage": "admin",
+	"/carrel.api.v1.ImageService/ListImages": "read",
+	"/carrel.api.v1.SystemService/GetInfo": "read",
+	"/carrel.api.v1.PolicyService/ApplyPolicy": "admin",
+	"/carrel.api.v1.PolicyService/GetPolicy": "read",
+	"/carrel.api.v1.PolicyService/ListPolicies": "read",
+	"/carrel.api.v1.PolicyService/CheckPolicy": "read",
+	"/carrel.api.v1.PolicyService/EvalPolicy": "read",
+	"/carrel.api.v1.PolicyService/ListDecisions": "read",
+	"/carrel.api.v1.TokenService/CreateToken": "admin",
+	"/carrel.api.v1.TokenService/ListTokens": "admin",
+	"/carrel.api.v1.TokenService/RevokeToken": "admin",
+	# The agent's services, relayed to the VM the call names.
+	"/carrel.agent.v1.AgentService/Health": "read",
+	"/carrel.agent.v1.AgentService/Exec": "exec",
+	"/carrel.agent.v1.AgentService/Process": "exec",
+	"/carrel.agent.v1.AgentService/ListProcesses": "exec",
+	"/carrel.agent.v1.AgentService/Signal": "exec",
+	# carreld's own business: its handlers refuse to relay these, whoever asks.
+	"/carrel.agent.v1.AgentService/Shutdown": "admin",
+	"/carrel.agent.v1.AgentService/SetSandbox": "admin",
+	"/carrel.agent.v1.FileService/Stat": "files_read",
+	"/carrel.agent.v1.FileService/List": "files_read",
+	"/carrel.agent.v1.FileService/Read": "files_read",
+	"/carrel.agent.v1.FileService/ReadTar": "files_read",
+	"/carrel.agent.v1.FileService/Watch": "files_read",
+	"/carrel.agent.v1.FileService/Write": "files_write",
+	"/carrel.agent.v1.FileService/WriteTar": "files_write",
+	"/carrel.agent.v1.FileService/MakeDir": "files_write",
+	"/carrel.agent.v1.FileService/Remove": "files_write",
+	"/carrel.agent.v1.FileService/Rename": "files_write",
+	"/carrel.agent.v1.FileService/Chmod": "files_write",
+	"/carrel.agent.v1.FileService/Chown": "files_write",
+	"/carrel.agent.v1.PortService/Connect": "ports",
+}
+
+default procedure := ""
+
+procedure := input.procedure
+
+default vm := ""
+
+vm := input.vm
+
+# class is the procedure's class; undefined for an unknown procedure.
+class := procedures[procedure]
+
+# decision is always defined: an input too malformed for the rules below
+# gets this.
+default decision := {
+	"allow": false,
+	"rule": "carrel.api.default_deny",
+	"reason": "malformed input",
+}
+
+# Each allow below states every condition it needs, so that it stands on
+# its own, whatever the denies above it do.
+decision := {
+	"allow": false,
+	"rule": "carrel.api.unknown_procedure",
+	"reason": concat("", [procedure, " is not a procedure carreld serves"]),
+} if {
+	not class
+} else := {
+	"allow": false,
+	"rule": "carrel.api.token_class",
+	"reason": concat("", [who, " may not call ", procedure, ": its class, ", class, ", is not in settings.api.token_classes"]),
+} if {
+	input.caller.type == "token"
+	not class in settings.token_classes
+} else := {
+	"allow": false,
+	"rule": "carrel.api.token_vm",
+	"reason": sprintf("%s is scoped to VM %q; %s names VM %q", [who, object.get(input.caller, "vm", ""), procedure, vm]),
+} if {
+	input.caller.type == "token"
+	not token_on_its_vm
+} else := {
+	"allow": true,
+	"rule": "carrel.api.operator",
+	"reason": concat("", [who, " is an operator"]),
+} if {
+	class
+	operator
+} else := {
+	"allow": true,
+	"rule": "carrel.api.token",
+	"reason": concat("", [who, " may call ", class, " procedures on VM ", vm]),
+} if {
+	input.caller.type == "token"
+	class in settings.token_classes
+	token_on_its_vm
+} else := {
+	"allow": false,
+	"rule": "carrel.api.default_deny",
+	"reason": concat("", [who, " is not an operator and holds no token"]),
+}
+
+# operator is true for a local process of root, of carreld's own user, or
+# of a uid or gid in settings.api.operator_uids or operator_gids.
+operator if {
+	input.caller.type == "peer"
+	input.caller.uid == 0
+}
+
+operator if {
+	input.caller.type == "peer"
+	input.caller.uid == input.daemon_uid
+}
+
+operator if {
+	input.caller.type == "peer"
+	input.caller.uid in settings.operator_uids
+}
+
+operator if {
+	input.caller.type == "peer"
+	input.caller.gid in settings.operator_gids
+}
+
+# A token acts only on the VM it was issued for, and only in calls that
+# name that VM.
+token_on_its_vm if {
+	input.caller.vm != ""
+	input.caller.vm == vm
+}
+
+# who names the caller in reasons.
+who := sprintf("uid %v gid %v (pid %v)", [input.caller.uid, input.caller.gid, input.caller.pid]) if {
+	input.caller.type == "peer"
+} else := concat("", ["token ", input.caller.token_id]) if {
+	input.caller.type == "token"
+} else := sprintf("a caller of type %v", [object.get(input, ["caller", "type"], "none")])

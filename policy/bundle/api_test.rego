@@ -1,0 +1,212 @@
+package carrel.api_test
+
+import data.carrel.api
+
+peer(uid, gid) := {"type": "peer", "uid": uid, "gid": gid, "pid": 4242}
+
+token(vm) := {"type": "token", "token_id": "tok-1", "vm": vm}
+
+# call is procedure called by caller on vm; carreld runs as uid 990.
+call(caller, procedure, vm) := {
+	"version": 1,
+	"caller": caller,
+	"daemon_uid": 990,
+	"procedure": procedure,
+	"vm": vm,
+}
+
+decide(caller, procedure, vm) := d if {
+	d := api.decision with input as call(caller, procedure, vm)
+}
+
+allowed_by(d, rule) if {
+	d.allow == true
+	d.rule == rule
+}
+
+denied_by(d, rule) if {
+	d.allow == false
+	d.rule == rule
+}
+
+procedures_of(class) := {p | some p, c in api.procedures; c == class}
+
+# Operators.
+
+test_root_may_call_every_procedure if {
+	every procedure, _ in api.procedures {
+		allowed_by(decide(peer(0, 0), procedure, "demo"), "carrel.api.operator")
+	}
+}
+
+test_daemon_user_is_an_operator if {
+	d := decide(peer(990, 990), "/carrel.api.v1.VMService/CreateVM", "demo")
+	allowed_by(d, "carrel.api.operator")
+	d.reason == "uid 990 gid 990 (pid 4242) is an operator"
+}
+
+test_other_local_users_denied if {
+	every procedure in ["/carrel.api.v1.VMService/CreateVM", "/carrel.api.v1.VMService/ListVMs", "/carrel.agent.v1.FileService/Read"] {
+		d := decide(peer(1000, 1000), procedure, "demo")
+		denied_by(d, "carrel.api.default_deny")
+		d.reason == "uid 1000 gid 1000 (pid 4242) is not an operator and holds no token"
+	}
+}
+
+test_operator_uids if {
+	allowed_by(decide(peer(1000, 1000), "/carrel.api.v1.VMService/DeleteVM", "demo"), "carrel.api.operator") with data.settings.api.operator_uids as [1000]
+	denied_by(decide(peer(1001, 1000), "/carrel.api.v1.VMService/DeleteVM", "demo"), "carrel.api.default_deny") with data.settings.api.operator_uids as [1000]
+}
+
+test_operator_gids if {
+	allowed_by(decide(peer(1000, 27), "/carrel.api.v1.VMService/StopVM", "demo"), "carrel.api.operator") with data.settings.api.operator_gids as [27]
+	denied_by(decide(peer(1000, 1000), "/carrel.api.v1.VMService/StopVM", "demo"), "carrel.api.default_deny") with data.settings.api.operator_gids as [27]
+}
+
+test_operator_may_call_without_a_vm if {
+	allowed_by(decide(peer(0, 0), "/carrel.api.v1.VMService/ListVMs", ""), "carrel.api.operator")
+}
+
+# Tokens.
+
+test_token_may_call_its_classes_on_its_vm if {
+	every class in ["read", "exec", "files_read", "files_write", "ports"] {
+		every procedure in procedures_of(class) {
+			allowed_by(decide(token("demo"), procedure, "demo"), "carrel.api.token")
+		}
+	}
+}
+
+test_token_reason if {
+	d := decide(token("demo"), "/carrel.agent.v1.FileService/Write", "demo")
+	d.reason == "token tok-1 may call files_write procedures on VM demo"
+}
+
+test_token_may_not_call_admin_procedures if {
+	every procedure in procedures_of("admin") {
+		denied_by(decide(token("demo"), procedure, "demo"), "carrel.api.token_class")
+	}
+}
+
+test_token_class_reason if {
+	d := decide(token("demo"), "/carrel.api.v1.VMService/DeleteVM", "demo")
+	d.reason == "token tok-1 may not call /carrel.api.v1.VMService/DeleteVM: its class, admin, is not in settings.api.token_classes"
+}
+
+test_token_may_not_act_on_another_vm if {
+	d := decide(token("demo"), "/carrel.api.v1.VMService/Exec", "other")
+	denied_by(d, "carrel.api.token_vm")
+	d.reason == "token tok-1 is scoped to VM \"demo\"; /carrel.api.v1.VMService/Exec names VM \"other\""
+}
+
+test_token_may_not_call_procedures_naming_no_vm if {
+	denied_by(decide(token("demo"), "/carrel.api.v1.VMService/ListVMs", ""), "carrel.api.token_vm")
+	denied_by(decide(token("demo"), "/carrel.api.v1.SystemService/GetInfo", ""), "carrel.api.token_vm")
+}
+
+test_token_without_a_vm_denied if {
+	denied_by(decide(token(""), "/carrel.api.v1.VMService/GetVM", ""), "carrel.api.token_vm")
+	denied_by(decide(token(""), "/carrel.api.v1.VMService/GetVM", "demo"), "carrel.api.token_vm")
+}
+
+test_token_classes_setting if {
+	classes := ["read", "exec", "files_read", "ports"]
+	denied_by(decide(token("demo"), "/carrel.agent.v1.FileService/Write", "demo"), "carrel.api.token_class") with data.settings.api.token_classes as classes
+	allowed_by(decide(token("demo"), "/carrel.agent.v1.FileService/Read", "demo"), "carrel.api.token") with data.settings.api.token_classes as classes
+}
+
+test_token_holder_is_never_an_operator if {
+	d := api.decision with input as call({"type": "token", "token_id": "tok-1", "vm": "demo", "uid": 0}, "/carrel.api.v1.VMService/CreateVM", "demo")
+	denied_by(d, "carrel.api.token_class")
+}
+
+# Unknown procedures and callers.
+
+test_unknown_procedures_denied_even_to_root if {
+	every procedure in [
+		"/carrel.agent.v1.AgentService/Nope",
+		"/carrel.api.v1.PolicyService/TestPolicy",
+		"/carrel.api.v1.VMService/Nope",
+		"/carrel.api.v1.VMService/createvm",
+		"",
+		"/",
+	] {
+		d := decide(peer(0, 0), procedure, "demo")
+		denied_by(d, "carrel.api.unknown_procedure")
+		d.reason == concat("", [procedure, " is not a procedure carreld serves"])
+	}
+}
+
+test_unknown_caller_type_denied if {
+	d := api.decision with input as call({"type": "ghost", "uid": 0}, "/carrel.api.v1.VMService/ListVMs", "")
+	denied_by(d, "carrel.api.default_deny")
+	d.reason == "a caller of type ghost is not an operator and holds no token"
+}
+
+test_decision_defined_for_any_input if {
+	every doc in [
+		{},
+		{"procedure": "/carrel.api.v1.VMService/ListVMs"},
+		{"procedure": "/carrel.api.v1.VMService/ListVMs", "caller": {"type": "peer"}},
+		{"caller": {"type": "peer", "uid": 0, "gid": 0, "pid": 1}},
+		{"procedure": "/carrel.api.v1.VMService/GetVM", "caller": {"type": "token", "token_id": "t", "vm": "demo"}},
+		{"procedure": "/carrel.api.v1.VMService/GetVM", "vm": "demo", "caller": {"type": "token"}},
+		{"procedure": "/carrel.api.v1.VMService/GetVM", "vm": "demo", "caller": {"type": "peer", "gid": 0}},
+	] {
+		d := api.decision with input as doc
+		d.allow == false
+		startswith(d.rule, "carrel.api.")
+	}
+}
+
+# Per-VM overrides.
+
+test_vm_override_narrows_token_classes if {
+	overrides := {"prod": {"api": {"token_classes": ["read"]}}}
+	prod := decide(token("prod"), "/carrel.api.v1.VMService/Exec", "prod") with data.settings.vms as overrides
+	denied_by(prod, "carrel.api.token_class")
+	allowed_by(decide(token("demo"), "/carrel.api.v1.VMService/Exec", "demo"), "carrel.api.token") with data.settings.vms as overrides
+}
+
+test_vm_override_adds_an_operator_for_one_vm if {
+	overrides := {"team": {"api": {"operator_uids": [1000]}}}
+	allowed_by(decide(peer(1000, 1000), "/carrel.api.v1.VMService/StopVM", "team"), "carrel.api.operator") with data.settings.vms as overrides
+	denied_by(decide(peer(1000, 1000), "/carrel.api.v1.VMService/StopVM", "demo"), "carrel.api.default_deny") with data.settings.vms as overrides
+}
+
+# The procedure table.
+
+test_procedure_classes_are_known if {
+	every _, class in api.procedures {
+		class in {"read", "admin", "exec", "files_read", "files_write", "ports"}
+	}
+}
+
+test_procedure_classes if {
+	api.procedures["/carrel.api.v1.VMService/CreateVM"] == "admin"
+	api.procedures["/carrel.api.v1.VMService/Exec"] == "exec"
+	api.procedures["/carrel.api.v1.VMService/ListVMs"] == "read"
+	api.procedures["/carrel.api.v1.ImageService/BuildImage"] == "admin"
+	api.procedures["/carrel.api.v1.ImageService/ListImages"] == "read"
+	api.procedures["/carrel.api.v1.SystemService/GetInfo"] == "read"
+	api.procedures["/carrel.api.v1.PolicyService/ApplyPolicy"] == "admin"
+	api.procedures["/carrel.api.v1.PolicyService/EvalPolicy"] == "read"
+	api.procedures["/carrel.api.v1.TokenService/CreateToken"] == "admin"
+	api.procedures["/carrel.api.v1.TokenService/ListTokens"] == "admin"
+	api.procedures["/carrel.agent.v1.AgentService/Health"] == "read"
+	api.procedures["/carrel.agent.v1.AgentService/Process"] == "exec"
+	api.procedures["/carrel.agent.v1.AgentService/Signal"] == "exec"
+	api.procedures["/carrel.agent.v1.FileService/Read"] == "files_read"
+	api.procedures["/carrel.agent.v1.FileService/ReadTar"] == "files_read"
+	api.procedures["/carrel.agent.v1.FileService/Watch"] == "files_read"
+	api.procedures["/carrel.agent.v1.FileService/WriteTar"] == "files_write"
+	api.procedures["/carrel.agent.v1.FileService/Chown"] == "files_write"
+	api.procedures["/carrel.agent.v1.PortService/Connect"] == "ports"
+}
+
+# carreld refuses to relay these; as admin, tokens are denied before that.
+test_shutdown_and_set_sandbox_are_admin if {
+	api.procedures["/carrel.agent.v1.AgentService/Shutdown"] == "admin"
+	api.procedures["/carrel.agent.v1.AgentService/SetSandbox"] == "admin"
+	denied_by(decide(token("demo"), "/carrel.agent.v1.AgentService/SetSandbox", "demo"), "carrel.api.token_class")
+}

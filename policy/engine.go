@@ -1,0 +1,412 @@
+// Package policy is carrel's policy engine: OPA/Rego bundles that decide
+// every API call, exec, file operation, network connection and guest
+// request.
+//
+// A Bundle is compiled once, in strict mode, into a Policy whose queries
+// are prepared; Decide then evaluates one typed, normalised input without
+// compiling anything. An undefined or malformed result is a deny, never an
+// error that lets a call through. The default bundle lives in
+// policy/bundle and the examples in policy/examples; both are embedded.
+package policy
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/open-policy-agent/opa/v1/ast"
+	"github.com/open-policy-agent/opa/v1/metrics"
+	"github.com/open-policy-agent/opa/v1/rego"
+	"github.com/open-policy-agent/opa/v1/storage"
+	"github.com/open-policy-agent/opa/v1/storage/inmem"
+	"github.com/open-policy-agent/opa/v1/topdown"
+)
+
+// EvalTimeout bounds one decision. The default bundle decides in
+// microseconds; a rule that loops is cut off and the call denied.
+const EvalTimeout = 250 * time.Millisecond
+
+// A Policy is a compiled bundle, safe for concurrent use.
+type Policy struct {
+	Name     string
+	Revision string
+
+	compiler *ast.Compiler
+	store    storage.Store
+	bundle   *Bundle
+	decide   map[Kind]rego.PreparedEvalQuery
+	sandbox  rego.PreparedEvalQuery
+}
+
+// Decision is the outcome of one evaluation, as it is recorded.
+type Decision struct {
+	ID          string    `json:"id"`
+	Time        time.Time `json:"time"`
+	Kind        Kind      `json:"kind"`
+	VM          string    `json:"vm,omitempty"`
+	Policy      string    `json:"policy"`
+	Revision    string    `json:"revision"`
+	InputDigest string    `json:"input_digest"`
+	Allow       bool      `json:"allow"`
+	Rule        string    `json:"rule"`
+	Reason      string    `json:"reason"`
+}
+
+// Err returns nil for an allow, and for a deny an error naming the rule.
+func (d Decision) Err() error {
+	if d.Allow {
+		return nil
+	}
+	return &DeniedError{Decision: d}
+}
+
+// DeniedError is a deny, as an error.
+type DeniedError struct{ Decision Decision }
+
+func (e *DeniedError) Error() string {
+	return fmt.Sprintf("denied by policy %s (rule %s): %s [decision %s]", e.Decision.Policy, e.Decision.Rule, e.Decision.Reason, e.Decision.ID)
+}
+
+// Compile parses every module in Rego v1, compiles them in strict mode,
+// loads the data document, checks that each required rule exists, and
+// prepares one query per kind. It runs no tests; see Check.
+func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
+	modules := map[string]*ast.Module{}
+	var data map[string]any
+	for p, src := range b.Files {
+		if p == DataFile {
+			if err := decodeData(src, &data); err != nil {
+				return nil, fmt.Errorf("%w: %s: %v", ErrInvalidBundle, p, err)
+			}
+			continue
+		}
+		m, err := ast.ParseModuleWithOpts(p, string(src), ast.ParserOptions{RegoVersion: ast.RegoV1})
+		if err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrInvalidBundle, err)
+		}
+		modules[p] = m
+	}
+	if data == nil {
+		data = map[string]any{}
+	}
+	c := ast.NewCompiler().WithStrict(true).WithDefaultRegoVersion(ast.RegoV1)
+	c.Compile(modules)
+	if c.Failed() {
+		return nil, fmt.Errorf("%w: %v", ErrInvalidBundle, c.Errors)
+	}
+	p := &Policy{Name: name, Revision: b.Revision, compiler: c, store: inmem.NewFromObject(data), bundle: b, decide: map[Kind]rego.PreparedEvalQuery{}}
+	for _, k := range Kinds {
+		ref := "data.carrel." + string(k) + ".decision"
+		if !hasRule(c, ref) {
+			return nil, fmt.Errorf("%w: no rule %s", ErrInvalidBundle, ref)
+		}
+		q, err := p.prepare(ctx, ref)
+		if err != nil {
+			return nil, err
+		}
+		p.decide[k] = q
+	}
+	for _, ref := range []string{"data.carrel.fs.sandbox", "data.carrel.api.procedures"} {
+		if !hasRule(c, ref) {
+			return nil, fmt.Errorf("%w: no rule %s", ErrInvalidBundle, ref)
+		}
+	}
+	q, err := p.prepare(ctx, "data.carrel.fs.sandbox")
+	if err != nil {
+		return nil, err
+	}
+	p.sandbox = q
+	return p, nil
+}
+
+func (p *Policy) prepare(ctx context.Context, query string) (rego.PreparedEvalQuery, error) {
+	q, err := rego.New(
+		rego.Query(query),
+		rego.Compiler(p.compiler),
+		rego.Store(p.store),
+		rego.StrictBuiltinErrors(true),
+	).PrepareForEval(ctx)
+	if err != nil {
+		return q, fmt.Errorf("%w: prepare %s: %v", ErrInvalidBundle, query, err)
+	}
+	return q, nil
+}
+
+// hasRule reports whether the compiled modules define the rule at ref.
+func hasRule(c *ast.Compiler, ref string) bool {
+	r, err := ast.ParseRef(ref)
+	if err != nil {
+		return false
+	}
+	return len(c.GetRules(r)) > 0
+}
+
+// decodeData parses the data document: one JSON object, no duplicate
+// nesting deeper than maxDepth.
+func decodeData(src []byte, data *map[string]any) error {
+	if err := checkJSONDepth(src, maxDataDepth); err != nil {
+		return err
+	}
+	return json.Unmarshal(src, data)
+}
+
+// Decide normalises in and evaluates it. A deny is a Decision with Allow
+// false, not an error; err is non-nil only for bad input (ErrInvalidInput,
+// and the decision is a deny) or a failed evaluation (deny as well).
+func (p *Policy) Decide(ctx context.Context, in Input) (Decision, error) {
+	d := Decision{
+		ID:       newID(),
+		Time:     time.Now().UTC(),
+		Kind:     in.Kind(),
+		VM:       in.VMName(),
+		Policy:   p.Name,
+		Revision: p.Revision,
+		Rule:     "carrel.invalid_input",
+	}
+	if err := in.Normalize(); err != nil {
+		d.Reason = err.Error()
+		return d, err
+	}
+	d.InputDigest = Digest(in)
+	q, ok := p.decide[in.Kind()]
+	if !ok {
+		d.Rule, d.Reason = "carrel.unknown_kind", "no query for kind "+string(in.Kind())
+		return d, fmt.Errorf("%w: kind %q", ErrInvalidInput, in.Kind())
+	}
+	ctx, cancel := context.WithTimeout(ctx, EvalTimeout)
+	defer cancel()
+	// Without an external cancel, Eval starts a goroutine per call to
+	// watch ctx; a flag that ctx raises when it is done does the same job.
+	halt := topdown.NewCancel()
+	defer context.AfterFunc(ctx, halt.Cancel)()
+	rs, err := q.Eval(ctx, rego.EvalParsedInput(in.value()), rego.EvalExternalCancel(halt),
+		rego.EvalMetrics(noMetrics), rego.EvalGenerateJSON(astResult))
+	if err != nil {
+		d.Rule, d.Reason = "carrel.eval_error", "evaluation failed: "+err.Error()
+		return d, fmt.Errorf("evaluate %s policy %s: %w", in.Kind(), p.Name, err)
+	}
+	d.Allow, d.Rule, d.Reason = readDecision(rs, in.Kind())
+	return d, nil
+}
+
+// noMetrics spares each evaluation the metrics Eval would otherwise
+// allocate and fill; nothing reads them.
+var noMetrics = metrics.NoOp()
+
+// astResult keeps a decision as its AST value, so that readDecision reads
+// three fields instead of Eval converting the whole object to Go values.
+func astResult(t *ast.Term, _ *rego.EvalContext) (any, error) { return t.Value, nil }
+
+var (
+	keyAllow  = ast.StringTerm("allow")
+	keyRule   = ast.StringTerm("rule")
+	keyReason = ast.StringTerm("reason")
+)
+
+// readDecision takes allow, rule and reason from a result set (of AST
+// values, see astResult); anything but exactly one well-formed decision
+// object is a deny.
+func readDecision(rs rego.ResultSet, k Kind) (bool, string, string) {
+	undefined := "carrel." + string(k) + ".undefined"
+	if len(rs) != 1 || len(rs[0].Expressions) != 1 {
+		return false, undefined, "the policy did not decide (undefined result): denied"
+	}
+	obj, ok := rs[0].Expressions[0].Value.(ast.Object)
+	if !ok {
+		return false, undefined, "the decision is not an object: denied"
+	}
+	field := func(key *ast.Term) ast.Value {
+		if t := obj.Get(key); t != nil {
+			return t.Value
+		}
+		return nil
+	}
+	allow, ok := field(keyAllow).(ast.Boolean)
+	rule, _ := field(keyRule).(ast.String)
+	reason, _ := field(keyReason).(ast.String)
+	if rule == "" {
+		rule = ast.String(undefined)
+	}
+	if !ok {
+		return false, string(rule), "the decision has no boolean allow: denied"
+	}
+	return bool(allow), string(rule), string(reason)
+}
+
+// Sandbox is the part of a VM's fs policy the guest enforces itself.
+type Sandbox struct {
+	ReadWrite []string `json:"read_write"`
+	ReadOnly  []string `json:"read_only"`
+	Denied    []string `json:"denied,omitempty"`
+}
+
+// Sandbox evaluates data.carrel.fs.sandbox for vm.
+func (p *Policy) Sandbox(ctx context.Context, vm string) (Sandbox, error) {
+	ctx, cancel := context.WithTimeout(ctx, EvalTimeout)
+	defer cancel()
+	in := ast.NewObject(
+		ast.Item(ast.StringTerm("version"), ast.IntNumberTerm(InputVersion)),
+		ast.Item(ast.StringTerm("vm"), ast.StringTerm(vm)),
+	)
+	rs, err := p.sandbox.Eval(ctx, rego.EvalParsedInput(in))
+	if err != nil {
+		return Sandbox{}, fmt.Errorf("evaluate the fs sandbox of policy %s: %w", p.Name, err)
+	}
+	if len(rs) != 1 || len(rs[0].Expressions) != 1 {
+		return Sandbox{}, fmt.Errorf("policy %s: data.carrel.fs.sandbox is undefined", p.Name)
+	}
+	raw, err := json.Marshal(rs[0].Expressions[0].Value)
+	if err != nil {
+		return Sandbox{}, err
+	}
+	var s Sandbox
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return Sandbox{}, fmt.Errorf("policy %s: data.carrel.fs.sandbox: %w", p.Name, err)
+	}
+	for _, l := range [][]string{s.ReadWrite, s.ReadOnly, s.Denied} {
+		for _, path := range l {
+			if c, err := CleanPath(path); err != nil || c != path {
+				return Sandbox{}, fmt.Errorf("policy %s: sandbox path %q is not absolute and clean", p.Name, path)
+			}
+		}
+	}
+	return s, nil
+}
+
+// Procedures returns data.carrel.api.procedures: every procedure the api
+// package classifies, and its class.
+func (p *Policy) Procedures(ctx context.Context) (map[string]string, error) {
+	rs, err := rego.New(rego.Query("data.carrel.api.procedures"), rego.Compiler(p.compiler), rego.Store(p.store)).Eval(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if len(rs) != 1 || len(rs[0].Expressions) != 1 {
+		return nil, errors.New("data.carrel.api.procedures is undefined")
+	}
+	m, ok := rs[0].Expressions[0].Value.(map[string]any)
+	if !ok {
+		return nil, errors.New("data.carrel.api.procedures is not an object")
+	}
+	out := make(map[string]string, len(m))
+	for k, v := range m {
+		s, _ := v.(string)
+		out[k] = s
+	}
+	return out, nil
+}
+
+// Bundle returns the source the policy was compiled from.
+func (p *Policy) Bundle() *Bundle { return p.bundle }
+
+// Digest is the sha256 of the input's canonical JSON (object keys sorted,
+// as encoding/json writes maps).
+func Digest(in Input) string {
+	b, err := json.Marshal(in)
+	if err != nil {
+		return ""
+	}
+	sum := sha256.Sum256(b)
+	return "sha256:" + hex.EncodeToString(sum[:])
+}
+
+func newID() string {
+	var b [12]byte
+	rand.Read(b[:])
+	return "dec-" + hex.EncodeToString(b[:])
+}
+
+// DecodeInput reads an input document of kind from JSON, as `carrel policy
+// eval` and the API take it: size and depth capped, unknown fields refused.
+func DecodeInput(k Kind, src []byte) (Input, error) {
+	in, err := NewInput(k)
+	if err != nil {
+		return nil, err
+	}
+	if len(src) > MaxInputBytes {
+		return nil, fmt.Errorf("%w: %d bytes, limit %d", ErrInvalidInput, len(src), MaxInputBytes)
+	}
+	if err := checkJSONDepth(src, maxInputDepth); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)
+	}
+	// "version" is accepted (and must be ours) but is not a field.
+	var probe struct {
+		Version *int `json:"version"`
+	}
+	if err := json.Unmarshal(src, &probe); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)
+	}
+	if probe.Version != nil && *probe.Version != InputVersion {
+		return nil, fmt.Errorf("%w: input version %d, this carreld speaks %d", ErrInvalidInput, *probe.Version, InputVersion)
+	}
+	stripped, err := withoutVersion(src)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)
+	}
+	dec := json.NewDecoder(strings.NewReader(string(stripped)))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(in); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)
+	}
+	if err := in.Normalize(); err != nil {
+		return nil, err
+	}
+	return in, nil
+}
+
+func withoutVersion(src []byte) ([]byte, error) {
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(src, &m); err != nil {
+		return nil, err
+	}
+	delete(m, "version")
+	return json.Marshal(m)
+}
+
+const (
+	maxInputDepth = 8
+	maxDataDepth  = 32
+)
+
+// checkJSONDepth refuses documents nested deeper than max before any of
+// them is decoded into values.
+func checkJSONDepth(src []byte, max int) error {
+	depth := 0
+	inString, escaped := false, false
+	for _, c := range src {
+		switch {
+		case inString:
+			switch {
+			case escaped:
+				escaped = false
+			case c == '\\':
+				escaped = true
+			case c == '"':
+				inString = false
+			}
+		case c == '"':
+			inString = true
+		case c == '{' || c == '[':
+			if depth++; depth > max {
+				return fmt.Errorf("nested deeper than %d", max)
+			}
+		case c == '}' || c == ']':
+			depth--
+		}
+	}
+	return nil
+}
+
+// KindNames lists the kinds as strings, for flags and messages.
+func KindNames() []string {
+	names := make([]string, len(Kinds))
+	for i, k := range Kinds {
+		names[i] = string(k)
+	}
+	return names
+}

@@ -1,0 +1,479 @@
+package policy
+
+import (
+	"fmt"
+	"path"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/open-policy-agent/opa/v1/ast"
+)
+
+// InputVersion is the version of every input document; rules may check
+// input.version to refuse documents they were not written for.
+const InputVersion = 1
+
+// Caps on what an input may hold. Inputs are built from callers' requests
+// and guests' messages, so nothing in them is trusted.
+const (
+	MaxArgs        = 4096
+	MaxEnv         = 1024
+	MaxStringBytes = 64 << 10
+	MaxPathBytes   = 4096
+	MaxInputBytes  = 1 << 20
+)
+
+// Kind names a policy package: data.carrel.<kind>.decision decides it.
+type Kind string
+
+const (
+	KindAPI   Kind = "api"
+	KindExec  Kind = "exec"
+	KindFS    Kind = "fs"
+	KindNet   Kind = "net"
+	KindGuest Kind = "guest"
+)
+
+// Kinds lists every kind; a bundle must decide each.
+var Kinds = []Kind{KindAPI, KindExec, KindFS, KindNet, KindGuest}
+
+// An Input is one of the typed input documents below. Normalize checks it
+// and puts it in canonical form; Decide calls it before evaluation.
+type Input interface {
+	Kind() Kind
+	Normalize() error
+	VMName() string
+	value() ast.Value
+}
+
+// Caller is who made an API call: a local process (SO_PEERCRED) or the
+// holder of a token.
+type Caller struct {
+	Type    string `json:"type"` // "peer" or "token"
+	UID     uint32 `json:"uid,omitempty"`
+	GID     uint32 `json:"gid,omitempty"`
+	PID     int32  `json:"pid,omitempty"`
+	TokenID string `json:"token_id,omitempty"`
+	VM      string `json:"vm,omitempty"` // the VM a token is scoped to
+}
+
+const (
+	CallerPeer  = "peer"
+	CallerToken = "token"
+)
+
+func (c Caller) normalize() error {
+	switch c.Type {
+	case CallerPeer, CallerToken:
+	default:
+		return fmt.Errorf("%w: caller type %q", ErrInvalidInput, c.Type)
+	}
+	return checkStrings("caller", c.TokenID, c.VM)
+}
+
+// Keys and fixed values of input documents, built once and shared by
+// every decision: evaluation never changes a term (OPA shares its own
+// interned terms the same way), and building them per call was a fifth
+// of a decision's allocations.
+var (
+	keyVersion   = ast.StringTerm("version")
+	keyCaller    = ast.StringTerm("caller")
+	keyType      = ast.StringTerm("type")
+	keyUID       = ast.StringTerm("uid")
+	keyGID       = ast.StringTerm("gid")
+	keyPID       = ast.StringTerm("pid")
+	keyTokenID   = ast.StringTerm("token_id")
+	keyVM        = ast.StringTerm("vm")
+	keyDaemonUID = ast.StringTerm("daemon_uid")
+	keyProcedure = ast.StringTerm("procedure")
+	keyArgv      = ast.StringTerm("argv")
+	keyEnv       = ast.StringTerm("env")
+	keyCwd       = ast.StringTerm("cwd")
+	keyUser      = ast.StringTerm("user")
+	keyTTY       = ast.StringTerm("tty")
+	keyOperation = ast.StringTerm("operation")
+	keyPath      = ast.StringTerm("path")
+	keyRecursive = ast.StringTerm("recursive")
+	keyDirection = ast.StringTerm("direction")
+	keyHost      = ast.StringTerm("host")
+	keyPort      = ast.StringTerm("port")
+	keyProtocol  = ast.StringTerm("protocol")
+	keyRequest   = ast.StringTerm("request")
+	keyArgs      = ast.StringTerm("args")
+
+	versionTerm = ast.IntNumberTerm(InputVersion)
+	fixedTerms  = func() map[string]*ast.Term {
+		m := map[string]*ast.Term{}
+		for _, s := range []string{CallerPeer, CallerToken, OpRead, OpWrite, OpCreate, OpDelete, OpChmod, OpList, OpWatch,
+			DirEgress, DirForward, "tcp", "udp", DefaultUser, DefaultCwd} {
+			m[s] = ast.StringTerm(s)
+		}
+		return m
+	}()
+)
+
+// stringTerm is s as a term, a shared one if s is one of fixedTerms.
+func stringTerm(s string) *ast.Term {
+	if t, ok := fixedTerms[s]; ok {
+		return t
+	}
+	return ast.StringTerm(s)
+}
+
+func (c Caller) value() ast.Value {
+	if c.Type == CallerPeer {
+		return ast.NewObject(
+			ast.Item(keyType, stringTerm(c.Type)),
+			ast.Item(keyUID, ast.InternedTerm(c.UID)),
+			ast.Item(keyGID, ast.InternedTerm(c.GID)),
+			ast.Item(keyPID, ast.InternedTerm(c.PID)),
+		)
+	}
+	return ast.NewObject(
+		ast.Item(keyType, stringTerm(c.Type)),
+		ast.Item(keyTokenID, ast.StringTerm(c.TokenID)),
+		ast.Item(keyVM, ast.StringTerm(c.VM)),
+	)
+}
+
+// APIInput asks whether caller may call procedure (on vm, if it names one).
+type APIInput struct {
+	Caller    Caller `json:"caller"`
+	DaemonUID uint32 `json:"daemon_uid"`
+	Procedure string `json:"procedure"`
+	VM        string `json:"vm"`
+}
+
+func (*APIInput) Kind() Kind        { return KindAPI }
+func (in *APIInput) VMName() string { return in.VM }
+
+func (in *APIInput) Normalize() error {
+	if err := in.Caller.normalize(); err != nil {
+		return err
+	}
+	if !strings.HasPrefix(in.Procedure, "/") {
+		return fmt.Errorf("%w: procedure %q", ErrInvalidInput, in.Procedure)
+	}
+	return checkStrings("api", in.Procedure, in.VM)
+}
+
+func (in *APIInput) value() ast.Value {
+	return ast.NewObject(
+		ast.Item(keyVersion, versionTerm),
+		ast.Item(keyCaller, ast.NewTerm(in.Caller.value())),
+		ast.Item(keyDaemonUID, ast.InternedTerm(in.DaemonUID)),
+		ast.Item(keyProcedure, ast.StringTerm(in.Procedure)),
+		ast.Item(keyVM, ast.StringTerm(in.VM)),
+	)
+}
+
+// ExecInput asks whether a command may start in a VM.
+type ExecInput struct {
+	Caller Caller            `json:"caller"`
+	VM     string            `json:"vm"`
+	Argv   []string          `json:"argv"`
+	Env    map[string]string `json:"env"`
+	Cwd    string            `json:"cwd"`
+	User   string            `json:"user"`
+	TTY    bool              `json:"tty"`
+}
+
+// Defaults the guest applies, filled in so that rules see what will run.
+const (
+	DefaultUser = "agent"
+	DefaultCwd  = "/workspace"
+)
+
+func (*ExecInput) Kind() Kind        { return KindExec }
+func (in *ExecInput) VMName() string { return in.VM }
+
+func (in *ExecInput) Normalize() error {
+	if err := in.Caller.normalize(); err != nil {
+		return err
+	}
+	if len(in.Argv) == 0 {
+		return fmt.Errorf("%w: empty argv", ErrInvalidInput)
+	}
+	if len(in.Argv) > MaxArgs || len(in.Env) > MaxEnv {
+		return fmt.Errorf("%w: %d arguments and %d environment variables, limits %d and %d", ErrInvalidInput, len(in.Argv), len(in.Env), MaxArgs, MaxEnv)
+	}
+	if in.User == "" {
+		in.User = DefaultUser
+	}
+	if in.Cwd == "" {
+		in.Cwd = DefaultCwd
+	}
+	cwd, err := CleanPath(in.Cwd)
+	if err != nil {
+		return err
+	}
+	in.Cwd = cwd
+	total := 0
+	for _, a := range in.Argv {
+		total += len(a)
+	}
+	for k, v := range in.Env {
+		total += len(k) + len(v)
+		if k == "" || strings.ContainsRune(k, '=') {
+			return fmt.Errorf("%w: environment name %q", ErrInvalidInput, k)
+		}
+		if err := checkStrings("env", k, v); err != nil {
+			return err
+		}
+	}
+	if total > MaxInputBytes {
+		return fmt.Errorf("%w: %d bytes of arguments and environment, limit %d", ErrInvalidInput, total, MaxInputBytes)
+	}
+	if err := checkStrings("argv", in.Argv...); err != nil {
+		return err
+	}
+	return checkStrings("exec", in.VM, in.User)
+}
+
+func (in *ExecInput) value() ast.Value {
+	argv := make([]*ast.Term, len(in.Argv))
+	for i, a := range in.Argv {
+		argv[i] = ast.StringTerm(a)
+	}
+	env := make([][2]*ast.Term, 0, len(in.Env))
+	for k, v := range in.Env {
+		env = append(env, ast.Item(ast.StringTerm(k), ast.StringTerm(v)))
+	}
+	return ast.NewObject(
+		ast.Item(keyVersion, versionTerm),
+		ast.Item(keyCaller, ast.NewTerm(in.Caller.value())),
+		ast.Item(keyVM, ast.StringTerm(in.VM)),
+		ast.Item(keyArgv, ast.ArrayTerm(argv...)),
+		ast.Item(keyEnv, ast.NewTerm(ast.NewObject(env...))),
+		ast.Item(keyCwd, stringTerm(in.Cwd)),
+		ast.Item(keyUser, stringTerm(in.User)),
+		ast.Item(keyTTY, ast.InternedTerm(in.TTY)),
+	)
+}
+
+// File operations, as the fs package sees them.
+const (
+	OpRead   = "read"
+	OpWrite  = "write"
+	OpCreate = "create"
+	OpDelete = "delete"
+	OpChmod  = "chmod"
+	OpList   = "list"
+	OpWatch  = "watch"
+)
+
+var fsOps = map[string]bool{OpRead: true, OpWrite: true, OpCreate: true, OpDelete: true, OpChmod: true, OpList: true, OpWatch: true}
+
+// FSInput asks whether an operation on a path in a VM may go ahead.
+type FSInput struct {
+	Caller    Caller `json:"caller"`
+	VM        string `json:"vm"`
+	Operation string `json:"operation"`
+	Path      string `json:"path"`
+	Recursive bool   `json:"recursive"`
+}
+
+func (*FSInput) Kind() Kind        { return KindFS }
+func (in *FSInput) VMName() string { return in.VM }
+
+func (in *FSInput) Normalize() error {
+	if err := in.Caller.normalize(); err != nil {
+		return err
+	}
+	if !fsOps[in.Operation] {
+		return fmt.Errorf("%w: file operation %q", ErrInvalidInput, in.Operation)
+	}
+	p, err := CleanPath(in.Path)
+	if err != nil {
+		return err
+	}
+	in.Path = p
+	return checkStrings("fs", in.VM)
+}
+
+func (in *FSInput) value() ast.Value {
+	return ast.NewObject(
+		ast.Item(keyVersion, versionTerm),
+		ast.Item(keyCaller, ast.NewTerm(in.Caller.value())),
+		ast.Item(keyVM, ast.StringTerm(in.VM)),
+		ast.Item(keyOperation, stringTerm(in.Operation)),
+		ast.Item(keyPath, ast.StringTerm(in.Path)),
+		ast.Item(keyRecursive, ast.InternedTerm(in.Recursive)),
+	)
+}
+
+// Directions of a network connection.
+const (
+	DirEgress  = "egress"  // the VM reaching out, through the host
+	DirForward = "forward" // a host-side client reaching a port in the VM
+)
+
+// NetInput asks whether a connection may be made.
+type NetInput struct {
+	Caller    Caller `json:"caller"`
+	VM        string `json:"vm"`
+	Direction string `json:"direction"`
+	Host      string `json:"host"`
+	Port      int    `json:"port"`
+	Protocol  string `json:"protocol"`
+}
+
+func (*NetInput) Kind() Kind        { return KindNet }
+func (in *NetInput) VMName() string { return in.VM }
+
+func (in *NetInput) Normalize() error {
+	if in.Caller.Type != "" { // egress has no API caller: the guest asks
+		if err := in.Caller.normalize(); err != nil {
+			return err
+		}
+	}
+	if in.Direction != DirEgress && in.Direction != DirForward {
+		return fmt.Errorf("%w: direction %q", ErrInvalidInput, in.Direction)
+	}
+	if in.Port < 1 || in.Port > 65535 {
+		return fmt.Errorf("%w: port %d", ErrInvalidInput, in.Port)
+	}
+	if in.Protocol == "" {
+		in.Protocol = "tcp"
+	}
+	if in.Protocol != "tcp" && in.Protocol != "udp" {
+		return fmt.Errorf("%w: protocol %q", ErrInvalidInput, in.Protocol)
+	}
+	h, err := normalizeHost(in.Host)
+	if err != nil {
+		return err
+	}
+	in.Host = h
+	return checkStrings("net", in.VM)
+}
+
+// normalizeHost puts a host name or IP literal in the one form rules
+// compare: ASCII only (checked before case folding, since Unicode folding
+// turns the Kelvin sign into "k"), lower case, no root dot, no empty
+// labels. "Example.COM." cannot slip past a rule about "example.com".
+func normalizeHost(host string) (string, error) {
+	if host == "" || len(host) > 254 {
+		return "", fmt.Errorf("%w: host %q", ErrInvalidInput, host)
+	}
+	for i := 0; i < len(host); i++ {
+		c := host[i]
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '-' || c == ':' || c == '_') {
+			return "", fmt.Errorf("%w: host %q has a character outside [A-Za-z0-9.-:_]", ErrInvalidInput, host)
+		}
+	}
+	h := strings.TrimSuffix(strings.ToLower(host), ".")
+	if len(h) > 253 {
+		return "", fmt.Errorf("%w: host name of %d bytes, limit 253", ErrInvalidInput, len(h))
+	}
+	if h == "" || strings.HasPrefix(h, ".") || strings.Contains(h, "..") || strings.HasSuffix(h, ".") {
+		return "", fmt.Errorf("%w: host %q has an empty label", ErrInvalidInput, host)
+	}
+	return h, nil
+}
+
+func (in *NetInput) value() ast.Value {
+	items := [7][2]*ast.Term{
+		ast.Item(keyVersion, versionTerm),
+		ast.Item(keyVM, ast.StringTerm(in.VM)),
+		ast.Item(keyDirection, stringTerm(in.Direction)),
+		ast.Item(keyHost, ast.StringTerm(in.Host)),
+		ast.Item(keyPort, ast.InternedTerm(in.Port)),
+		ast.Item(keyProtocol, stringTerm(in.Protocol)),
+	}
+	if in.Caller.Type == "" { // the guest asks: no caller
+		return ast.NewObject(items[:6]...)
+	}
+	items[6] = ast.Item(keyCaller, ast.NewTerm(in.Caller.value()))
+	return ast.NewObject(items[:]...)
+}
+
+// GuestInput asks whether the agent inside a VM may have what it asked
+// its host for.
+type GuestInput struct {
+	VM      string            `json:"vm"`
+	Request string            `json:"request"`
+	Args    map[string]string `json:"args"`
+}
+
+func (*GuestInput) Kind() Kind        { return KindGuest }
+func (in *GuestInput) VMName() string { return in.VM }
+
+func (in *GuestInput) Normalize() error {
+	if in.Request == "" {
+		return fmt.Errorf("%w: empty guest request", ErrInvalidInput)
+	}
+	if len(in.Args) > 64 {
+		return fmt.Errorf("%w: %d guest request arguments, limit 64", ErrInvalidInput, len(in.Args))
+	}
+	for k, v := range in.Args {
+		if err := checkStrings("guest", k, v); err != nil {
+			return err
+		}
+	}
+	return checkStrings("guest", in.VM, in.Request)
+}
+
+func (in *GuestInput) value() ast.Value {
+	args := make([][2]*ast.Term, 0, len(in.Args))
+	for k, v := range in.Args {
+		args = append(args, ast.Item(ast.StringTerm(k), ast.StringTerm(v)))
+	}
+	return ast.NewObject(
+		ast.Item(keyVersion, versionTerm),
+		ast.Item(keyVM, ast.StringTerm(in.VM)),
+		ast.Item(keyRequest, ast.StringTerm(in.Request)),
+		ast.Item(keyArgs, ast.NewTerm(ast.NewObject(args...))),
+	)
+}
+
+// CleanPath puts a guest path in the one form rules compare: absolute,
+// lexically clean (no "..", "//", "." or trailing slash), valid UTF-8, no
+// NUL. ".." above the root stays at the root, as the kernel resolves it.
+// Symlinks cannot be resolved here; the guest enforces its roots again on
+// the resolved path.
+func CleanPath(p string) (string, error) {
+	if !strings.HasPrefix(p, "/") {
+		return "", fmt.Errorf("%w: path %q is not absolute", ErrInvalidInput, p)
+	}
+	if len(p) > MaxPathBytes {
+		return "", fmt.Errorf("%w: path of %d bytes, limit %d", ErrInvalidInput, len(p), MaxPathBytes)
+	}
+	if err := checkStrings("path", p); err != nil {
+		return "", err
+	}
+	return path.Clean(p), nil
+}
+
+// checkStrings refuses what no rule should have to think about: invalid
+// UTF-8, NUL, and oversized strings.
+func checkStrings(what string, ss ...string) error {
+	for _, s := range ss {
+		if len(s) > MaxStringBytes {
+			return fmt.Errorf("%w: %s: a string of %d bytes, limit %d", ErrInvalidInput, what, len(s), MaxStringBytes)
+		}
+		if !utf8.ValidString(s) {
+			return fmt.Errorf("%w: %s: %q is not valid UTF-8", ErrInvalidInput, what, s)
+		}
+		if strings.IndexByte(s, 0) >= 0 {
+			return fmt.Errorf("%w: %s: %q contains NUL", ErrInvalidInput, what, s)
+		}
+	}
+	return nil
+}
+
+// NewInput returns an empty input of kind, for decoding into.
+func NewInput(k Kind) (Input, error) {
+	switch k {
+	case KindAPI:
+		return &APIInput{}, nil
+	case KindExec:
+		return &ExecInput{}, nil
+	case KindFS:
+		return &FSInput{}, nil
+	case KindNet:
+		return &NetInput{}, nil
+	case KindGuest:
+		return &GuestInput{}, nil
+	}
+	return nil, fmt.Errorf("%w: kind %q (want api, exec, fs, net or guest)", ErrInvalidInput, k)
+}

@@ -1,0 +1,159 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
+	"github.com/carrel-os/carrel/supervisor/identity"
+)
+
+// authzInterceptor authenticates every call and has policy decide it
+// before any handler runs. The decision is made by the policy of the VM
+// the call names, or by the "default" policy for calls that name none.
+type authzInterceptor struct{ cfg Config }
+
+func (a authzInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		msg, _ := req.Any().(proto.Message)
+		ctx, err := a.authorize(ctx, req.Spec().Procedure, req.Header().Get(VMHeader), req.Header(), msg)
+		if err != nil {
+			return nil, err
+		}
+		return next(ctx, req)
+	}
+}
+
+func (authzInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return next
+}
+
+func (a authzInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
+		proc := conn.Spec().Procedure
+		if proc == apiv1connect.VMServiceExecProcedure {
+			// The VM is in the request message, which has not arrived yet:
+			// decide when the handler receives it, before it acts on it.
+			return next(ctx, &authorizeOnReceive{StreamingHandlerConn: conn, a: a, ctx: &ctx})
+		}
+		ctx, err := a.authorize(ctx, proc, conn.RequestHeader().Get(VMHeader), conn.RequestHeader(), nil)
+		if err != nil {
+			return err
+		}
+		return next(ctx, conn)
+	}
+}
+
+// authorizeOnReceive decides a server-streaming call on its request.
+type authorizeOnReceive struct {
+	connect.StreamingHandlerConn
+	a    authzInterceptor
+	ctx  *context.Context
+	done bool
+}
+
+func (c *authorizeOnReceive) Receive(m any) error {
+	if err := c.StreamingHandlerConn.Receive(m); err != nil {
+		return err
+	}
+	if c.done {
+		return nil
+	}
+	c.done = true
+	msg, _ := m.(proto.Message)
+	_, err := c.a.authorize(*c.ctx, c.Spec().Procedure, c.RequestHeader().Get(VMHeader), c.RequestHeader(), msg)
+	return err
+}
+
+// authorize authenticates the caller, decides the api policy, and returns
+// ctx carrying the caller for the handler's own decisions.
+func (a authzInterceptor) authorize(ctx context.Context, procedure, headerVM string, h map[string][]string, msg proto.Message) (context.Context, error) {
+	if a.cfg.Policies == nil {
+		return ctx, nil // no policy engine wired (unit tests of handlers)
+	}
+	caller, err := identity.Authenticate(ctx, h, a.cfg.Tokens)
+	if err != nil {
+		return ctx, connect.NewError(connect.CodeUnauthenticated, err)
+	}
+	vm := headerVM
+	if vm == "" {
+		vm = vmInMessage(procedure, msg)
+	}
+	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: procedure, VM: vm}
+	if err := a.cfg.decide(ctx, in); err != nil {
+		return ctx, err
+	}
+	return identity.WithCaller(ctx, caller), nil
+}
+
+// vmInMessage finds the VM a request names in its body: VMService's
+// requests name it in "name" (or "vm" for Exec), TokenService.CreateToken
+// in "vm". Everything else names its VM in the Carrel-Vm header.
+func vmInMessage(procedure string, msg proto.Message) string {
+	if msg == nil {
+		return ""
+	}
+	field := ""
+	switch {
+	case procedure == apiv1connect.VMServiceExecProcedure, procedure == apiv1connect.TokenServiceCreateTokenProcedure:
+		field = "vm"
+	case strings.HasPrefix(procedure, "/"+apiv1connect.VMServiceName+"/"):
+		field = "name"
+	default:
+		return ""
+	}
+	r := msg.ProtoReflect()
+	fd := r.Descriptor().Fields().ByName(protoreflect.Name(field))
+	if fd == nil || fd.Kind() != protoreflect.StringKind {
+		return ""
+	}
+	return r.Get(fd).String()
+}
+
+// policyFor names the policy that decides for vm: its bound policy, or
+// the default for calls that name no VM (or a VM that does not exist,
+// which the handler then reports).
+func (cfg Config) policyFor(vm string) string {
+	if vm != "" && cfg.Manager != nil {
+		if name, err := cfg.Manager.PolicyOf(vm); err == nil {
+			return name
+		}
+	}
+	return policy.DefaultName
+}
+
+// decide evaluates in with the policy for its VM. A deny is
+// PermissionDenied naming the rule; bad input is InvalidArgument; an
+// evaluation failure denies too.
+func (cfg Config) decide(ctx context.Context, in policy.Input) error {
+	if cfg.Policies == nil {
+		return nil
+	}
+	d, err := cfg.Policies.Decide(ctx, cfg.policyFor(in.VMName()), in)
+	switch {
+	case errors.Is(err, policy.ErrInvalidInput):
+		return connect.NewError(connect.CodeInvalidArgument, err)
+	case err != nil:
+		return connect.NewError(connect.CodePermissionDenied, fmt.Errorf("denied: %w [decision %s]", err, d.ID))
+	}
+	if e := d.Err(); e != nil {
+		return connect.NewError(connect.CodePermissionDenied, e)
+	}
+	return nil
+}
+
+// callerOf returns the caller the interceptor authenticated; handlers
+// reached without one (unit tests) act for an anonymous peer.
+func callerOf(ctx context.Context) policy.Caller {
+	if c, ok := identity.CallerFrom(ctx); ok {
+		return c
+	}
+	return policy.Caller{Type: policy.CallerPeer}
+}

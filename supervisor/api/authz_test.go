@@ -1,0 +1,296 @@
+package api
+
+import (
+	"context"
+	"errors"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/reflect/protoreflect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/image/store/storetest"
+	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/client"
+	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
+	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
+	"github.com/carrel-os/carrel/supervisor/identity"
+	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/registry"
+	"github.com/carrel-os/carrel/supervisor/vm"
+)
+
+// servedServices are the services Handler serves: carreld's own and the
+// agent's, relayed.
+func servedServices() []protoreflect.ServiceDescriptor {
+	var out []protoreflect.ServiceDescriptor
+	for _, f := range []protoreflect.FileDescriptor{
+		apiv1.File_carrel_api_v1_api_proto, apiv1.File_carrel_api_v1_policy_proto,
+		agentv1.File_carrel_agent_v1_agent_proto, agentv1.File_carrel_agent_v1_files_proto, agentv1.File_carrel_agent_v1_ports_proto,
+	} {
+		for i := 0; i < f.Services().Len(); i++ {
+			out = append(out, f.Services().Get(i))
+		}
+	}
+	return out
+}
+
+// TestEveryRPCHasAPolicyRule enumerates every RPC carreld serves and
+// proves each built-in policy classifies it, and that the classification
+// names no RPC that does not exist: no RPC can be added without a rule.
+func TestEveryRPCHasAPolicyRule(t *testing.T) {
+	served := map[string]bool{}
+	for _, s := range servedServices() {
+		for i := 0; i < s.Methods().Len(); i++ {
+			served["/"+string(s.FullName())+"/"+string(s.Methods().Get(i).Name())] = true
+		}
+	}
+	if len(served) < 30 {
+		t.Fatalf("only %d procedures found; the descriptor list is wrong", len(served))
+	}
+	ctx := context.Background()
+	for _, name := range policy.BuiltinNames() {
+		b, err := policy.Builtin(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := policy.Compile(ctx, name, b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		procs, err := p.Procedures(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for proc := range served {
+			if procs[proc] == "" {
+				t.Errorf("policy %s: %s has no class in carrel.api.procedures", name, proc)
+			}
+		}
+		for proc := range procs {
+			if !served[proc] {
+				t.Errorf("policy %s: carrel.api.procedures names %s, which carreld does not serve", name, proc)
+			}
+		}
+	}
+}
+
+// authzAPI serves the API with the real policy store and token file, over
+// a unix socket (so SO_PEERCRED is real), on a fake driver.
+func authzAPI(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *policies.Store) {
+	t.Helper()
+	dir := t.TempDir()
+	img, _ := storetest.WithFakeImage(t, dir, "dev")
+	reg, _ := registry.Open(filepath.Join(dir, "vms"))
+	drv := drivertest.New()
+	ctx := context.Background()
+	pols, err := policies.Open(ctx, filepath.Join(dir, "policies"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens, err := identity.OpenTokens(filepath.Join(dir, "tokens.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second,
+		PolicyExists: func(n string) error { _, err := pols.Get(n); return err },
+		AgentReady:   pols.GiveSandbox,
+	})
+	t.Cleanup(func() { m.Close() })
+	sock := filepath.Join(dir, "api.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sctx, cancel := context.WithCancel(ctx)
+	done := make(chan error)
+	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid())})
+	go func() { done <- Serve(sctx, l, h) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	return sock, tokens, drv, pols
+}
+
+func wantDenied(t *testing.T, what string, err error, rule string) {
+	t.Helper()
+	if connect.CodeOf(err) != connect.CodePermissionDenied || !strings.Contains(err.Error(), rule) {
+		t.Errorf("%s: %v, want PermissionDenied naming %s", what, err, rule)
+	}
+}
+
+func TestAuthorization(t *testing.T) {
+	sock, tokens, drv, pols := authzAPI(t)
+	ctx := context.Background()
+	op := client.New(sock) // this test's own uid: carreld's, so an operator
+	for _, n := range []string{"a", "b"} {
+		if _, err := op.VMs.CreateVM(ctx, connect.NewRequest(&apiv1.CreateVMRequest{Name: n, Image: "dev"})); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := op.VMs.CreateVM(ctx, connect.NewRequest(&apiv1.CreateVMRequest{Name: "c", Image: "dev", Policy: "nope"})); connect.CodeOf(err) != connect.CodeInvalidArgument {
+		t.Errorf("create with an unknown policy: %v", err)
+	}
+
+	// Booting gave the guest its policy's sandbox.
+	sb := drv.VM(1001).Sandbox()
+	if sb == nil || !strings.Contains(strings.Join(sb.ReadWrite, " "), "/workspace") || sb.Revision == "" {
+		t.Errorf("sandbox given at boot: %v", sb)
+	}
+
+	// Operation decisions, with the default policy.
+	_, err := op.Stat(ctx, "a", "/etc/shadow")
+	wantDenied(t, "stat /etc/shadow", err, "carrel.fs.secret_path")
+	_, err = op.Stat(ctx, "a", "/workspace/../root/x")
+	wantDenied(t, "stat through ..", err, "carrel.fs")
+	if _, err := op.Stat(ctx, "a", "relative"); connect.CodeOf(err) != connect.CodeInvalidArgument {
+		t.Errorf("relative path: %v", err)
+	}
+	s, err := op.Agent.Exec(ctx, forVM("a", &agentv1.ExecRequest{Argv: []string{"id"}, User: "root"}))
+	if err == nil {
+		for s.Receive() {
+			t.Errorf("exec as root relayed: %v", s.Msg())
+		}
+		err = s.Err()
+	}
+	wantDenied(t, "exec as root", err, "carrel.exec")
+	s, err = op.Agent.Exec(ctx, forVM("a", &agentv1.ExecRequest{Argv: []string{"echo", "hi"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for s.Receive() {
+		n++
+	}
+	if s.Err() != nil || n == 0 {
+		t.Errorf("exec as agent: %d events, %v", n, s.Err())
+	}
+
+	// A token scoped to VM a.
+	_, secret, err := tokens.Create("a", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc := client.New(sock, client.WithToken(secret))
+	if _, err := tc.VMs.GetVM(ctx, connect.NewRequest(&apiv1.GetVMRequest{Name: "a"})); err != nil {
+		t.Errorf("token on its vm: %v", err)
+	}
+	_, err = tc.VMs.GetVM(ctx, connect.NewRequest(&apiv1.GetVMRequest{Name: "b"}))
+	wantDenied(t, "token on another vm", err, "carrel.api.token_vm")
+	_, err = tc.VMs.ListVMs(ctx, connect.NewRequest(&apiv1.ListVMsRequest{}))
+	wantDenied(t, "token listing every vm", err, "carrel.api.token_vm")
+	_, err = tc.VMs.DeleteVM(ctx, connect.NewRequest(&apiv1.DeleteVMRequest{Name: "a", Force: true}))
+	wantDenied(t, "token deleting its vm", err, "carrel.api.token_class")
+	_, err = tc.Tokens.CreateToken(ctx, connect.NewRequest(&apiv1.CreateTokenRequest{Vm: "a"}))
+	wantDenied(t, "token minting tokens", err, "carrel.api.token_class")
+	if _, err := tc.Stat(ctx, "b", "/workspace"); connect.CodeOf(err) != connect.CodePermissionDenied {
+		t.Errorf("token relaying to another vm: %v", err)
+	}
+	// Streams are decided before the guest is reached.
+	ws := tc.Files.Write(ctx)
+	ws.RequestHeader().Set(VMHeader, "b")
+	ws.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Header{Header: &agentv1.WriteHeader{Path: "/workspace/x"}}})
+	_, err = ws.CloseAndReceive()
+	wantDenied(t, "token writing to another vm", err, "carrel.api.token_vm")
+	es, err := tc.VMs.Exec(ctx, connect.NewRequest(&apiv1.ExecRequest{Vm: "b", Argv: []string{"true"}}))
+	if err == nil {
+		for es.Receive() {
+			t.Errorf("exec on another vm relayed: %v", es.Msg())
+		}
+		err = es.Err()
+	}
+	wantDenied(t, "token exec on another vm", err, "carrel.api.token_vm")
+
+	bad := client.New(sock, client.WithToken(strings.Replace(secret, secret[len(secret)-4:], "0000", 1)))
+	if _, err := bad.VMs.GetVM(ctx, connect.NewRequest(&apiv1.GetVMRequest{Name: "a"})); connect.CodeOf(err) != connect.CodeUnauthenticated {
+		t.Errorf("a wrong secret: %v", err)
+	}
+
+	// Every decision was recorded, denies with their rule.
+	var denies int
+	for _, d := range pols.Recent("", 1000, true) {
+		if d.Rule == "" || d.ID == "" || d.Revision == "" {
+			t.Errorf("decision without rule, id or revision: %+v", d)
+		}
+		denies++
+	}
+	if denies < 8 {
+		t.Errorf("%d denies recorded, want at least 8", denies)
+	}
+}
+
+// TestApplyPolicy replaces a VM's policy while it runs: the new bundle is
+// checked first, a bad one changes nothing, and the guest gets the new
+// sandbox.
+func TestApplyPolicy(t *testing.T) {
+	sock, _, drv, _ := authzAPI(t)
+	ctx := context.Background()
+	c := client.New(sock)
+	if _, err := c.VMs.CreateVM(ctx, connect.NewRequest(&apiv1.CreateVMRequest{Name: "a", Image: "dev"})); err != nil {
+		t.Fatal(err)
+	}
+	def, err := policy.Builtin(policy.DefaultName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := map[string][]byte{}
+	for p, b := range def.Files {
+		files[p] = b
+	}
+	// A bundle whose rules do not compile is refused.
+	broken := map[string][]byte{"fs.rego": []byte("package carrel.fs\ndecision := {")}
+	for p, b := range files {
+		if p != "fs.rego" {
+			broken[p] = b
+		}
+	}
+	if _, err := c.Policies.ApplyPolicy(ctx, connect.NewRequest(&apiv1.ApplyPolicyRequest{Name: "custom", Files: broken, Vms: []string{"a"}})); connect.CodeOf(err) != connect.CodeInvalidArgument {
+		t.Fatalf("broken bundle: %v", err)
+	}
+	if v, _ := c.VMs.GetVM(ctx, connect.NewRequest(&apiv1.GetVMRequest{Name: "a"})); v.Msg.Vm.Policy != "default" {
+		t.Errorf("after a refused apply the vm's policy is %q", v.Msg.Vm.Policy)
+	}
+	// Data only, on the default rules: /srv writable too. Its own test
+	// proves the change.
+	data := strings.Replace(string(files["data.json"]), `"/workspace",`, `"/workspace", "/srv",`, 1)
+	if data == string(files["data.json"]) {
+		t.Fatal("data.json has no read_write list starting with /workspace")
+	}
+	custom := map[string][]byte{"data.json": []byte(data), "srv_test.rego": []byte(`package carrel.srv_test
+
+test_srv_writable if {
+	data.carrel.fs.decision.allow with input as {"version": 1, "vm": "a", "operation": "write", "path": "/srv/x", "recursive": false, "caller": {"type": "peer", "uid": 0}}
+}
+`)}
+	resp, err := c.Policies.ApplyPolicy(ctx, connect.NewRequest(&apiv1.ApplyPolicyRequest{Name: "custom", Files: custom, Vms: []string{"a"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Msg.Tests) != 1 || !resp.Msg.Tests[0].Pass {
+		t.Errorf("tests: %v", resp.Msg.Tests)
+	}
+	sb := drv.VM(1001).Sandbox()
+	if sb == nil || !strings.Contains(strings.Join(sb.ReadWrite, " "), "/srv") || sb.Revision != resp.Msg.Policy.Revision {
+		t.Errorf("guest sandbox after apply: %v (policy %v)", sb, resp.Msg.Policy)
+	}
+	// The fake guest has no file service: reaching it means the policy
+	// allowed the call.
+	if _, err := c.Stat(ctx, "a", "/srv/x"); connect.CodeOf(err) == connect.CodePermissionDenied {
+		t.Errorf("stat /srv/x under the new policy: %v", err)
+	}
+	// A failing test refuses the bundle; the applied one keeps serving.
+	custom["srv_test.rego"] = []byte("package carrel.srv_test\n\ntest_fails if {\n\tfalse\n}\n")
+	_, err = c.Policies.ApplyPolicy(ctx, connect.NewRequest(&apiv1.ApplyPolicyRequest{Name: "custom", Files: custom}))
+	if connect.CodeOf(err) != connect.CodeInvalidArgument || !errors.Is(err, err) || !strings.Contains(err.Error(), "test") {
+		t.Errorf("bundle with a failing test: %v", err)
+	}
+	if _, err := c.Stat(ctx, "a", "/srv/x"); connect.CodeOf(err) == connect.CodePermissionDenied {
+		t.Errorf("after a refused apply the old policy must keep serving: %v", err)
+	}
+}
