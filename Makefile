@@ -38,7 +38,11 @@ run: deps build ## Build, start carreld, build the dev image, boot a VM, run a s
 	@BIN=$(BIN) CACHE=$(CACHE) ./tests/run-demo.sh
 
 .PHONY: test
-test: deps build lint check-generated nix-check unit fuzz integration ## Run every test: lint, generated code, nix syntax, unit, fuzz and real-VM end-to-end
+test: deps build lint check-generated nix-check policy-test unit fuzz integration ## Run every test: lint, generated code, nix syntax, Rego, unit, fuzz and real-VM end-to-end
+
+.PHONY: policy-test
+policy-test: build ## The policy bundles' Rego tests (default and examples), through carrel policy test
+	$(BIN)/carrel policy test policy/bundle $$(ls -d policy/examples/*/)
 
 .PHONY: unit
 unit: ## Unit tests (no VM needed)
@@ -59,7 +63,7 @@ integration: deps build ## End-to-end tests: a real carreld boots real VMs under
 	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 20m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
 
 .PHONY: bench
-bench: deps build ## Benchmarks: boot vs bare QEMU, warm exec, exec and file throughput vs qemu-guest-agent
+bench: deps build ## Benchmarks: boot vs bare QEMU, warm exec, exec and file throughput vs qemu-guest-agent, policy decision latency
 	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) run ./tests/bench $(BENCH_ARGS)
 
 .PHONY: lint

@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/open-policy-agent/opa/v1/ast"
 	"github.com/open-policy-agent/opa/v1/metrics"
@@ -42,6 +43,7 @@ type Policy struct {
 	bundle   *Bundle
 	decide   map[Kind]rego.PreparedEvalQuery
 	sandbox  rego.PreparedEvalQuery
+	cache    *decisionCache
 }
 
 // Decision is the outcome of one evaluation, as it is recorded.
@@ -56,6 +58,9 @@ type Decision struct {
 	Allow       bool      `json:"allow"`
 	Rule        string    `json:"rule"`
 	Reason      string    `json:"reason"`
+	// Cached is true when an earlier evaluation of the same input under
+	// the same revision gave the outcome.
+	Cached bool `json:"cached,omitempty"`
 }
 
 // Err returns nil for an allow, and for a deny an error naming the rule.
@@ -95,12 +100,17 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 	if data == nil {
 		data = map[string]any{}
 	}
-	c := ast.NewCompiler().WithStrict(true).WithDefaultRegoVersion(ast.RegoV1)
+	c := ast.NewCompiler().WithStrict(true).WithDefaultRegoVersion(ast.RegoV1).WithCapabilities(deterministic)
 	c.Compile(modules)
 	if c.Failed() {
 		return nil, fmt.Errorf("%w: %v", ErrInvalidBundle, c.Errors)
 	}
-	p := &Policy{Name: name, Revision: b.Revision, compiler: c, store: inmem.NewFromObject(data), bundle: b, decide: map[Kind]rego.PreparedEvalQuery{}}
+	p := &Policy{
+		Name: name, Revision: b.Revision, compiler: c, bundle: b,
+		store:  inmem.NewFromObjectWithOpts(data, inmem.OptReturnASTValuesOnRead(true)),
+		decide: map[Kind]rego.PreparedEvalQuery{},
+		cache:  newDecisionCache(decisionCacheSize),
+	}
 	for _, k := range Kinds {
 		ref := "data.carrel." + string(k) + ".decision"
 		if !hasRule(c, ref) {
@@ -160,6 +170,15 @@ func decodeData(src []byte, data *map[string]any) error {
 // false, not an error; err is non-nil only for bad input (ErrInvalidInput,
 // and the decision is a deny) or a failed evaluation (deny as well).
 func (p *Policy) Decide(ctx context.Context, in Input) (Decision, error) {
+	return p.decide1(ctx, in, true)
+}
+
+// Evaluate is Decide without the cache: the rules run every time.
+func (p *Policy) Evaluate(ctx context.Context, in Input) (Decision, error) {
+	return p.decide1(ctx, in, false)
+}
+
+func (p *Policy) decide1(ctx context.Context, in Input, cached bool) (Decision, error) {
 	d := Decision{
 		ID:       newID(),
 		Time:     time.Now().UTC(),
@@ -179,6 +198,11 @@ func (p *Policy) Decide(ctx context.Context, in Input) (Decision, error) {
 		d.Rule, d.Reason = "carrel.unknown_kind", "no query for kind "+string(in.Kind())
 		return d, fmt.Errorf("%w: kind %q", ErrInvalidInput, in.Kind())
 	}
+	key := string(in.Kind()) + " " + d.InputDigest
+	if o, ok := p.cache.get(key); ok && cached {
+		d.Allow, d.Rule, d.Reason, d.Cached = o.allow, o.rule, o.reason, true
+		return d, nil
+	}
 	ctx, cancel := context.WithTimeout(ctx, EvalTimeout)
 	defer cancel()
 	// Without an external cancel, Eval starts a goroutine per call to
@@ -192,8 +216,25 @@ func (p *Policy) Decide(ctx context.Context, in Input) (Decision, error) {
 		return d, fmt.Errorf("evaluate %s policy %s: %w", in.Kind(), p.Name, err)
 	}
 	d.Allow, d.Rule, d.Reason = readDecision(rs, in.Kind())
+	p.cache.put(key, outcome{d.Allow, d.Rule, d.Reason})
 	return d, nil
 }
+
+// deterministic is OPA's capabilities without the builtins it marks
+// non-deterministic (http.send, time.now_ns, rand.intn, net.lookup_ip_addr,
+// opa.runtime, ...): a decision then depends on its input and the bundle
+// alone, so it can be replayed from the record, and cached.
+var deterministic = func() *ast.Capabilities {
+	caps := ast.CapabilitiesForThisVersion()
+	kept := caps.Builtins[:0]
+	for _, b := range caps.Builtins {
+		if !b.Nondeterministic {
+			kept = append(kept, b)
+		}
+	}
+	caps.Builtins = kept
+	return caps
+}()
 
 // noMetrics spares each evaluation the metrics Eval would otherwise
 // allocate and fill; nothing reads them.
@@ -230,11 +271,11 @@ func readDecision(rs rego.ResultSet, k Kind) (bool, string, string) {
 	allow, ok := field(keyAllow).(ast.Boolean)
 	rule, _ := field(keyRule).(ast.String)
 	reason, _ := field(keyReason).(ast.String)
+	if !ok {
+		return false, undefined, "the decision has no boolean allow: denied"
+	}
 	if rule == "" {
 		rule = ast.String(undefined)
-	}
-	if !ok {
-		return false, string(rule), "the decision has no boolean allow: denied"
 	}
 	return bool(allow), string(rule), string(reason)
 }
@@ -330,6 +371,11 @@ func DecodeInput(k Kind, src []byte) (Input, error) {
 	}
 	if len(src) > MaxInputBytes {
 		return nil, fmt.Errorf("%w: %d bytes, limit %d", ErrInvalidInput, len(src), MaxInputBytes)
+	}
+	// encoding/json would quietly turn bad bytes into U+FFFD, and the
+	// policy would decide on a string nobody sent.
+	if !utf8.Valid(src) {
+		return nil, fmt.Errorf("%w: the document is not valid UTF-8", ErrInvalidInput)
 	}
 	if err := checkJSONDepth(src, maxInputDepth); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)

@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"encoding/json"
 	"fmt"
 	"path"
 	"strings"
@@ -61,6 +62,30 @@ const (
 	CallerPeer  = "peer"
 	CallerToken = "token"
 )
+
+// MarshalJSON writes exactly the fields the rules see (value), so that a
+// recorded input decodes back to the document that was decided: a root
+// peer has "uid": 0, not no uid.
+func (c Caller) MarshalJSON() ([]byte, error) {
+	switch c.Type {
+	case CallerPeer:
+		return json.Marshal(struct {
+			Type string `json:"type"`
+			UID  uint32 `json:"uid"`
+			GID  uint32 `json:"gid"`
+			PID  int32  `json:"pid"`
+		}{c.Type, c.UID, c.GID, c.PID})
+	case CallerToken:
+		return json.Marshal(struct {
+			Type    string `json:"type"`
+			TokenID string `json:"token_id"`
+			VM      string `json:"vm"`
+		}{c.Type, c.TokenID, c.VM})
+	}
+	return json.Marshal(struct {
+		Type string `json:"type"`
+	}{c.Type})
+}
 
 func (c Caller) normalize() error {
 	switch c.Type {
