@@ -50,12 +50,14 @@ type Input interface {
 // Caller is who made an API call: a local process (SO_PEERCRED) or the
 // holder of a token.
 type Caller struct {
-	Type    string `json:"type"` // "peer" or "token"
-	UID     uint32 `json:"uid,omitempty"`
-	GID     uint32 `json:"gid,omitempty"`
-	PID     int32  `json:"pid,omitempty"`
-	TokenID string `json:"token_id,omitempty"`
-	VM      string `json:"vm,omitempty"` // the VM a token is scoped to
+	Type string `json:"type"` // "peer" or "token"
+	UID  uint32 `json:"uid,omitempty"`
+	GID  uint32 `json:"gid,omitempty"`
+	PID  int32  `json:"pid,omitempty"`
+	// Groups names a peer's primary and supplementary groups.
+	Groups  []string `json:"groups,omitempty"`
+	TokenID string   `json:"token_id,omitempty"`
+	VM      string   `json:"vm,omitempty"` // the VM a token is scoped to
 }
 
 const (
@@ -69,12 +71,17 @@ const (
 func (c Caller) MarshalJSON() ([]byte, error) {
 	switch c.Type {
 	case CallerPeer:
+		groups := c.Groups
+		if groups == nil {
+			groups = []string{}
+		}
 		return json.Marshal(struct {
-			Type string `json:"type"`
-			UID  uint32 `json:"uid"`
-			GID  uint32 `json:"gid"`
-			PID  int32  `json:"pid"`
-		}{c.Type, c.UID, c.GID, c.PID})
+			Type   string   `json:"type"`
+			UID    uint32   `json:"uid"`
+			GID    uint32   `json:"gid"`
+			PID    int32    `json:"pid"`
+			Groups []string `json:"groups"`
+		}{c.Type, c.UID, c.GID, c.PID, groups})
 	case CallerToken:
 		return json.Marshal(struct {
 			Type    string `json:"type"`
@@ -93,6 +100,12 @@ func (c Caller) normalize() error {
 	default:
 		return fmt.Errorf("%w: caller type %q", ErrInvalidInput, c.Type)
 	}
+	if len(c.Groups) > 256 {
+		return fmt.Errorf("%w: caller in %d groups, limit 256", ErrInvalidInput, len(c.Groups))
+	}
+	if err := checkStrings("caller groups", c.Groups...); err != nil {
+		return err
+	}
 	return checkStrings("caller", c.TokenID, c.VM)
 }
 
@@ -107,6 +120,7 @@ var (
 	keyUID       = ast.StringTerm("uid")
 	keyGID       = ast.StringTerm("gid")
 	keyPID       = ast.StringTerm("pid")
+	keyGroups    = ast.StringTerm("groups")
 	keyTokenID   = ast.StringTerm("token_id")
 	keyVM        = ast.StringTerm("vm")
 	keyDaemonUID = ast.StringTerm("daemon_uid")
@@ -147,11 +161,16 @@ func stringTerm(s string) *ast.Term {
 
 func (c Caller) value() ast.Value {
 	if c.Type == CallerPeer {
+		groups := make([]*ast.Term, len(c.Groups))
+		for i, g := range c.Groups {
+			groups[i] = ast.StringTerm(g)
+		}
 		return ast.NewObject(
 			ast.Item(keyType, stringTerm(c.Type)),
 			ast.Item(keyUID, ast.InternedTerm(c.UID)),
 			ast.Item(keyGID, ast.InternedTerm(c.GID)),
 			ast.Item(keyPID, ast.InternedTerm(c.PID)),
+			ast.Item(keyGroups, ast.ArrayTerm(groups...)),
 		)
 	}
 	return ast.NewObject(

@@ -8,8 +8,15 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"os/user"
+	"slices"
+	"strconv"
 	"strings"
+	"sync"
 	"syscall"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/carrel-os/carrel/policy"
 )
@@ -25,6 +32,9 @@ type peerKey struct{}
 type Peer struct {
 	UID, GID uint32
 	PID      int32
+	// Groups names the primary and supplementary groups (SO_PEERGROUPS,
+	// also taken at connect time); a gid without a name is its number.
+	Groups []string
 }
 
 // ConnContext is an http.Server ConnContext: it reads the peer's
@@ -40,13 +50,57 @@ func ConnContext(ctx context.Context, c net.Conn) context.Context {
 		return ctx
 	}
 	var cred *syscall.Ucred
+	var gids []uint32
 	var cerr error
 	if err := raw.Control(func(fd uintptr) {
 		cred, cerr = syscall.GetsockoptUcred(int(fd), syscall.SOL_SOCKET, syscall.SO_PEERCRED)
+		if cerr == nil {
+			gids, cerr = peerGroups(int(fd))
+		}
 	}); err != nil || cerr != nil {
 		return ctx
 	}
-	return context.WithValue(ctx, peerKey{}, Peer{UID: cred.Uid, GID: cred.Gid, PID: cred.Pid})
+	p := Peer{UID: cred.Uid, GID: cred.Gid, PID: cred.Pid, Groups: []string{groupName(cred.Gid)}}
+	for _, g := range gids {
+		if n := groupName(g); !slices.Contains(p.Groups, n) {
+			p.Groups = append(p.Groups, n)
+		}
+	}
+	return context.WithValue(ctx, peerKey{}, p)
+}
+
+// peerGroups reads SO_PEERGROUPS: the peer's supplementary gids as they
+// were when it connected (Linux 4.13 and later).
+func peerGroups(fd int) ([]uint32, error) {
+	buf := make([]uint32, 64)
+	for {
+		n := uint32(len(buf) * 4)
+		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_PEERGROUPS,
+			uintptr(unsafe.Pointer(&buf[0])), uintptr(unsafe.Pointer(&n)), 0)
+		switch {
+		case errno == unix.ERANGE && int(n/4) > len(buf) && n <= 65536*4:
+			buf = make([]uint32, n/4)
+			continue
+		case errno != 0:
+			return nil, errno
+		}
+		return buf[:n/4], nil
+	}
+}
+
+var groupNames sync.Map // gid -> name; /etc/group is read once per gid
+
+// groupName names a gid from the group database, or gives its number.
+func groupName(gid uint32) string {
+	if n, ok := groupNames.Load(gid); ok {
+		return n.(string)
+	}
+	name := strconv.FormatUint(uint64(gid), 10)
+	if g, err := user.LookupGroupId(name); err == nil {
+		name = g.Name
+	}
+	groupNames.Store(gid, name)
+	return name
 }
 
 // PeerFrom returns the credentials ConnContext stored.
@@ -78,7 +132,7 @@ func Authenticate(ctx context.Context, h http.Header, tokens *Tokens) (policy.Ca
 	if !ok {
 		return policy.Caller{}, errors.Join(ErrUnauthenticated, errors.New("no peer credentials on this connection and no token"))
 	}
-	return policy.Caller{Type: policy.CallerPeer, UID: p.UID, GID: p.GID, PID: p.PID}, nil
+	return policy.Caller{Type: policy.CallerPeer, UID: p.UID, GID: p.GID, PID: p.PID, Groups: p.Groups}, nil
 }
 
 type callerKey struct{}
