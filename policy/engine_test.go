@@ -580,18 +580,26 @@ var benchInputs = map[Kind]func() Input{
 
 // BenchmarkDecide measures one decision of the default policy per kind:
 // go test -run '^$' -bench Decide -benchmem -cpuprofile cpu.out ./policy/
+// BenchmarkDecide measures one decision with the rules evaluated
+// (Evaluate), and served from the cache (Decide on a repeated input).
 func BenchmarkDecide(b *testing.B) {
 	p := compiledDefault(b)
 	for _, k := range []Kind{KindExec, KindFS, KindNet, KindAPI} {
-		b.Run(string(k), func(b *testing.B) {
-			in := benchInputs[k]()
-			ctx := context.Background()
-			b.ReportAllocs()
-			for b.Loop() {
-				if _, err := p.Decide(ctx, in); err != nil {
-					b.Fatal(err)
+		for _, mode := range []string{"evaluated", "cached"} {
+			b.Run(string(k)+"/"+mode, func(b *testing.B) {
+				in := benchInputs[k]()
+				ctx := context.Background()
+				decide := p.Evaluate
+				if mode == "cached" {
+					decide = p.Decide
 				}
-			}
-		})
+				b.ReportAllocs()
+				for b.Loop() {
+					if _, err := decide(ctx, in); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
 	}
 }

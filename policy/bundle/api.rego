@@ -85,9 +85,30 @@ default decision := {
 	"reason": "malformed input",
 }
 
-# Each allow below states every condition it needs, so that it stands on
-# its own, whatever the denies above it do.
+# The two allows come first, as the common case. Each states every
+# condition it needs, and those rule out every deny below, so an allow
+# never hides a deny. Each branch that is about one caller type tests it
+# first: OPA then skips the branches for other types without evaluating
+# them.
 decision := {
+	"allow": true,
+	"rule": "carrel.api.token",
+	"reason": concat("", [who, " may call ", procedure_class, " procedures on VM ", input.vm]),
+} if {
+	input.caller.type == "token"
+	procedure_class := procedures[input.procedure]
+	procedure_class in settings.token_classes
+	input.caller.vm != "" # token_on_its_vm, spelled out
+	input.caller.vm == input.vm
+} else := {
+	"allow": true,
+	"rule": "carrel.api.operator",
+	"reason": concat("", [who, " is an operator"]),
+} if {
+	input.caller.type == "peer"
+	procedures[input.procedure] # a known procedure
+	operator
+} else := {
 	"allow": false,
 	"rule": "carrel.api.unknown_procedure",
 	"reason": concat("", [procedure, " is not a procedure carreld serves"]),
@@ -108,28 +129,15 @@ decision := {
 	input.caller.type == "token"
 	not token_on_its_vm
 } else := {
-	"allow": true,
-	"rule": "carrel.api.operator",
-	"reason": concat("", [who, " is an operator"]),
-} if {
-	class
-	operator
-} else := {
-	"allow": true,
-	"rule": "carrel.api.token",
-	"reason": concat("", [who, " may call ", class, " procedures on VM ", vm]),
-} if {
-	input.caller.type == "token"
-	class in settings.token_classes
-	token_on_its_vm
-} else := {
 	"allow": false,
 	"rule": "carrel.api.default_deny",
 	"reason": concat("", [who, " is not an operator and holds no token"]),
 }
 
-# operator is true for a local process of root, of carreld's own user, or
-# of a uid or gid in settings.api.operator_uids or operator_gids.
+# operator is true for a local process of root, of carreld's own user, of
+# a uid or gid in settings.api.operator_uids or operator_gids, or in a group
+# named in settings.api.operator_groups (primary or supplementary; carreld
+# reads them with SO_PEERGROUPS when the process connects).
 operator if {
 	input.caller.type == "peer"
 	input.caller.uid == 0
@@ -148,6 +156,12 @@ operator if {
 operator if {
 	input.caller.type == "peer"
 	input.caller.gid in settings.operator_gids
+}
+
+operator if {
+	input.caller.type == "peer"
+	some group in object.get(input.caller, "groups", [])
+	group in object.get(settings, "operator_groups", [])
 }
 
 # A token acts only on the VM it was issued for, and only in calls that

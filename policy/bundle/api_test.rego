@@ -210,3 +210,11 @@ test_shutdown_and_set_sandbox_are_admin if {
 	api.procedures["/carrel.agent.v1.AgentService/SetSandbox"] == "admin"
 	denied_by(decide(token("demo"), "/carrel.agent.v1.AgentService/SetSandbox", "demo"), "carrel.api.token_class")
 }
+
+test_operator_groups if {
+	member := object.union(peer(1000, 1000), {"groups": ["users", "carrel"]})
+	allowed_by(decide(member, "/carrel.api.v1.VMService/StopVM", "demo"), "carrel.api.operator")
+	outsider := object.union(peer(1000, 1000), {"groups": ["users"]})
+	denied_by(decide(outsider, "/carrel.api.v1.VMService/StopVM", "demo"), "carrel.api.default_deny")
+	denied_by(decide(member, "/carrel.api.v1.VMService/StopVM", "demo"), "carrel.api.default_deny") with data.settings.api.operator_groups as []
+}

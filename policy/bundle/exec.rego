@@ -14,6 +14,9 @@ settings := object.union(data.settings.exec, overrides) if {
 	overrides := data.settings.vms[input.vm].exec
 } else := data.settings.exec
 
+# A command run as user "root" or "0" runs as root, by name or uid. The two
+# root branches test input.user against that literal set, which lets OPA
+# skip both for any other user without evaluating them.
 decision := {
 	"allow": false,
 	"rule": "carrel.exec.no_command",
@@ -25,7 +28,7 @@ decision := {
 	"rule": "carrel.exec.root_user",
 	"reason": concat("", ["user ", user, " is root, and settings.exec.allow_root is false"]),
 } if {
-	root_user
+	input.user in {"root", "0"}
 	settings.allow_root != true
 } else := {
 	"allow": false,
@@ -44,7 +47,7 @@ decision := {
 	"rule": "carrel.exec.allow_root",
 	"reason": concat("", ["user ", user, " is root, and settings.exec.allow_root is true"]),
 } if {
-	root_user
+	input.user in {"root", "0"}
 	settings.allow_root == true
 } else := {
 	"allow": true,
@@ -72,11 +75,13 @@ default user := ""
 
 user := input.user
 
-# root_user is true when the command would run as root, by name or uid.
-root_user if user in {"root", "0"}
-
 # The working directory must be readable under the fs rules, with this
-# VM's fs settings.
+# VM's fs settings. cwd_decision is fs.check's decision on reading it,
+# except in the common case, where fs.quick_root answers (as it does for
+# carrel.fs.decision): check would allow, and cwd_decision holds only
+# allow, since rule and reason are read only when it denies.
 default cwd_decision := {"allow": false, "rule": "carrel.exec.cwd_denied", "reason": "no working directory"}
 
-cwd_decision := data.carrel.fs.check("read", input.cwd, false)
+cwd_decision := {"allow": true} if {
+	data.carrel.fs.quick_root("read", input.cwd)
+} else := data.carrel.fs.check("read", input.cwd, false)

@@ -16,12 +16,6 @@ settings := object.union(data.settings.fs, overrides) if {
 	overrides := data.settings.vms[input.vm].fs
 } else := data.settings.fs
 
-# The operations carreld asks about. Under a read-only root only those
-# that change nothing are allowed.
-operations := {"read", "write", "create", "delete", "chmod", "list", "watch"}
-
-read_only_operations := {"read", "list", "watch"}
-
 # decision is always defined: an input too malformed for check gets this.
 default decision := {
 	"allow": false,
@@ -29,22 +23,40 @@ default decision := {
 	"reason": "malformed input",
 }
 
-decision := check(input.operation, input.path, input.recursive)
+# decision is check(input.operation, input.path, input.recursive). The first
+# branch is a shortcut for the common case, a plain operation under a
+# read-write root: where quick_root answers, check would give the same.
+decision := {
+	"allow": true,
+	"rule": "carrel.fs.read_write_root",
+	"reason": concat("", [input.operation, " ", input.path, ": under read-write root ", root]),
+} if {
+	input.recursive == false
+	root := quick_root(input.operation, input.path)
+} else := check(input.operation, input.path, input.recursive)
 
 # check decides one operation on one path; carrel.exec uses it for a
 # command's working directory. Denies come first: a secret path inside a
-# read-write root is still denied.
+# read-write root is still denied. The operations are read, write, create,
+# delete, chmod, list and watch; under a read-only root only read, list
+# and watch, which change nothing, are allowed.
+#
+# Each list is tested whole with strings.any_prefix_match first, which is
+# quick and false for most paths; it is only a first test (/workspacex
+# starts with /workspace), and roots_holding or under then compares whole
+# components. (A secret path beneath path starts with path.)
 check(operation, path, recursive) := {
 	"allow": false,
 	"rule": "carrel.fs.unknown_operation",
 	"reason": concat("", [operation, " is not a file operation"]),
 } if {
-	not operation in operations
+	not operation in {"read", "write", "create", "delete", "chmod", "list", "watch"}
 } else := {
 	"allow": false,
 	"rule": "carrel.fs.secret_path",
 	"reason": concat("", [operation, " ", path, ": under secret path ", concat(", ", secrets)]),
 } if {
+	strings.any_prefix_match(path, settings.secret_paths)
 	secrets := roots_holding(path, settings.secret_paths)
 	count(secrets) > 0
 } else := {
@@ -52,7 +64,10 @@ check(operation, path, recursive) := {
 	"rule": "carrel.fs.secret_path",
 	"reason": concat("", [operation, " ", path, ": has secret name ", concat(", ", names)]),
 } if {
-	names := secret_names_in(path)
+	components := split(path, "/")
+	secret_names := settings.secret_names
+	strings.any_prefix_match(components, secret_names)
+	names := {name | some name in components; name in secret_names}
 	count(names) > 0
 } else := {
 	"allow": false,
@@ -60,6 +75,7 @@ check(operation, path, recursive) := {
 	"reason": concat("", [operation, " ", path, " recursively: would include secret path ", concat(", ", secrets)]),
 } if {
 	recursive != false
+	strings.any_prefix_match(settings.secret_paths, path)
 	secrets := {secret | some secret in settings.secret_paths; under(secret, path)}
 	count(secrets) > 0
 } else := {
@@ -67,13 +83,15 @@ check(operation, path, recursive) := {
 	"rule": "carrel.fs.read_write_root",
 	"reason": concat("", [operation, " ", path, ": under read-write root ", root]),
 } if {
+	strings.any_prefix_match(path, settings.read_write)
 	root := max(roots_holding(path, settings.read_write))
 } else := {
 	"allow": true,
 	"rule": "carrel.fs.read_only_root",
 	"reason": concat("", [operation, " ", path, ": under read-only root ", root]),
 } if {
-	operation in read_only_operations
+	operation in {"read", "list", "watch"}
+	strings.any_prefix_match(path, settings.read_only)
 	root := max(roots_holding(path, settings.read_only))
 } else := {
 	"allow": false,
@@ -81,23 +99,38 @@ check(operation, path, recursive) := {
 	"reason": not_allowed(operation, path),
 }
 
-# secret_names_in is the set of settings.secret_names among path's
-# components. strings.any_prefix_match is only a quick first test (.envrc
-# starts with .env); the exact comparison decides.
-secret_names_in(path) := {name | some name in components; name in settings.secret_names} if {
-	components := split(path, "/")
-	strings.any_prefix_match(components, settings.secret_names)
-} else := set()
-
-# roots_holding is the set of roots that path is at or beneath.
-# strings.any_prefix_match is only a quick first test (/workspacex starts
-# with /workspace); under decides.
-roots_holding(path, roots) := {root | some root in roots; startswith(path, root); under(path, root)} if {
+# quick_root is the read-write root that check names when it allows a
+# non-recursive operation on path (the caller sees to recursive), in the
+# common case where no deny can apply: the operation is known, and no
+# secret path starts path, nor any secret name a component of it, not even
+# as a prefix. It is undefined otherwise, and check decides. Its root is
+# roots_holding's, inline, so that the common case is one body.
+quick_root(operation, path) := max({root |
+	some root in roots
+	startswith(path, root)
+	substring(path, count(root), 1) in {"", "/"}
+} | {"/" | "/" in roots; startswith(path, "/")}) if {
+	operation in {"read", "write", "create", "delete", "chmod", "list", "watch"}
+	s := settings
+	roots := s.read_write
 	strings.any_prefix_match(path, roots)
-} else := set()
+	not strings.any_prefix_match(path, s.secret_paths)
+	not strings.any_prefix_match(split(path, "/"), s.secret_names)
+}
+
+# roots_holding is the set of roots that path is at or beneath, by whole
+# components: what follows the root in path is nothing or a "/", so
+# /workspace holds /workspace and /workspace/a, not /workspacex. The root
+# / holds every absolute path.
+roots_holding(path, roots) := {root |
+	some root in roots
+	startswith(path, root)
+	substring(path, count(root), 1) in {"", "/"}
+} | {"/" | "/" in roots; startswith(path, "/")}
 
 # not_allowed explains a default deny.
 not_allowed(operation, path) := concat("", [operation, " ", path, ": ", root, " is a read-only root"]) if {
+	strings.any_prefix_match(path, settings.read_only)
 	root := max(roots_holding(path, settings.read_only))
 } else := concat("", [operation, " ", path, ": not under any read-write or read-only root"])
 

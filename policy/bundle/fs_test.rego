@@ -279,6 +279,51 @@ test_under if {
 	not fs.under("relative", "/")
 }
 
+# roots_holding matches whole components too; / holds every absolute path.
+
+test_roots_holding if {
+	fs.roots_holding("/workspace/a", ["/workspace", "/workspacex", "/work", "/tmp", "/"]) == {"/workspace", "/"}
+	fs.roots_holding("/workspace", ["/workspace", "/workspace/a"]) == {"/workspace"}
+	fs.roots_holding("/", ["/", "/workspace"]) == {"/"}
+	fs.roots_holding("relative", ["/", "relative"]) == {"relative"}
+	fs.roots_holding("/workspace/a", []) == set()
+}
+
+# decision takes a shortcut, quick_root, for a plain operation under a
+# read-write root. It must agree with check everywhere, and leave every
+# path that merely looks secret to check.
+
+test_shortcut_agrees_with_check if {
+	every operation in array.concat(all_operations, ["exec"]) {
+		every path in [
+			"/workspace", "/workspace/src/main.go", "/workspacex/a", "/tmp/x", "/tmp/.ssh/known_hosts",
+			"/workspace/.env", "/workspace/.envrc", "/workspace/a/.aws/config", "/usr/bin/env", "/etc",
+			"/etc/shadow", "/root", "/var/x", "/", "relative", "",
+		] {
+			decide(operation, path) == fs.check(operation, path, false) with input as fs_input(operation, path)
+		}
+	}
+}
+
+test_shortcut_defers_to_check if {
+	fs.quick_root("write", "/workspace/src/main.go") == "/workspace"
+	every path in ["/workspace/.envrc", "/workspace/app/.ssh/x", "/workspacex", "/usr/bin/env"] {
+		not fs.quick_root("write", path)
+	}
+	not fs.quick_root("exec", "/workspace/a")
+
+	# A path under a read-write root that only starts like a secret path:
+	# check decides, and allows it.
+	not fs.quick_root("write", "/workspace/secrets") with data.settings.fs.secret_paths as ["/workspace/secret"]
+	allowed_by(decide("write", "/workspace/secrets"), "carrel.fs.read_write_root") with data.settings.fs.secret_paths as ["/workspace/secret"]
+	denied_by(decide("write", "/workspace/secret/x"), "carrel.fs.secret_path") with data.settings.fs.secret_paths as ["/workspace/secret"]
+}
+
+test_shortcut_names_the_deepest_root if {
+	fs.quick_root("write", "/workspace/cache/x") == "/workspace/cache" with data.settings.fs.read_write as ["/workspace", "/workspace/cache"]
+	fs.quick_root("write", "/x") == "/" with data.settings.fs.read_write as ["/"]
+}
+
 # The sandbox comes from the same settings as the decision.
 
 test_sandbox_default if {

@@ -16,6 +16,15 @@ settings := object.union(data.settings.net, overrides) if {
 	overrides := data.settings.vms[input.vm].net
 } else := data.settings.net
 
+# decision is always defined: an input without a direction gets this.
+default decision := {
+	"allow": false,
+	"rule": "carrel.net.default_deny",
+	"reason": "unknown direction",
+}
+
+# Each branch but the last names the direction it is about first, so that
+# OPA skips the branches for the other direction without evaluating them.
 decision := {
 	"allow": true,
 	"rule": "carrel.net.forward",
@@ -29,12 +38,25 @@ decision := {
 	"reason": sprintf("egress to %v:%v/%v: allowed by %v in settings.net.egress_allow", [input.host, input.port, input.protocol, concat(", ", entries)]),
 } if {
 	input.direction == "egress"
+	settings.egress_allow != [] # a quick test: egress is denied by default
 	entries := egress_allowed
 	count(entries) > 0
 } else := {
 	"allow": false,
 	"rule": "carrel.net.default_deny",
-	"reason": not_allowed,
+	"reason": sprintf("forward to port %v: settings.net.allow_forward is not true", [input.port]),
+} if {
+	input.direction == "forward"
+} else := {
+	"allow": false,
+	"rule": "carrel.net.default_deny",
+	"reason": sprintf("egress to %v:%v/%v: not in settings.net.egress_allow", [input.host, input.port, input.protocol]),
+} if {
+	input.direction == "egress"
+} else := {
+	"allow": false,
+	"rule": "carrel.net.default_deny",
+	"reason": sprintf("unknown direction %v", [input.direction]),
 }
 
 # egress_allowed names every entry of settings.net.egress_allow that allows
@@ -54,11 +76,3 @@ host_matches(pattern, host) if {
 	startswith(pattern, "*.")
 	endswith(host, substring(pattern, 1, -1))
 }
-
-default not_allowed := "unknown direction"
-
-not_allowed := sprintf("forward to port %v: settings.net.allow_forward is not true", [input.port]) if {
-	input.direction == "forward"
-} else := sprintf("egress to %v:%v/%v: not in settings.net.egress_allow", [input.host, input.port, input.protocol]) if {
-	input.direction == "egress"
-} else := sprintf("unknown direction %v", [input.direction])
