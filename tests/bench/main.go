@@ -15,7 +15,10 @@
 //     guest-file-write/-read, and against the raw port);
 //   - policy decisions (-policy): the default bundle's prepared queries
 //     against compiling the bundle on every call (see policy.go); needs
-//     no VM.
+//     no VM;
+//   - the audit log (-audit): durable append throughput and latency with
+//     group commit against an fdatasync per record, and verification
+//     speed (see audit.go); needs no VM.
 //
 // Every section is on by default; each prints medians and ratios.
 package main
@@ -84,6 +87,7 @@ func main() {
 	chunkKiB := flag.Int("qga-chunk", 4096, "KiB per guest-file-read/-write (qemu-ga caps a read at 48 MiB)")
 	qgaMemory := flag.String("qga-memory", "1G", "memory of the comparison VM; its /tmp (tmpfs, half of memory) must hold -size")
 	doPolicy := flag.Bool("policy", true, "policy decision latency: prepared queries against compiling per call")
+	doAudit := flag.Bool("audit", true, "audit log: durable append throughput and latency against fsync per record, verification speed")
 	flag.Parse()
 	log.SetFlags(0)
 	switch {
@@ -98,6 +102,11 @@ func main() {
 	if *doPolicy {
 		if err := benchPolicy(); err != nil {
 			log.Fatalf("policy benchmark: %v", err)
+		}
+	}
+	if *doAudit {
+		if err := benchAudit(); err != nil {
+			log.Fatalf("audit benchmark: %v", err)
 		}
 	}
 	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles {

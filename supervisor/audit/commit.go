@@ -1,0 +1,350 @@
+package audit
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"io"
+	"time"
+
+	"golang.org/x/mod/sumdb/tlog"
+)
+
+// request is one queued record: its body, and the seq it got.
+type request struct {
+	body []byte
+	seq  uint64
+	b    *batch
+}
+
+// batch is one group commit: one write and one fdatasync. Its waiters
+// wake together when done is closed; err is set before.
+type batch struct {
+	reqs  []*request
+	bytes int
+	done  chan struct{}
+	err   error
+}
+
+// enqueue queues a record body for the committer, failing fast while the
+// log is closed or unavailable.
+func (l *Log) enqueue(body []byte) (*request, error) {
+	r := &request{body: body}
+	size := frameHeaderSize + maxPrefix + len(body)
+	l.mu.Lock()
+	switch {
+	case l.closed:
+		l.mu.Unlock()
+		return nil, ErrClosed
+	case l.fault != nil:
+		l.refused++
+		err := unavailable(l.fault)
+		l.mu.Unlock()
+		return nil, err
+	}
+	var b *batch
+	if k := len(l.pending); k > 0 && l.pending[k-1].bytes+size <= maxBatchBytes {
+		b = l.pending[k-1]
+	} else {
+		b = &batch{done: make(chan struct{})}
+		l.pending = append(l.pending, b)
+	}
+	b.reqs = append(b.reqs, r)
+	b.bytes += size
+	r.b = b
+	l.mu.Unlock()
+	select {
+	case l.wake <- struct{}{}:
+	default:
+	}
+	return r, nil
+}
+
+func (l *Log) take() *batch {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.pending) == 0 {
+		return nil
+	}
+	b := l.pending[0]
+	l.pending[0] = nil
+	l.pending = l.pending[1:]
+	return b
+}
+
+func (l *Log) faulted() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.fault != nil
+}
+
+// run is the committer: it commits one batch at a time, hashes what is
+// durable and asks for checkpoints; while the log is unavailable it
+// probes the disk every RetryInterval instead.
+func (l *Log) run() {
+	defer close(l.committerDone)
+	tick := time.NewTicker(l.opts.CheckpointInterval)
+	defer tick.Stop()
+	stop := l.stop
+	stopping := false
+	for {
+		if l.faulted() {
+			if stopping {
+				l.failPending(ErrClosed)
+				return
+			}
+			select {
+			case <-time.After(l.opts.RetryInterval):
+				l.probe()
+			case <-stop:
+				stopping, stop = true, nil
+			}
+			continue
+		}
+		if b := l.take(); b != nil {
+			l.commit(b)
+			continue
+		}
+		if stopping {
+			l.maybeCheckpoint(true)
+			return
+		}
+		select {
+		case <-l.wake:
+		case <-tick.C:
+			l.maybeCheckpoint(true)
+		case <-stop:
+			stopping, stop = true, nil
+		}
+	}
+}
+
+// commit writes a batch with one write, makes it durable with one
+// fdatasync, wakes its waiters, and then hashes it. All records of a
+// batch get one time. Only one batch is ever written and not yet
+// acknowledged: that bounds a torn tail (see tornTail).
+func (l *Log) commit(b *batch) error {
+	l.ts = time.Now().UTC().AppendFormat(l.ts[:0], time.RFC3339Nano)
+	buf := l.buf[:0]
+	seq := l.next
+	for _, r := range b.reqs {
+		start := len(buf)
+		buf = append(buf, 0, 0, 0, 0, 0, 0, 0, 0)
+		buf = appendPayload(buf, seq, l.ts, r.body)
+		putFrameHeader(buf[start:start+frameHeaderSize], buf[start+frameHeaderSize:])
+		r.seq = seq
+		seq++
+	}
+	if cap(buf) <= 2*maxBatchBytes {
+		l.buf = buf
+	}
+	n, err := l.rec.Write(buf)
+	switch {
+	case err != nil:
+		err = fmt.Errorf("append to %s: %w", recordsFile, err)
+	case n != len(buf):
+		err = fmt.Errorf("append to %s: %w", recordsFile, io.ErrShortWrite)
+	default:
+		if err = l.rec.Sync(); err != nil {
+			err = fmt.Errorf("sync %s: %w", recordsFile, err)
+		}
+	}
+	if err != nil {
+		// Leave no partial frame behind; if this fails too, the probe
+		// truncates before it writes anything.
+		if terr := l.rec.Truncate(l.offset); terr != nil {
+			l.log.Error("truncate after failed append", "offset", l.offset, "err", terr)
+		}
+		b.err = unavailable(err)
+		close(b.done)
+		l.setFault(err)
+		return err
+	}
+	l.offset += int64(len(buf))
+	l.next = seq
+	l.size.Store(seq)
+	close(b.done)
+
+	l.hashFrames(buf)
+	l.maybeCheckpoint(false)
+	if len(l.hashBuf) >= hashFlushBytes {
+		if err := l.flushHashes(); err != nil {
+			l.setFault(err) // the batch is durable all the same
+		}
+	}
+	return nil
+}
+
+// hashFrames adds the batch's records to the tree and queues their
+// stored hashes.
+func (l *Log) hashFrames(buf []byte) {
+	l.hashMu.Lock()
+	defer l.hashMu.Unlock()
+	for off := 0; off < len(buf); {
+		n := int(binary.LittleEndian.Uint32(buf[off:]))
+		l.hashFrame(buf[off+frameHeaderSize : off+frameHeaderSize+n])
+		off += frameHeaderSize + n
+	}
+	l.hashed.Store(l.tree.n)
+	l.hashCond.Broadcast()
+}
+
+// hashFlushBytes of stored hashes are written at once, or fewer when a
+// checkpoint needs them: every write to hashes.db would otherwise ride
+// on the next fdatasync of records.log (ext4 orders data before the
+// metadata that exposes it).
+const hashFlushBytes = 64 << 10
+
+// flushHashes appends the queued stored hashes to hashes.db, without
+// fsync: hashes.db is synced before each checkpoint and rebuilt from
+// records.log after a crash.
+func (l *Log) flushHashes() error {
+	l.hashMu.Lock()
+	defer l.hashMu.Unlock()
+	if len(l.hashBuf) == 0 {
+		return nil
+	}
+	n, err := l.hash.Write(l.hashBuf)
+	if err == nil && n != len(l.hashBuf) {
+		err = io.ErrShortWrite
+	}
+	if err != nil {
+		if terr := l.hash.Truncate(l.hashN * tlog.HashSize); terr != nil {
+			l.log.Error("truncate hashes.db after failed write", "err", terr)
+		}
+		return fmt.Errorf("append to %s: %w", hashesFile, err)
+	}
+	l.hashN += int64(len(l.hashBuf) / tlog.HashSize)
+	l.hashBuf = l.hashBuf[:0]
+	return nil
+}
+
+// maybeCheckpoint asks for a checkpoint when CheckpointEvery records have
+// come since the last, or, on the timer, when any have.
+func (l *Log) maybeCheckpoint(timer bool) {
+	if n := l.tree.n; n > l.cpAsked && (timer || n-l.cpAsked >= uint64(l.opts.CheckpointEvery)) {
+		l.askCheckpoint()
+	}
+}
+
+// askCheckpoint writes the hashes a checkpoint covers, then asks the
+// checkpointer to sign it.
+func (l *Log) askCheckpoint() {
+	if l.tree.n <= l.cpAsked {
+		return
+	}
+	if err := l.flushHashes(); err != nil {
+		l.setFault(err)
+		return
+	}
+	l.cpAsked = l.tree.n
+	l.ckpt.request(l.tree.n, l.tree.root())
+}
+
+func (l *Log) runCheckpointer() {
+	defer close(l.ckptDone)
+	for {
+		select {
+		case <-l.ckpt.kick:
+			if err := l.ckpt.flush(); err != nil {
+				l.setFault(err)
+			}
+		case <-l.committerDone:
+			return // Close writes the last one
+		}
+	}
+}
+
+// setFault makes the log unavailable (or updates the cause): queued
+// appends fail, later ones fail fast, and OnFault hears of it once.
+func (l *Log) setFault(cause error) {
+	l.mu.Lock()
+	first := l.fault == nil
+	if first {
+		l.faultSince = time.Now()
+		l.refused = 0
+	}
+	l.fault = cause
+	pend := l.pending
+	l.pending = nil
+	l.mu.Unlock()
+	for _, b := range pend {
+		b.err = unavailable(cause)
+		close(b.done)
+	}
+	if first {
+		l.log.Error("audit log unavailable: admitting no actions", "err", cause)
+		if l.opts.OnFault != nil {
+			l.cbMu.Lock()
+			l.opts.OnFault(unavailable(cause))
+			l.cbMu.Unlock()
+		}
+	} else {
+		l.log.Warn("audit log still unavailable", "err", cause)
+	}
+}
+
+func (l *Log) failPending(err error) {
+	l.mu.Lock()
+	pend := l.pending
+	l.pending = nil
+	l.mu.Unlock()
+	for _, b := range pend {
+		b.err = err
+		close(b.done)
+	}
+}
+
+// probe retries what failed: the records file back to its last durable
+// frame, the hashes not yet written, the checkpoint not yet signed, and
+// then, as the test that writing works, an audit.recovery record saying
+// how long the log was unavailable. Only when that record is durable does
+// the log take appends again.
+func (l *Log) probe() {
+	fail := func(err error) { l.setFault(err) }
+	if err := l.rec.Truncate(l.offset); err != nil {
+		fail(fmt.Errorf("truncate %s: %w", recordsFile, err))
+		return
+	}
+	if err := l.hash.Truncate(l.hashN * tlog.HashSize); err != nil {
+		fail(fmt.Errorf("truncate %s: %w", hashesFile, err))
+		return
+	}
+	if err := l.flushHashes(); err != nil {
+		fail(err)
+		return
+	}
+	l.maybeCheckpoint(false)
+	if err := l.ckpt.flush(); err != nil {
+		fail(err)
+		return
+	}
+	l.mu.Lock()
+	cause, since, refused := l.fault, l.faultSince, l.refused
+	l.mu.Unlock()
+	data, _ := json.Marshal(RecoveryData{Cause: "fault", Error: cause.Error(), Since: &since, Refused: refused})
+	body, err := encodeBody(&Record{Kind: KindRecovery, Provenance: Host, Data: data})
+	if err != nil {
+		fail(err)
+		return
+	}
+	b := &batch{done: make(chan struct{})}
+	b.reqs = []*request{{body: body, b: b}}
+	if err := l.commit(b); err != nil {
+		return // the new cause is set
+	}
+	if err := l.flushHashes(); err != nil {
+		fail(err)
+		return
+	}
+	l.mu.Lock()
+	l.fault = nil
+	refused = l.refused
+	l.mu.Unlock()
+	l.log.Info("audit log available again", "since", since, "refused", refused)
+	if l.opts.OnRecover != nil {
+		l.cbMu.Lock()
+		l.opts.OnRecover()
+		l.cbMu.Unlock()
+	}
+}

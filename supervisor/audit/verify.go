@@ -1,0 +1,235 @@
+package audit
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+
+	"golang.org/x/mod/sumdb/note"
+	"golang.org/x/mod/sumdb/tlog"
+)
+
+// VerifyOptions tune Verify.
+type VerifyOptions struct {
+	// Key is the verifier key the checkpoints must be signed with. Empty
+	// means key.pub in the log's directory, which proves less: whoever
+	// can rewrite the log can rewrite key.pub.
+	Key string
+	// Checkpoints are more signed checkpoints to hold the log to, such as
+	// ones a reviewer kept from earlier; a log cut back below one of them
+	// is reported even when its own checkpoints were cut too.
+	Checkpoints [][]byte
+	// SkipBlobs skips hashing the blobs records reference.
+	SkipBlobs bool
+	// MaxProblems caps the problems listed (default 1000); the rest are
+	// counted in Report.Omitted.
+	MaxProblems int
+}
+
+// ProblemKind classifies what Verify found.
+type ProblemKind string
+
+const (
+	ProblemFrame               ProblemKind = "frame"                // bytes that are not a frame, in mid-log
+	ProblemCRC                 ProblemKind = "crc"                  // a frame whose payload fails its CRC
+	ProblemRecord              ProblemKind = "record"               // a payload that is not a valid record
+	ProblemSeq                 ProblemKind = "seq"                  // records missing, repeated or out of order
+	ProblemIntent              ProblemKind = "intent"               // an outcome without its intent
+	ProblemTornTail            ProblemKind = "torn-tail"            // an incomplete last frame (a crash; Open cuts it)
+	ProblemTruncated           ProblemKind = "truncated"            // a checkpoint covers more records than there are
+	ProblemCheckpointSignature ProblemKind = "checkpoint-signature" // a checkpoint that does not verify or parse
+	ProblemCheckpointRoot      ProblemKind = "checkpoint-root"      // a checkpoint whose root the records do not reproduce
+	ProblemBlobMissing         ProblemKind = "blob-missing"
+	ProblemBlobMismatch        ProblemKind = "blob-mismatch" // a blob whose content does not hash to its name
+)
+
+// Problem is one thing wrong with a log, with its position: a record
+// (Seq, its index in records.log, and Offset, its byte offset), a
+// checkpoint (its tree size) or a blob (its digest).
+type Problem struct {
+	Kind       ProblemKind `json:"kind"`
+	Seq        *uint64     `json:"seq,omitempty"`
+	Offset     *int64      `json:"offset,omitempty"`
+	Checkpoint *uint64     `json:"checkpoint,omitempty"`
+	Blob       string      `json:"blob,omitempty"`
+	Detail     string      `json:"detail"`
+}
+
+func (p Problem) String() string {
+	s := string(p.Kind)
+	if p.Seq != nil {
+		s += fmt.Sprintf(" record %d", *p.Seq)
+	}
+	if p.Offset != nil {
+		s += fmt.Sprintf(" offset %d", *p.Offset)
+	}
+	if p.Checkpoint != nil {
+		s += fmt.Sprintf(" checkpoint %d", *p.Checkpoint)
+	}
+	if p.Blob != "" {
+		s += " blob " + p.Blob
+	}
+	return s + ": " + p.Detail
+}
+
+// Report is what Verify found.
+type Report struct {
+	Records     uint64    `json:"records"` // frames read as records
+	Bytes       int64     `json:"bytes"`   // size of records.log
+	Root        tlog.Hash `json:"root"`    // tree hash over all records read
+	Checkpoints int       `json:"checkpoints"`
+	// Latest is the largest checkpoint whose signature and root verified.
+	Latest      uint64    `json:"latest"`
+	Blobs       int       `json:"blobs"`        // distinct blobs referenced
+	OpenIntents int       `json:"open_intents"` // intents without an outcome (in flight, if the log is live)
+	KeyFromLog  bool      `json:"key_from_log"` // the key came from the log's own key.pub
+	Problems    []Problem `json:"problems"`
+	Omitted     int       `json:"omitted,omitempty"` // problems beyond MaxProblems
+}
+
+// OK reports whether Verify found nothing wrong.
+func (r *Report) OK() bool { return len(r.Problems) == 0 && r.Omitted == 0 }
+
+type verifyCheckpoint struct {
+	size uint64
+	root tlog.Hash
+	name string
+}
+
+// Verify checks the log in dir offline, without writing to it: every
+// frame's CRC, every record's seq, the tree root at every checkpoint
+// (which also proves consecutive checkpoints consistent), every
+// checkpoint's signature, and every referenced blob's content. It returns
+// an error only when it cannot do that (no log, no key, I/O errors);
+// what it finds wrong is in Report.Problems.
+func Verify(dir string, opts VerifyOptions) (*Report, error) {
+	if opts.MaxProblems <= 0 {
+		opts.MaxProblems = 1000
+	}
+	rep := &Report{Problems: []Problem{}}
+	v := &verifier{dir: dir, rep: rep, max: opts.MaxProblems}
+	key := opts.Key
+	if key == "" {
+		k, err := PublicKey(dir)
+		if err != nil {
+			return nil, fmt.Errorf("verify audit log: %w", err)
+		}
+		key, rep.KeyFromLog = k, true
+	}
+	nv, err := note.NewVerifier(key)
+	if err != nil {
+		return nil, fmt.Errorf("verify audit log: verifier key: %w", err)
+	}
+	cps, err := v.checkpoints(note.VerifierList(nv), opts.Checkpoints)
+	if err != nil {
+		return nil, err
+	}
+	f, err := os.Open(filepath.Join(dir, recordsFile))
+	if err != nil {
+		return nil, fmt.Errorf("verify audit log: %w", err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("verify audit log: %w", err)
+	}
+	rep.Bytes = st.Size()
+	if err := v.records(f, st.Size(), cps); err != nil {
+		return nil, fmt.Errorf("verify audit log: %w", err)
+	}
+	if !opts.SkipBlobs {
+		v.blobs()
+	}
+	return rep, nil
+}
+
+type verifier struct {
+	dir string
+	rep *Report
+	max int
+	// blob references, and the first record to make each
+	refs map[string]uint64
+
+	// The combiner's state, in record order.
+	tree     tree
+	cps      []verifyCheckpoint // not yet reached
+	expect   uint64             // the next seq due
+	lastGood uint64             // size of the last checkpoint that matched
+	isIntent []uint64           // bitmap by record index
+	open     map[uint64]struct{}
+}
+
+func (v *verifier) add(p Problem) {
+	if len(v.rep.Problems) < v.max {
+		v.rep.Problems = append(v.rep.Problems, p)
+	} else {
+		v.rep.Omitted++
+	}
+}
+
+func ptr[T any](x T) *T { return &x }
+
+// checkpoints reads and checks the signatures of the log's checkpoints
+// and the extra ones, and returns those that verify, by size.
+func (v *verifier) checkpoints(vs note.Verifiers, extra [][]byte) ([]verifyCheckpoint, error) {
+	sizes, err := listCheckpoints(v.dir)
+	if err != nil {
+		return nil, err
+	}
+	var cps []verifyCheckpoint
+	for _, size := range sizes {
+		name := filepath.Join(checkpointDir, checkpointName(size))
+		msg, err := os.ReadFile(filepath.Join(v.dir, name))
+		if err != nil {
+			return nil, fmt.Errorf("verify audit log: %w", err)
+		}
+		v.rep.Checkpoints++
+		cp, err := parseCheckpoint(msg, vs)
+		switch {
+		case err != nil:
+			v.add(Problem{Kind: ProblemCheckpointSignature, Checkpoint: ptr(size), Detail: fmt.Sprintf("%s: %v", name, err)})
+		case cp.Size != size:
+			v.add(Problem{Kind: ProblemCheckpointSignature, Checkpoint: ptr(size), Detail: fmt.Sprintf("%s is signed for %d records", name, cp.Size)})
+		default:
+			cps = append(cps, verifyCheckpoint{cp.Size, cp.Root, name})
+		}
+	}
+	for i, msg := range extra {
+		v.rep.Checkpoints++
+		name := fmt.Sprintf("given checkpoint #%d", i+1)
+		cp, err := parseCheckpoint(msg, vs)
+		if err != nil {
+			v.add(Problem{Kind: ProblemCheckpointSignature, Detail: fmt.Sprintf("%s: %v", name, err)})
+			continue
+		}
+		cps = append(cps, verifyCheckpoint{cp.Size, cp.Root, name})
+	}
+	sort.SliceStable(cps, func(i, j int) bool { return cps[i].size < cps[j].size })
+	return cps, nil
+}
+
+// blobs checks that every referenced blob is there, unchanged.
+func (v *verifier) blobs() {
+	digests := slices.Sorted(func(yield func(string) bool) {
+		for d := range v.refs {
+			if !yield(d) {
+				return
+			}
+		}
+	})
+	v.rep.Blobs = len(digests)
+	for _, d := range digests {
+		err := checkBlob(v.dir, d)
+		switch {
+		case err == nil:
+		case errors.Is(err, fs.ErrNotExist):
+			v.add(Problem{Kind: ProblemBlobMissing, Seq: ptr(v.refs[d]), Blob: d, Detail: "referenced by this record and later ones, but not in blobs/"})
+		default:
+			v.add(Problem{Kind: ProblemBlobMismatch, Seq: ptr(v.refs[d]), Blob: d, Detail: err.Error()})
+		}
+	}
+}
