@@ -13,6 +13,7 @@ import (
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/identity"
+	"github.com/carrel-os/carrel/supervisor/policies"
 )
 
 // authzInterceptor authenticates every call and has policy decide it
@@ -138,6 +139,8 @@ func (cfg Config) decide(ctx context.Context, in policy.Input) error {
 	}
 	d, err := cfg.Policies.Decide(ctx, cfg.policyFor(in.VMName()), in)
 	switch {
+	case errors.Is(err, policies.ErrNotRecorded):
+		return connect.NewError(connect.CodeUnavailable, err)
 	case errors.Is(err, policy.ErrInvalidInput):
 		return connect.NewError(connect.CodeInvalidArgument, err)
 	case err != nil:

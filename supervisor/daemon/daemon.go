@@ -82,6 +82,14 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
+	// Every decision is on record before the action it admits: the api
+	// decision precedes every call, so no call goes ahead unrecorded.
+	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), log)
+	if err != nil {
+		return err
+	}
+	defer auditLog.Close()
+	pols.Record = decisionRecorder{auditLog}.record
 	tokens, err := identity.OpenTokens(filepath.Join(cfg.StateDir, "tokens.json"))
 	if err != nil {
 		return err

@@ -25,6 +25,10 @@ import (
 // ErrInvalidName is returned for a policy name outside [a-z][a-z0-9-]{0,62}.
 var ErrInvalidName = errors.New("invalid policy name")
 
+// ErrNotRecorded is returned by Decide when the decision could not be made
+// durable; the decision is then a deny.
+var ErrNotRecorded = errors.New("audit log unavailable: no action is admitted")
+
 var nameRE = regexp.MustCompile(`^[a-z][a-z0-9-]{0,62}$`)
 
 // Info describes one policy.
@@ -51,8 +55,10 @@ type Store struct {
 	applyMu sync.Mutex // one apply at a time
 
 	decisions *ring
-	// Record, when set, is given every decision (the audit log's hook).
-	Record func(policy.Decision)
+	// Record, when set, makes every decision durable (the audit log). If
+	// it fails, the decision becomes a deny: nothing is admitted that is
+	// not on record.
+	Record func(ctx context.Context, d policy.Decision, in policy.Input) error
 }
 
 // Open compiles the built-in policies and every policy applied earlier
@@ -196,10 +202,14 @@ func (s *Store) Decide(ctx context.Context, name string, in policy.Input) (polic
 	} else {
 		d, err = p.Decide(ctx, in)
 	}
-	s.decisions.add(d)
 	if s.Record != nil {
-		s.Record(d)
+		if rerr := s.Record(ctx, d, in); rerr != nil {
+			d.Allow, d.Rule = false, "carrel.audit_unavailable"
+			d.Reason = "the decision could not be recorded: " + rerr.Error()
+			err = fmt.Errorf("%w: %w", ErrNotRecorded, rerr)
+		}
 	}
+	s.decisions.add(d)
 	if !d.Allow {
 		s.log.Info("policy denied", "policy", d.Policy, "kind", d.Kind, "vm", d.VM, "rule", d.Rule, "reason", d.Reason, "decision", d.ID)
 	}
