@@ -30,7 +30,10 @@ carrel exec demo -- sh -c 'head -c 8388608 /dev/urandom > /tmp/blob && sha256sum
 set +e
 carrel exec demo -- sh -c 'echo "to stderr" >&2; exit 3'
 echo "exit code: $?"
+carrel cp demo:/etc/shadow -    # denied by the default policy, naming the rule
 set -e
+carrel policy decisions --vm demo --limit 5
+carrel audit verify --dir "$work/state/audit" --key "$("$BIN/carrel" audit key --dir "$work/state/audit")"
 carrel vm stop demo
 carrel vm ls
 carrel vm rm demo
