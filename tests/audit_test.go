@@ -36,7 +36,7 @@ func TestAuditRecordsDecisions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{`"policy.decision"`, `carrel.api.operator`, `carrel.exec.user`, `carrel.fs.secret_path`} {
+	for _, want := range []string{`"policy.decision"`, `carrel.api.operator`, `carrel.exec.user`, `carrel.fs.secret_path`, `"action":"exec"`, `"exec.exit"`} {
 		if !bytes.Contains(log, []byte(want)) {
 			t.Errorf("records.log has no %s", want)
 		}

@@ -16,6 +16,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
@@ -83,6 +84,12 @@ func TestEveryRPCHasAPolicyRule(t *testing.T) {
 // authzAPI serves the API with the real policy store and token file, over
 // a unix socket (so SO_PEERCRED is real), on a fake driver.
 func authzAPI(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *policies.Store) {
+	sock, tokens, drv, pols, _ := authzAPIWithAudit(t)
+	return sock, tokens, drv, pols
+}
+
+// authzAPIWithAudit is authzAPI with a real audit log, which it returns.
+func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *policies.Store, *audit.Log) {
 	t.Helper()
 	dir := t.TempDir()
 	img, _ := storetest.WithFakeImage(t, dir, "dev")
@@ -97,6 +104,11 @@ func authzAPI(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *poli
 	if err != nil {
 		t.Fatal(err)
 	}
+	alog, err := audit.Open(filepath.Join(dir, "audit"), audit.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { alog.Close() })
 	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second,
 		PolicyExists: func(n string) error { _, err := pols.Get(n); return err },
 		AgentReady:   pols.GiveSandbox,
@@ -109,13 +121,65 @@ func authzAPI(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *poli
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	done := make(chan error)
-	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid())})
+	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid()), Audit: alog})
 	go func() { done <- Serve(sctx, l, h) }()
 	t.Cleanup(func() {
 		cancel()
 		<-done
 	})
-	return sock, tokens, drv, pols
+	return sock, tokens, drv, pols, alog
+}
+
+// TestExecIsRecorded: a command's intent is durable before it starts, and
+// its outcome follows, tied to it.
+func TestExecIsRecorded(t *testing.T) {
+	sock, _, _, _, alog := authzAPIWithAudit(t)
+	ctx := context.Background()
+	c := client.New(sock)
+	if _, err := c.VMs.CreateVM(ctx, connect.NewRequest(&apiv1.CreateVMRequest{Name: "a", Image: "dev"})); err != nil {
+		t.Fatal(err)
+	}
+	s, err := c.VMs.Exec(ctx, connect.NewRequest(&apiv1.ExecRequest{Vm: "a", Argv: []string{"echo", "hello"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for s.Receive() {
+	}
+	if err := s.Err(); err != nil {
+		t.Fatal(err)
+	}
+	dir := alog.Dir()
+	alog.Close()
+	var intent *audit.Record
+	var outcome *audit.Record
+	if err := audit.Scan(dir, func(_ uint64, _ int64, payload []byte) error {
+		r, err := audit.Decode(payload)
+		if err != nil {
+			return err
+		}
+		switch r.Kind {
+		case audit.KindIntent:
+			intent = &r
+		case audit.KindExecExit:
+			outcome = &r
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if intent == nil || outcome == nil {
+		t.Fatalf("exec records: intent %v, outcome %v", intent, outcome)
+	}
+	if !strings.Contains(string(intent.Data), `"action":"exec"`) || !strings.Contains(string(intent.Data), `"argv":["echo","hello"]`) || !strings.Contains(string(intent.Data), `"user":"agent"`) || intent.VM != "a" {
+		t.Errorf("intent: %s", intent.Data)
+	}
+	if outcome.Intent == nil || *outcome.Intent != intent.Seq || !strings.Contains(string(outcome.Data), `"code":0`) || !strings.Contains(string(outcome.Data), `"stdout_bytes":11`) {
+		t.Errorf("outcome: %+v %s", outcome, outcome.Data)
+	}
+	rep, err := audit.Verify(dir, audit.VerifyOptions{})
+	if err != nil || len(rep.Problems) > 0 {
+		t.Errorf("verify: %v %+v", err, rep)
+	}
 }
 
 func wantDenied(t *testing.T, what string, err error, rule string) {

@@ -64,7 +64,7 @@ func (r *agentRelay) Shutdown(context.Context, *connect.Request[agentv1.Shutdown
 	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("shutdown is not relayed: stop the vm with VMService.StopVM (carrel vm stop)"))
 }
 
-func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], out *connect.ServerStream[agentv1.ExecResponse]) error {
+func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], out *connect.ServerStream[agentv1.ExecResponse]) (err error) {
 	c, done, err := r.agent(req.Header())
 	if err != nil {
 		return err
@@ -72,12 +72,17 @@ func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.Exec
 	if err := r.cfg.allowExec(ctx, req.Header().Get(VMHeader), req.Msg); err != nil {
 		return err
 	}
+	var chk eventCheck
+	finish, err := r.cfg.beginExec(ctx, req.Header().Get(VMHeader), req.Msg, false)
+	if err != nil {
+		return err
+	}
+	defer func() { finish(&chk, err) }()
 	s, err := c.Exec(ctx, connect.NewRequest(req.Msg))
 	if err != nil {
 		return relayErr(ctx, done, err)
 	}
 	defer s.Close()
-	var chk eventCheck
 	for s.Receive() {
 		if err := chk.check(s.Msg()); err != nil {
 			return err
@@ -91,7 +96,7 @@ func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.Exec
 
 // Process relays an interactive session both ways: the client's stdin,
 // signals and resizes to the guest, the guest's checked events back.
-func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
+func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) (err error) {
 	c, done, err := r.agent(in.RequestHeader())
 	if err != nil {
 		return err
@@ -102,11 +107,20 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 	if err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("process: no first message: %w", err))
 	}
+	var chk eventCheck
+	finish := func(*eventCheck, error) {} // an attach started nothing
 	if start := first.GetStart(); start != nil {
-		if err := r.cfg.allowExec(ctx, in.RequestHeader().Get(VMHeader), start); err != nil {
+		vm := in.RequestHeader().Get(VMHeader)
+		if err := r.cfg.allowExec(ctx, vm, start); err != nil {
 			return err
 		}
+		f, ferr := r.cfg.beginExec(ctx, vm, start, start.Detach)
+		if ferr != nil {
+			return ferr
+		}
+		finish = f
 	}
+	defer func() { finish(&chk, err) }()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	g := c.Process(ctx)
@@ -132,7 +146,6 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 			}
 		}
 	}()
-	var chk eventCheck
 	for {
 		ev, err := g.Receive()
 		if err != nil {
@@ -193,6 +206,9 @@ type eventCheck struct {
 	events  int
 	started bool
 	exited  bool
+	// What the audit record of the command's end says.
+	exit           *agentv1.ExitStatus
+	stdout, stderr int64
 }
 
 func (c *eventCheck) check(ev *agentv1.ExecResponse) error {
@@ -210,7 +226,11 @@ func (c *eventCheck) check(ev *agentv1.ExecResponse) error {
 		}
 		c.started = true
 	case *agentv1.ExecResponse_Exit:
-		c.exited = true
+		c.exited, c.exit = true, e.Exit
+	case *agentv1.ExecResponse_Stdout:
+		c.stdout += int64(len(e.Stdout))
+	case *agentv1.ExecResponse_Stderr:
+		c.stderr += int64(len(e.Stderr))
 	}
 	return nil
 }

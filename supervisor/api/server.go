@@ -52,6 +52,9 @@ type Config struct {
 	// DaemonUID is carreld's own uid: the default policy lets that user
 	// (and root) operate.
 	DaemonUID uint32
+	// Audit, when set, gets a durable intent before every command starts
+	// and its outcome after.
+	Audit Recorder
 }
 
 // Info describes the supervisor for SystemService.GetInfo.

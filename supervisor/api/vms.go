@@ -89,7 +89,7 @@ func (s *vmService) DeleteVM(ctx context.Context, req *connect.Request[apiv1.Del
 // Exec relays a command's output from the guest. The guest's stream is
 // checked as it passes: only known events, and exactly one exit status,
 // last. A stream that breaks those rules is ended with an error.
-func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest], out *connect.ServerStream[apiv1.ExecResponse]) error {
+func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest], out *connect.ServerStream[apiv1.ExecResponse]) (err error) {
 	m := req.Msg
 	if len(m.Argv) == 0 {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("exec: a command is required"))
@@ -107,12 +107,17 @@ func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecReq
 	if err := s.cfg.allowExec(ctx, m.Vm, ereq); err != nil {
 		return err
 	}
+	var chk eventCheck
+	finish, err := s.cfg.beginExec(ctx, m.Vm, ereq, false)
+	if err != nil {
+		return err
+	}
+	defer func() { finish(&chk, err) }()
 	stream, err := s.cfg.Manager.Exec(ctx, m.Vm, ereq)
 	if err != nil {
 		return toConnect(err)
 	}
 	defer stream.Close()
-	var chk eventCheck
 	for {
 		ev, ok, err := stream.Recv()
 		if !ok {

@@ -118,6 +118,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Policies:  pols,
 		Tokens:    tokens,
 		DaemonUID: uint32(os.Getuid()),
+		Audit:     auditLog,
 		Info: func() api.Info {
 			return api.Info{Version: Version, Accelerator: acc.Name, StateDir: cfg.StateDir, Vsock: vsock}
 		},
