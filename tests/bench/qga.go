@@ -96,12 +96,13 @@ func setupQGA(ctx context.Context, d *harness.Daemon, c *client.Client, memory s
 		return b, fmt.Errorf("the variant's kernel %s differs from the dev image's %s", res.Manifest.Kernel.Digest, dev.Manifest.Kernel.Digest)
 	}
 	// The comparison drives qemu-ga and the raw port through root shells
-	// in the guest, which open the hot-added port devices read-write: its
-	// policy allows root and writing under /dev.
+	// in the guest, which open the hot-added port devices read-write, and
+	// qemu-ga keeps its state, pid file and log in /run: its policy allows
+	// root and writing under /dev and /run.
 	pol := d.ApplyPolicy("bench-qga", func(s map[string]any) {
 		harness.AllowRoot(s)
 		fs := s["fs"].(map[string]any)
-		fs["read_write"] = append(fs["read_write"].([]any), "/dev")
+		fs["read_write"] = append(fs["read_write"].([]any), "/dev", "/run")
 	})
 	d.Must("vm", "create", b.vm, "--image", qgaImageTag, "--memory", memory, "--cpus", "1", "--policy", pol)
 
