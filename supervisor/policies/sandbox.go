@@ -3,6 +3,7 @@ package policies
 import (
 	"context"
 	"fmt"
+	"strings"
 
 	"connectrpc.com/connect"
 
@@ -30,13 +31,39 @@ func (s *Store) GiveSandbox(ctx context.Context, rec registry.Record, link *agen
 	if err != nil {
 		return fmt.Errorf("set the guest's sandbox: %w", done(ctx, err))
 	}
+	landlock, abi, detail := checkSandboxReply(resp.Msg)
 	log := s.log.With("vm", rec.Name, "policy", p.Name, "revision", p.Revision)
-	if resp.Msg.Landlock {
-		log.Info("guest sandbox set", "landlock_abi", resp.Msg.LandlockAbi)
+	if landlock {
+		log.Info("guest sandbox set", "landlock_abi", abi)
 	} else {
 		// The host still decides every call; only the in-guest layer is
 		// missing, and the operator should know.
-		log.Warn("guest sandbox set without landlock", "detail", resp.Msg.Detail)
+		log.Warn("guest sandbox set without landlock", "detail", detail)
 	}
 	return nil
+}
+
+// maxSandboxDetail caps the guest's words about its sandbox in our log.
+const maxSandboxDetail = 256
+
+// checkSandboxReply reads what the guest says of its sandbox, which is
+// only ever logged: an ABI outside what Landlock has is reported as none,
+// and the detail is cut to maxSandboxDetail bytes of printable UTF-8.
+func checkSandboxReply(r *agentv1.SetSandboxResponse) (landlock bool, abi int32, detail string) {
+	abi = r.GetLandlockAbi()
+	landlock = r.GetLandlock() && abi >= 1 && abi <= 64
+	if !landlock {
+		abi = 0
+	}
+	detail = r.GetDetail()
+	if len(detail) > maxSandboxDetail {
+		detail = detail[:maxSandboxDetail]
+	}
+	detail = strings.Map(func(c rune) rune {
+		if c < ' ' || c == 0x7f || (c >= 0x80 && c < 0xa0) {
+			return -1
+		}
+		return c
+	}, strings.ToValidUTF8(detail, ""))
+	return landlock, abi, detail
 }
