@@ -52,7 +52,7 @@ func TestGiBFile(t *testing.T) {
 	if _, err := fmt.Sscanf(strings.TrimSpace(agent), "VmHWM: %d kB", &agentKB); err != nil {
 		t.Fatalf("agent VmHWM: %q: %v", agent, err)
 	}
-	hostKB := peakKB(t, d.Pid())
+	hostKB := procStatusKB(t, d.Pid(), "VmHWM")
 	t.Logf("peak RSS: carrel-agent %d MiB, carreld %d MiB", agentKB>>10, hostKB>>10)
 	if agentKB > 256<<10 || hostKB > 256<<10 {
 		t.Errorf("peak RSS carrel-agent %d MiB, carreld %d MiB: a 1 GiB file was held in memory", agentKB>>10, hostKB>>10)
@@ -91,21 +91,4 @@ func fileSHA256(t *testing.T, path string) string {
 		t.Fatal(err)
 	}
 	return hex.EncodeToString(h.Sum(nil))
-}
-
-// peakKB is a host process's peak resident set (VmHWM).
-func peakKB(t *testing.T, pid int) int64 {
-	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		var kb int64
-		if _, err := fmt.Sscanf(line, "VmHWM: %d kB", &kb); err == nil {
-			return kb
-		}
-	}
-	t.Fatal("no VmHWM")
-	return 0
 }

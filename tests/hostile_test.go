@@ -83,16 +83,23 @@ func TestHostileGuestLink(t *testing.T) {
 // carreldRSS reads the daemon's resident set size from /proc.
 func carreldRSS(t *testing.T, d *harness.Daemon) int64 {
 	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", d.Pid()))
+	return procStatusKB(t, d.Pid(), "VmRSS") << 10
+}
+
+// procStatusKB reads one "Field: N kB" line of a host process's
+// /proc/PID/status.
+func procStatusKB(t *testing.T, pid int, field string) int64 {
+	t.Helper()
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, line := range strings.Split(string(b), "\n") {
 		var kb int64
-		if _, err := fmt.Sscanf(line, "VmRSS: %d kB", &kb); err == nil {
-			return kb << 10
+		if _, err := fmt.Sscanf(line, field+": %d kB", &kb); err == nil {
+			return kb
 		}
 	}
-	t.Fatal("no VmRSS")
+	t.Fatalf("no %s in /proc/%d/status", field, pid)
 	return 0
 }
