@@ -10,6 +10,7 @@
 package policy
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/sha256"
@@ -17,7 +18,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"strings"
+	"strconv"
 	"time"
 	"unicode/utf8"
 
@@ -61,6 +62,9 @@ type Decision struct {
 	// Cached is true when an earlier evaluation of the same input under
 	// the same revision gave the outcome.
 	Cached bool `json:"cached,omitempty"`
+	// Input is the input's canonical JSON, which InputDigest hashes; the
+	// audit log keeps it beside the decision.
+	Input json.RawMessage `json:"-"`
 }
 
 // Err returns nil for an allow, and for a deny an error naming the rule.
@@ -192,7 +196,7 @@ func (p *Policy) decide1(ctx context.Context, in Input, cached bool) (Decision, 
 		d.Reason = err.Error()
 		return d, err
 	}
-	d.InputDigest = Digest(in)
+	d.Input, d.InputDigest = canonical(in)
 	q, ok := p.decide[in.Kind()]
 	if !ok {
 		d.Rule, d.Reason = "carrel.unknown_kind", "no query for kind "+string(in.Kind())
@@ -348,12 +352,18 @@ func (p *Policy) Bundle() *Bundle { return p.bundle }
 // Digest is the sha256 of the input's canonical JSON (object keys sorted,
 // as encoding/json writes maps).
 func Digest(in Input) string {
+	_, digest := canonical(in)
+	return digest
+}
+
+// canonical returns the input's canonical JSON and its digest.
+func canonical(in Input) (json.RawMessage, string) {
 	b, err := json.Marshal(in)
 	if err != nil {
-		return ""
+		return nil, ""
 	}
 	sum := sha256.Sum256(b)
-	return "sha256:" + hex.EncodeToString(sum[:])
+	return b, "sha256:" + hex.EncodeToString(sum[:])
 }
 
 func newID() string {
@@ -381,20 +391,21 @@ func DecodeInput(k Kind, src []byte) (Input, error) {
 		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)
 	}
 	// "version" is accepted (and must be ours) but is not a field.
-	var probe struct {
-		Version *int `json:"version"`
-	}
-	if err := json.Unmarshal(src, &probe); err != nil {
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(src, &fields); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)
 	}
-	if probe.Version != nil && *probe.Version != InputVersion {
-		return nil, fmt.Errorf("%w: input version %d, this carreld speaks %d", ErrInvalidInput, *probe.Version, InputVersion)
+	if v, ok := fields["version"]; ok {
+		if string(v) != strconv.Itoa(InputVersion) {
+			return nil, fmt.Errorf("%w: input version %s, this carreld speaks %d", ErrInvalidInput, v, InputVersion)
+		}
+		delete(fields, "version")
 	}
-	stripped, err := withoutVersion(src)
+	stripped, err := json.Marshal(fields)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)
 	}
-	dec := json.NewDecoder(strings.NewReader(string(stripped)))
+	dec := json.NewDecoder(bytes.NewReader(stripped))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(in); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrInvalidInput, err)
@@ -403,15 +414,6 @@ func DecodeInput(k Kind, src []byte) (Input, error) {
 		return nil, err
 	}
 	return in, nil
-}
-
-func withoutVersion(src []byte) ([]byte, error) {
-	var m map[string]json.RawMessage
-	if err := json.Unmarshal(src, &m); err != nil {
-		return nil, err
-	}
-	delete(m, "version")
-	return json.Marshal(m)
 }
 
 const (

@@ -1,6 +1,12 @@
 // Package api serves carreld's public API: connect handlers for the
 // services in supervisor/proto/carrel/api/v1, reachable by gRPC clients and
 // by plain HTTP+JSON (curl) on a unix socket.
+//
+// Every call is authenticated and decided by the api policy in an
+// interceptor (authz.go) before a handler runs; each operation bound for a
+// guest is then decided again with its VM's policy (guard.go), and a
+// command's intent is made durable in the audit log (record.go), before
+// anything is forwarded.
 package api
 
 import (

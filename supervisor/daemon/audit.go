@@ -26,8 +26,8 @@ type decisionData struct {
 
 func (r decisionRecorder) record(ctx context.Context, d policy.Decision, in policy.Input) error {
 	data := decisionData{Decision: d}
-	if b, err := json.Marshal(in); err == nil && len(b) <= maxRecordedInput {
-		data.Input = b
+	if len(d.Input) <= maxRecordedInput {
+		data.Input = d.Input
 	}
 	b, err := json.Marshal(data)
 	if err != nil {
