@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/carrel-os/carrel/tests/harness"
 )
@@ -55,5 +56,113 @@ func TestAuditRecordsDecisions(t *testing.T) {
 	r := d.Carrel("audit", "verify", "--dir", tampered, "--key", key)
 	if r.Code != 1 || !strings.Contains(r.Stdout, "record ") || !strings.Contains(r.Stderr, "FAILED verification") {
 		t.Errorf("verify of a tampered copy: %+v", r)
+	}
+}
+
+// TestAuditDiskFull: when the audit log's disk fills, carreld admits
+// nothing and pauses the VMs; once there is room again it resumes them,
+// and the log verifies, with the pause and the outage on record.
+func TestAuditDiskFull(t *testing.T) {
+	d := harness.New(t)
+	dir := filepath.Join(d.State, "audit")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", dir).CombinedOutput(); err != nil {
+		t.Skipf("cannot mount a small tmpfs for the audit log (needs root): %v %s", err, out)
+	}
+	t.Cleanup(func() {
+		d.KillAllVMs()
+		d.Stop()
+		exec.Command("umount", "-l", dir).Run()
+	})
+	d.Start()
+	d.BuildImage()
+	d.Must("vm", "create", "full", "--memory", "256M")
+	d.Must("exec", "full", "--", "true")
+
+	// Fill the disk: dd stops at ENOSPC.
+	filler := filepath.Join(dir, "filler")
+	exec.Command("dd", "if=/dev/zero", "of="+filler, "bs=64k").Run()
+	// A record may still fit in the last page of records.log; within a
+	// few calls one needs a page the disk does not have.
+	var r harness.Result
+	for i := 0; i < 50; i++ {
+		if r = d.Carrel("exec", "full", "--", "true"); r.Code != 0 {
+			break
+		}
+	}
+	if r.Code == 0 || !strings.Contains(r.Stderr, "audit log unavailable") {
+		t.Fatalf("exec with the audit disk full: %+v", r)
+	}
+	waitFor(t, 10*time.Second, "the vm to be paused", func() bool { return strings.Contains(d.Logs(), "vm paused") })
+
+	if err := os.Remove(filler); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 15*time.Second, "the vm to be resumed", func() bool { return strings.Contains(d.Logs(), "vm resumed") })
+	if out := d.Must("exec", "full", "--", "echo", "back"); strings.TrimSpace(out) != "back" {
+		t.Fatalf("exec after the disk has room: %q", out)
+	}
+	if out := d.Must("vm", "ls"); strings.Contains(out, "paused") {
+		t.Errorf("vm ls after resume:\n%s", out)
+	}
+	d.Stop()
+	if out := d.Must("audit", "verify", "--dir", dir); !strings.Contains(out, "ok: the log is intact") {
+		t.Fatalf("verify:\n%s", out)
+	}
+	log, err := os.ReadFile(filepath.Join(dir, "records.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`"event":"paused"`, `"event":"resumed"`, `"cause":"fault"`} {
+		if !bytes.Contains(log, []byte(want)) {
+			t.Errorf("records.log has no %s", want)
+		}
+	}
+}
+
+// waitFor polls cond every 100 ms until it holds or timeout passes.
+func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", timeout, what)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestAuditCrash: kill -9 carreld while a command runs; the next carreld
+// records the command's outcome as unknown, and the log verifies.
+func TestAuditCrash(t *testing.T) {
+	d := harness.New(t)
+	d.Start()
+	d.BuildImage()
+	d.Must("vm", "create", "crash", "--memory", "256M")
+	done := make(chan harness.Result, 1)
+	go func() { done <- d.CarrelTimeout(60*time.Second, "exec", "crash", "--", "sleep", "30") }()
+	dir := filepath.Join(d.State, "audit")
+	waitFor(t, 20*time.Second, "the sleep's intent to be on record", func() bool {
+		b, _ := os.ReadFile(filepath.Join(dir, "records.log"))
+		return bytes.Contains(b, []byte(`"argv":["sleep","30"]`))
+	})
+	d.Kill()
+	<-done // the client sees its connection drop
+	d.Start()
+	d.Must("exec", "crash", "--", "true") // the VM was adopted
+	d.Stop()
+	if out := d.Must("audit", "verify", "--dir", dir); !strings.Contains(out, "ok: the log is intact") {
+		t.Fatalf("verify:\n%s", out)
+	}
+	log, err := os.ReadFile(filepath.Join(dir, "records.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`"outcome":"unknown"`, `"cause":"restart"`, `"event":"adopted"`} {
+		if !bytes.Contains(log, []byte(want)) {
+			t.Errorf("records.log has no %s", want)
+		}
 	}
 }

@@ -33,7 +33,19 @@ echo "exit code: $?"
 carrel cp demo:/etc/shadow -    # denied by the default policy, naming the rule
 set -e
 carrel policy decisions --vm demo --limit 5
-carrel audit verify --dir "$work/state/audit" --key "$("$BIN/carrel" audit key --dir "$work/state/audit")"
+audit=$work/state/audit
+key=$("$BIN/carrel" audit key --dir "$audit")
+session=$("$BIN/carrel" vm ls -o json | sed -n 's/.*"session": *"\(ses_[0-9a-f]*\)".*/\1/p' | head -1)
 carrel vm stop demo
 carrel vm ls
 carrel vm rm demo
+# Review, offline, as a compliance reviewer would: carreld stops first, and
+# signs a last checkpoint.
+kill "$carreld_pid" && wait "$carreld_pid" || true
+carrel audit show "$session" --dir "$audit" --kind 'vm.lifecycle,action.intent,exec.exit,file.op'
+carrel audit replay "$session" --dir "$audit" --speed 20
+carrel audit export "$session" --dir "$audit" --key "$key" -o "$work/evidence.tar"
+carrel audit report "$session" --dir "$audit" -o "$work/report.html"
+carrel audit verify --bundle "$work/evidence.tar" --key "$key"
+carrel audit verify --dir "$audit" --key "$key"
+echo "evidence bundle: $work/evidence.tar; report: $work/report.html" >&2

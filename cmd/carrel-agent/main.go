@@ -8,7 +8,9 @@
 // Every command it starts runs with no_new_privs, and, once the host has
 // set a sandbox (SetSandbox), inside a Landlock domain where the kernel has
 // Landlock; the file service then keeps to the sandbox's roots. The agent
-// itself is never confined.
+// itself is never confined. As PID 1 it starts each command in a cgroup of
+// its own; as root it watches what commands do in /workspace (package
+// activity) for the host's Activity call.
 package main
 
 import (
@@ -27,6 +29,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/carrel-os/carrel/guest-agent/activity"
+	"github.com/carrel-os/carrel/guest-agent/cgroups"
 	"github.com/carrel-os/carrel/guest-agent/exec"
 	"github.com/carrel-os/carrel/guest-agent/files"
 	"github.com/carrel-os/carrel/guest-agent/initsys"
@@ -109,10 +113,11 @@ func main() {
 	}
 	// One sandbox for the agent's life: it outlives a serve that fails.
 	sb := &sandbox.Guard{Log: log}
+	w := watchWorkspace(log, pid1)
 
 	backoff := time.Second
 	for {
-		err := serve(ctx, log, o, pid1, sb)
+		err := serve(ctx, log, o, pid1, sb, w)
 		if ctx.Err() != nil {
 			return
 		}
@@ -130,9 +135,46 @@ func main() {
 	}
 }
 
+// workspace is how commands are grouped and watched; both parts may be
+// nil.
+type workspace struct {
+	groups   *cgroups.Dir
+	activity *activity.Monitor
+}
+
+// watchWorkspace gives each command a cgroup of its own (as PID 1, which
+// owns the hierarchy) and starts the watch of what commands do in the
+// workspace (as root). What cannot be had is logged and done without.
+func watchWorkspace(log *slog.Logger, pid1 bool) workspace {
+	var w workspace
+	if pid1 {
+		d, err := cgroups.Open(cgroups.Mount, "carrel")
+		if err != nil {
+			log.Warn("commands get no cgroup of their own", "err", err)
+		} else {
+			w.groups = d
+		}
+	}
+	if os.Geteuid() != 0 {
+		log.Info("not root: the workspace's activity is not watched")
+		return w
+	}
+	opts := activity.Options{Root: exec.DefaultDir, Log: log}
+	if w.groups != nil {
+		opts.Cgroup = w.groups.ExecID
+	}
+	m, err := activity.Start(opts)
+	if err != nil {
+		log.Warn("the workspace's activity is not watched", "err", err)
+		return w
+	}
+	w.activity = m
+	return w
+}
+
 // serve listens on the chosen transport, prints the ready line, and serves
 // until ctx ends or serving fails.
-func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sandbox.Guard) error {
+func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sandbox.Guard, w workspace) error {
 	l, name, err := listen(ctx, log, o, pid1)
 	if err != nil {
 		return err
@@ -140,14 +182,19 @@ func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sand
 	log.Info("listening", "transport", name, "addr", l.Addr())
 	l = wrapListener(l, log)
 	fmt.Printf("%s transport=%s\n", protocol.ReadyMarker, name)
-	return server.Serve(ctx, l, server.Config{
+	cfg := server.Config{
 		Transport: name,
 		Log:       log,
 		PowerOff:  func(reboot bool) { powerOff(log, pid1, reboot) },
 		Sandbox:   sb,
-		Runner:    &exec.Runner{Reaper: reaper.Default(), Sandbox: sb},
+		Runner:    &exec.Runner{Reaper: reaper.Default(), Sandbox: sb, Cgroups: w.groups},
 		Files:     files.New(files.Options{Owner: fileOwner(log, pid1), Sandbox: sb}),
-	})
+	}
+	if w.activity != nil {
+		cfg.Runner.OnStart = w.activity.Started
+		cfg.Activity = w.activity.Serve
+	}
+	return server.Serve(ctx, l, cfg)
 }
 
 // fileOwner is who owns what the host puts in the guest: the agent user,

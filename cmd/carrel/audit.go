@@ -17,9 +17,9 @@ import (
 // carreld, so that a reviewer needs neither carreld nor its trust.
 const defaultAuditDir = "/var/lib/carrel/audit"
 
-func newAuditCmd() *cobra.Command {
-	c := &cobra.Command{Use: "audit", Short: "Check the tamper-evident audit log (offline, on its files)"}
-	c.AddCommand(newAuditKeyCmd(), newAuditVerifyCmd())
+func newAuditCmd(g *globals) *cobra.Command {
+	c := &cobra.Command{Use: "audit", Short: "Review the tamper-evident audit log: verify, show, replay, export, report (offline, on its files), and rerun a session"}
+	c.AddCommand(newAuditKeyCmd(), newAuditVerifyCmd(), newAuditShowCmd(), newAuditReplayCmd(), newAuditExportCmd(), newAuditReportCmd(), newAuditRerunCmd(g))
 	return c
 }
 
@@ -43,20 +43,28 @@ func newAuditKeyCmd() *cobra.Command {
 }
 
 func newAuditVerifyCmd() *cobra.Command {
-	var dir, key, output string
+	var dir, key, output, bundle string
 	var checkpoints []string
 	c := &cobra.Command{
-		Use:   "verify [--key KEY] [--checkpoint FILE]...",
+		Use:   "verify [--key KEY] [--checkpoint FILE]... | verify --bundle FILE [--key KEY]",
 		Short: "Recompute the Merkle tree, check every checkpoint's signature and root, and every blob",
 		Long: "Reports every flipped, dropped, reordered or truncated record, replaced blob and forged\n" +
 			"checkpoint, with its position. Exits 1 when there is any. Without --key the log's own\n" +
 			"key.pub is used, which proves less: pass the key you kept (carrel audit key).\n" +
 			"--checkpoint holds the log to a checkpoint you kept from earlier, so a log cut back\n" +
-			"below it is caught even if its own checkpoints were cut too.",
+			"below it is caught even if its own checkpoints were cut too.\n" +
+			"--bundle checks an evidence bundle (carrel audit export) instead of a log: the checkpoint's\n" +
+			"signature, each record's inclusion proof, each blob, and the manifest.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := checkOutput(output); err != nil {
 				return err
+			}
+			if bundle != "" {
+				if len(checkpoints) > 0 || cmd.Flags().Changed("dir") {
+					return fmt.Errorf("--bundle checks a bundle, not a log: --dir and --checkpoint do not apply")
+				}
+				return verifyBundle(cmd, bundle, strings.TrimSpace(key), output)
 			}
 			opts := audit.VerifyOptions{Key: strings.TrimSpace(key)}
 			for _, f := range checkpoints {
@@ -104,6 +112,7 @@ func newAuditVerifyCmd() *cobra.Command {
 	c.Flags().StringVar(&dir, "dir", defaultAuditDir, "the audit log's directory (carreld's state dir + /audit, or a copy)")
 	c.Flags().StringVar(&key, "key", "", "the verifier key to hold checkpoints to (from carrel audit key)")
 	c.Flags().StringArrayVar(&checkpoints, "checkpoint", nil, "a signed checkpoint kept from earlier (repeatable)")
+	c.Flags().StringVar(&bundle, "bundle", "", "check this evidence bundle (from carrel audit export) instead of a log")
 	addOutputFlag(c, &output)
 	return c
 }

@@ -28,9 +28,13 @@ func newVMListCmd(g *globals) *cobra.Command {
 				return printJSON(cmd.OutOrStdout(), resp.Msg)
 			}
 			w := newTable()
-			fmt.Fprintln(w, "NAME\tSTATE\tAGENT\tCPUS\tMEMORY\tIMAGE\tPOLICY\tPID")
+			fmt.Fprintln(w, "NAME\tSTATE\tAGENT\tCPUS\tMEMORY\tIMAGE\tPOLICY\tSESSION\tPID")
 			for _, v := range resp.Msg.Vms {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%dM\t%s\t%s\t%d\n", v.Name, stateName(v.State), agentName(v.AgentState), v.Cpus, v.MemoryBytes>>20, short(v.ImageDigest), v.Policy, v.Pid)
+				state := stateName(v.State)
+				if v.Paused {
+					state += " (paused)"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%dM\t%s\t%s\t%s\t%d\n", v.Name, state, agentName(v.AgentState), v.Cpus, v.MemoryBytes>>20, short(v.ImageDigest), v.Policy, v.Session, v.Pid)
 			}
 			return w.Flush()
 		},

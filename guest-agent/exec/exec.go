@@ -26,6 +26,7 @@ import (
 	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
 
+	"github.com/carrel-os/carrel/guest-agent/cgroups"
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/pty"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
@@ -83,6 +84,14 @@ type Runner struct {
 	// never dropped, however slowly the client reads it. Zero means
 	// DefaultWaitDelay.
 	WaitDelay time.Duration
+	// Cgroups, when set, starts every command in a cgroup of its own named
+	// by its id, which every process it starts inherits. A command whose
+	// group cannot be made starts without one.
+	Cgroups *cgroups.Dir
+	// OnStart, when set, is told each command's pid and id as it starts,
+	// before Start returns (package activity uses it to attribute what
+	// the command does).
+	OnStart func(pid int, id string)
 
 	mu      sync.Mutex
 	running map[string]*Proc // by id

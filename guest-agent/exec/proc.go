@@ -82,16 +82,48 @@ func (r *Runner) Start(req *agentv1.ExecRequest, stdin bool) (*Proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	p, err := r.start(c, stdin)
+	id, group := r.newGroup()
+	p, err := r.start(c, stdin, id, group)
+	if group != nil {
+		group.Close()
+	}
 	if err != nil {
+		if group != nil {
+			r.Cgroups.Remove(id)
+		}
 		return nil, err
 	}
 	r.register(p)
+	if r.OnStart != nil {
+		r.OnStart(p.Pid, p.ID)
+	}
 	return p, nil
 }
 
-func (r *Runner) start(c *command, withStdin bool) (_ *Proc, err error) {
-	p := &Proc{r: r, argv0: c.argv[0], done: make(chan struct{})}
+// newGroup picks the id of a command about to start and, with Cgroups,
+// makes its group. Without Cgroups (or if the group cannot be made) the id
+// is "", for register to pick, and the group nil.
+func (r *Runner) newGroup() (string, *os.File) {
+	if r.Cgroups == nil {
+		return "", nil
+	}
+	for range 4 { // a taken id (os.ErrExist) is all but impossible
+		id := NewID()
+		f, err := r.Cgroups.Create(id)
+		if err == nil {
+			return id, f
+		}
+		if !errors.Is(err, os.ErrExist) {
+			break
+		}
+	}
+	return "", nil
+}
+
+// start starts the command with the given id ("" for register to pick),
+// in group when that is not nil.
+func (r *Runner) start(c *command, withStdin bool, id string, group *os.File) (_ *Proc, err error) {
+	p := &Proc{ID: id, r: r, argv0: c.argv[0], done: make(chan struct{})}
 	var childFiles []*os.File // the child's ends, closed here once it has them
 	defer func() {
 		for _, f := range childFiles {
@@ -109,6 +141,9 @@ func (r *Runner) start(c *command, withStdin bool) (_ *Proc, err error) {
 		return connect.NewError(connect.CodeInternal, fmt.Errorf("exec: %s: %w", what, err))
 	}
 	sys := &syscall.SysProcAttr{Credential: c.cred}
+	if group != nil {
+		sys.UseCgroupFD, sys.CgroupFD = true, int(group.Fd())
+	}
 	var files []*os.File
 	if c.tty {
 		master, slave, err := pty.Open()
@@ -268,6 +303,9 @@ func (p *Proc) supervise(pumps *sync.WaitGroup) {
 		ws, _ = p.rp.Wait(context.Background()) // SIGKILL cannot be ignored
 	}
 	p.r.unregister(p)
+	if p.r.Cgroups != nil {
+		p.r.Cgroups.Remove(p.ID)
+	}
 	p.exited.Store(true)
 	quiet := time.Now().Add(p.r.waitDelay())
 	for _, f := range p.outs {

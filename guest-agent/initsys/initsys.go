@@ -1,7 +1,7 @@
 //go:build linux
 
 // Package initsys does what PID 1 must do in the minimal guest image: mount
-// the kernel file systems, turn on the kernel's link protections, load the
+// the kernel file systems (cgroup v2 among them), turn on the kernel's link protections, load the
 // transport's kernel modules, set the hostname, bring up the loopback
 // interface, and power the machine off.
 // Everything here refuses to run unless the process is PID 1, so that it
@@ -46,6 +46,8 @@ var mounts = []mount{
 	{"devtmpfs", "/dev", "devtmpfs", unix.MS_NOSUID, "mode=0755", 0o755},
 	{"proc", "/proc", "proc", nodevNosuidNoexec, "", 0o555},
 	{"sysfs", "/sys", "sysfs", nodevNosuidNoexec, "", 0o555},
+	// Each command gets a group of its own here (package cgroups).
+	{"cgroup2", "/sys/fs/cgroup", "cgroup2", nodevNosuidNoexec, "", 0o755},
 	{"devpts", "/dev/pts", "devpts", unix.MS_NOSUID | unix.MS_NOEXEC, "mode=0620,ptmxmode=0666", 0o755},
 	{"shm", "/dev/shm", "tmpfs", nodevNosuid, "mode=1777", 0o1777},
 	{"tmpfs", "/tmp", "tmpfs", nodevNosuid, "mode=1777", 0o1777},

@@ -62,6 +62,10 @@ type Config struct {
 	// PowerOff is called once a Shutdown call has been answered and the
 	// server has stopped; nil makes Shutdown fail with CodeUnimplemented.
 	PowerOff func(reboot bool)
+	// Activity serves the Activity call: it sends batches to send until
+	// ctx ends or sending fails (activity.Monitor.Serve). nil makes the
+	// call fail with CodeUnimplemented.
+	Activity func(ctx context.Context, send func(*agentv1.ActivityResponse) error) error
 	// Log receives server logs; nil means slog.Default().
 	Log *slog.Logger
 }

@@ -51,6 +51,7 @@ procedures := {
 	# carreld's own business: its handlers refuse to relay these, whoever asks.
 	"/carrel.agent.v1.AgentService/Shutdown": "admin",
 	"/carrel.agent.v1.AgentService/SetSandbox": "admin",
+	"/carrel.agent.v1.AgentService/Activity": "admin",
 	"/carrel.agent.v1.FileService/Stat": "files_read",
 	"/carrel.agent.v1.FileService/List": "files_read",
 	"/carrel.agent.v1.FileService/Read": "files_read",

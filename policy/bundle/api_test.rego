@@ -208,7 +208,9 @@ test_procedure_classes if {
 test_shutdown_and_set_sandbox_are_admin if {
 	api.procedures["/carrel.agent.v1.AgentService/Shutdown"] == "admin"
 	api.procedures["/carrel.agent.v1.AgentService/SetSandbox"] == "admin"
+	api.procedures["/carrel.agent.v1.AgentService/Activity"] == "admin"
 	denied_by(decide(token("demo"), "/carrel.agent.v1.AgentService/SetSandbox", "demo"), "carrel.api.token_class")
+	denied_by(decide(token("demo"), "/carrel.agent.v1.AgentService/Activity", "demo"), "carrel.api.token_class")
 }
 
 test_operator_groups if {

@@ -22,9 +22,11 @@ import (
 type authzInterceptor struct{ cfg Config }
 
 func (a authzInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
-	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+	return func(ctx context.Context, req connect.AnyRequest) (_ connect.AnyResponse, err error) {
 		msg, _ := req.Any().(proto.Message)
-		ctx, err := a.authorize(ctx, req.Spec().Procedure, req.Header().Get(VMHeader), req.Header(), msg)
+		call := a.cfg.newCall(req.Spec().Procedure)
+		defer func() { a.cfg.recordCall(ctx, call, err) }()
+		ctx, err = a.authorize(ctx, call, req.Header().Get(VMHeader), req.Header(), msg)
 		if err != nil {
 			return nil, err
 		}
@@ -37,14 +39,16 @@ func (authzInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) co
 }
 
 func (a authzInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
-	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
+	return func(ctx context.Context, conn connect.StreamingHandlerConn) (err error) {
 		proc := conn.Spec().Procedure
+		call := a.cfg.newCall(proc)
+		defer func() { a.cfg.recordCall(ctx, call, err) }()
 		if proc == apiv1connect.VMServiceExecProcedure {
 			// The VM is in the request message, which has not arrived yet:
 			// decide when the handler receives it, before it acts on it.
-			return next(ctx, &authorizeOnReceive{StreamingHandlerConn: conn, a: a, ctx: &ctx})
+			return next(ctx, &authorizeOnReceive{StreamingHandlerConn: conn, a: a, ctx: &ctx, call: call})
 		}
-		ctx, err := a.authorize(ctx, proc, conn.RequestHeader().Get(VMHeader), conn.RequestHeader(), nil)
+		ctx, err = a.authorize(ctx, call, conn.RequestHeader().Get(VMHeader), conn.RequestHeader(), nil)
 		if err != nil {
 			return err
 		}
@@ -57,6 +61,7 @@ type authorizeOnReceive struct {
 	connect.StreamingHandlerConn
 	a    authzInterceptor
 	ctx  *context.Context
+	call *apiCall
 	done bool
 }
 
@@ -69,13 +74,13 @@ func (c *authorizeOnReceive) Receive(m any) error {
 	}
 	c.done = true
 	msg, _ := m.(proto.Message)
-	_, err := c.a.authorize(*c.ctx, c.Spec().Procedure, c.RequestHeader().Get(VMHeader), c.RequestHeader(), msg)
+	_, err := c.a.authorize(*c.ctx, c.call, c.RequestHeader().Get(VMHeader), c.RequestHeader(), msg)
 	return err
 }
 
 // authorize authenticates the caller, decides the api policy, and returns
 // ctx carrying the caller for the handler's own decisions.
-func (a authzInterceptor) authorize(ctx context.Context, procedure, headerVM string, h map[string][]string, msg proto.Message) (context.Context, error) {
+func (a authzInterceptor) authorize(ctx context.Context, call *apiCall, headerVM string, h map[string][]string, msg proto.Message) (context.Context, error) {
 	if a.cfg.Policies == nil {
 		return ctx, nil // no policy engine wired (unit tests of handlers)
 	}
@@ -85,10 +90,13 @@ func (a authzInterceptor) authorize(ctx context.Context, procedure, headerVM str
 	}
 	vm := headerVM
 	if vm == "" {
-		vm = vmInMessage(procedure, msg)
+		vm = vmInMessage(call.Procedure, msg)
 	}
-	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: procedure, VM: vm}
-	if err := a.cfg.decide(ctx, in); err != nil {
+	call.Caller, call.VM = &caller, vm
+	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: call.Procedure, VM: vm}
+	d, err := a.cfg.decision(ctx, in)
+	call.Decision = d.ID
+	if err != nil {
 		return ctx, err
 	}
 	return identity.WithCaller(ctx, caller), nil
@@ -134,22 +142,28 @@ func (cfg Config) policyFor(vm string) string {
 // PermissionDenied naming the rule; bad input is InvalidArgument; an
 // evaluation failure denies too.
 func (cfg Config) decide(ctx context.Context, in policy.Input) error {
+	_, err := cfg.decision(ctx, in)
+	return err
+}
+
+// decision is decide, returning the decision too.
+func (cfg Config) decision(ctx context.Context, in policy.Input) (policy.Decision, error) {
 	if cfg.Policies == nil {
-		return nil
+		return policy.Decision{}, nil
 	}
 	d, err := cfg.Policies.Decide(ctx, cfg.policyFor(in.VMName()), in)
 	switch {
 	case errors.Is(err, policies.ErrNotRecorded):
-		return connect.NewError(connect.CodeUnavailable, err)
+		return d, connect.NewError(connect.CodeUnavailable, err)
 	case errors.Is(err, policy.ErrInvalidInput):
-		return connect.NewError(connect.CodeInvalidArgument, err)
+		return d, connect.NewError(connect.CodeInvalidArgument, err)
 	case err != nil:
-		return connect.NewError(connect.CodePermissionDenied, fmt.Errorf("denied: %w [decision %s]", err, d.ID))
+		return d, connect.NewError(connect.CodePermissionDenied, fmt.Errorf("denied: %w [decision %s]", err, d.ID))
 	}
 	if e := d.Err(); e != nil {
-		return connect.NewError(connect.CodePermissionDenied, e)
+		return d, connect.NewError(connect.CodePermissionDenied, e)
 	}
-	return nil
+	return d, nil
 }
 
 // callerOf returns the caller the interceptor authenticated; handlers

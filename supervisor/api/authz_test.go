@@ -16,6 +16,7 @@ import (
 	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/auditrec"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
@@ -108,10 +109,15 @@ func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driv
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { alog.Close() })
+	// Recorded as carreld records them.
+	decisions := &auditrec.Decisions{Log: alog}
+	pols.Record = decisions.Record
 	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second,
 		PolicyExists: func(n string) error { _, err := pols.Get(n); return err },
 		AgentReady:   pols.GiveSandbox,
+		OnEvent:      auditrec.Lifecycle(alog, pols),
 	})
+	decisions.Session = m.SessionOf
 	t.Cleanup(func() { m.Close() })
 	sock := filepath.Join(dir, "api.sock")
 	l, err := net.Listen("unix", sock)

@@ -100,16 +100,25 @@ func (r *fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatR
 		return nil, err
 	}
 	resp, err := c.Stat(ctx, connect.NewRequest(req.Msg))
+	if err == nil {
+		err = checkInfo(resp.Msg.Info)
+	}
+	op := fileOp{Op: "stat", Path: req.Msg.Path}
+	if err == nil {
+		op.Size = resp.Msg.Info.Size
+	}
+	r.cfg.recordRead(ctx, req.Header(), op, err)
 	if err != nil {
 		return nil, relayErr(ctx, done, err)
-	}
-	if err := checkInfo(resp.Msg.Info); err != nil {
-		return nil, err
 	}
 	return connect.NewResponse(resp.Msg), nil
 }
 
-func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListRequest], out *connect.ServerStream[agentv1.ListResponse]) error {
+func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListRequest], out *connect.ServerStream[agentv1.ListResponse]) (err error) {
+	var n uint32
+	defer func() {
+		r.cfg.recordRead(ctx, req.Header(), fileOp{Op: "list", Path: req.Msg.Path, Entries: int(n)}, err)
+	}()
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpList, &req.Msg.Path, req.Msg.Recursive); err != nil {
 		return err
 	}
@@ -127,7 +136,6 @@ func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListR
 		return relayErr(ctx, done, err)
 	}
 	defer s.Close()
-	var n uint32
 	for s.Receive() {
 		msg := s.Msg()
 		if len(msg.Entries) > maxListBatch {
@@ -149,10 +157,15 @@ func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListR
 	return relayErr(ctx, done, s.Err())
 }
 
-func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequest], out *connect.ServerStream[agentv1.ReadResponse]) error {
+func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequest], out *connect.ServerStream[agentv1.ReadResponse]) (err error) {
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpRead, &req.Msg.Path, false); err != nil {
 		return err
 	}
+	var total int64
+	sum := sha256.New() // of what the client was sent
+	defer func() {
+		r.cfg.recordRead(ctx, req.Header(), fileOp{Op: "read", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
+	}()
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return err
@@ -162,12 +175,12 @@ func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadR
 		return relayErr(ctx, done, err)
 	}
 	defer s.Close()
-	var total int64
 	for s.Receive() {
-		total += int64(len(s.Msg().Data))
-		if req.Msg.Length > 0 && total > req.Msg.Length {
+		if req.Msg.Length > 0 && total+int64(len(s.Msg().Data)) > req.Msg.Length {
 			return errGuest("sent more than the %d bytes asked for", req.Msg.Length)
 		}
+		total += int64(len(s.Msg().Data))
+		sum.Write(s.Msg().Data)
 		if err := out.Send(s.Msg()); err != nil {
 			return err
 		}
@@ -185,7 +198,7 @@ func (r *fileRelay) WriteTar(ctx context.Context, in *connect.ClientStream[agent
 
 // relayWrite passes a header, data and commit stream on to the guest.
 func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest], tree bool,
-	open func(agentv1connect.FileServiceClient, context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse]) (*connect.Response[agentv1.WriteResponse], error) {
+	open func(agentv1connect.FileServiceClient, context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse]) (_ *connect.Response[agentv1.WriteResponse], err error) {
 	c, done, err := r.files(in.RequestHeader())
 	if err != nil {
 		return nil, err
@@ -203,6 +216,24 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 	if err := r.cfg.allowFile(ctx, in.RequestHeader(), policy.OpWrite, &hdr.Path, tree); err != nil {
 		return nil, err
 	}
+	act, err := r.cfg.beginFile(ctx, in.RequestHeader(), fileIntent{Action: "file.write", Path: hdr.Path, Mode: hdr.Mode, Tar: tree})
+	if err != nil {
+		return nil, err
+	}
+	op := fileOp{Op: "write", Path: hdr.Path}
+	if tree {
+		op.Op = "write_tar"
+	}
+	content := r.cfg.newContentBlob()
+	var resp *connect.Response[agentv1.WriteResponse]
+	defer func() {
+		blob, why := content.finish(err != nil)
+		op.Content = why
+		if resp != nil {
+			op.Size, op.Digest = resp.Msg.Size, resp.Msg.Digest
+		}
+		act.end(ctx, op, blob, err)
+	}()
 	// Cancelled when we return, so the guest drops a write that did not
 	// complete instead of committing it.
 	ctx, cancel := context.WithCancel(ctx)
@@ -224,26 +255,33 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 		// that closed without one gave up, and the guest writes nothing.
 		sent += int64(len(in.Msg().GetData()))
 		sum.Write(in.Msg().GetData())
+		content.write(in.Msg().GetData())
 	}
 	if err := in.Err(); err != nil {
 		return nil, err
 	}
-	resp, err := s.CloseAndReceive()
+	got, err := s.CloseAndReceive()
 	if err != nil {
 		return nil, relayErr(ctx, done, err)
 	}
-	if resp.Msg.Size != sent {
-		return nil, errGuest("write reply does not match what was sent (%d bytes sent, %d reported)", sent, resp.Msg.Size)
+	if got.Msg.Size != sent {
+		return nil, errGuest("write reply does not match what was sent (%d bytes sent, %d reported)", sent, got.Msg.Size)
 	}
-	return connect.NewResponse(&agentv1.WriteResponse{Size: sent, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}), nil
+	resp = connect.NewResponse(&agentv1.WriteResponse{Size: sent, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))})
+	return resp, nil
 }
 
 // ReadTar relays an archive. carreld does not look inside: whoever
 // extracts it must treat it as hostile (tarfs.Extract does).
-func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.ReadTarRequest], out *connect.ServerStream[agentv1.ReadResponse]) error {
+func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.ReadTarRequest], out *connect.ServerStream[agentv1.ReadResponse]) (err error) {
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpRead, &req.Msg.Path, true); err != nil {
 		return err
 	}
+	var total int64
+	sum := sha256.New()
+	defer func() {
+		r.cfg.recordRead(ctx, req.Header(), fileOp{Op: "read_tar", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
+	}()
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return err
@@ -254,6 +292,8 @@ func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.Re
 	}
 	defer s.Close()
 	for s.Receive() {
+		total += int64(len(s.Msg().Data))
+		sum.Write(s.Msg().Data)
 		if err := out.Send(s.Msg()); err != nil {
 			return err
 		}
@@ -261,16 +301,25 @@ func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.Re
 	return relayErr(ctx, done, s.Err())
 }
 
-// unary relays a call whose reply carries nothing to check.
-func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Request[Req],
+// unary relays a file action whose reply carries nothing to check: its
+// intent is recorded before the guest sees it, its outcome after.
+func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Request[Req], intent fileIntent,
 	call func(agentv1connect.FileServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Resp], error)) (*connect.Response[Resp], error) {
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return nil, err
 	}
+	act, err := r.cfg.beginFile(ctx, req.Header(), intent)
+	if err != nil {
+		return nil, err
+	}
 	resp, err := call(c, ctx, connect.NewRequest(req.Msg))
 	if err != nil {
-		return nil, relayErr(ctx, done, err)
+		err = relayErr(ctx, done, err)
+	}
+	act.end(ctx, fileOp{Op: strings.TrimPrefix(intent.Action, "file."), Path: intent.Path, To: intent.To}, "", err)
+	if err != nil {
+		return nil, err
 	}
 	return connect.NewResponse(resp.Msg), nil
 }
@@ -279,14 +328,14 @@ func (r *fileRelay) MakeDir(ctx context.Context, req *connect.Request[agentv1.Ma
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.Path, req.Msg.Parents); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, agentv1connect.FileServiceClient.MakeDir)
+	return unary(ctx, r, req, fileIntent{Action: "file.mkdir", Path: req.Msg.Path, Mode: req.Msg.Mode, Recursive: req.Msg.Parents}, agentv1connect.FileServiceClient.MakeDir)
 }
 
 func (r *fileRelay) Remove(ctx context.Context, req *connect.Request[agentv1.RemoveRequest]) (*connect.Response[agentv1.RemoveResponse], error) {
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpDelete, &req.Msg.Path, req.Msg.Recursive); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, agentv1connect.FileServiceClient.Remove)
+	return unary(ctx, r, req, fileIntent{Action: "file.remove", Path: req.Msg.Path, Recursive: req.Msg.Recursive}, agentv1connect.FileServiceClient.Remove)
 }
 
 func (r *fileRelay) Rename(ctx context.Context, req *connect.Request[agentv1.RenameRequest]) (*connect.Response[agentv1.RenameResponse], error) {
@@ -297,19 +346,19 @@ func (r *fileRelay) Rename(ctx context.Context, req *connect.Request[agentv1.Ren
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.To, true); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, agentv1connect.FileServiceClient.Rename)
+	return unary(ctx, r, req, fileIntent{Action: "file.rename", Path: req.Msg.From, To: req.Msg.To}, agentv1connect.FileServiceClient.Rename)
 }
 
 func (r *fileRelay) Chmod(ctx context.Context, req *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error) {
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, agentv1connect.FileServiceClient.Chmod)
+	return unary(ctx, r, req, fileIntent{Action: "file.chmod", Path: req.Msg.Path, Mode: req.Msg.Mode}, agentv1connect.FileServiceClient.Chmod)
 }
 
 func (r *fileRelay) Chown(ctx context.Context, req *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error) {
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, agentv1connect.FileServiceClient.Chown)
+	return unary(ctx, r, req, fileIntent{Action: "file.chown", Path: req.Msg.Path, UID: &req.Msg.Uid, GID: &req.Msg.Gid}, agentv1connect.FileServiceClient.Chown)
 }

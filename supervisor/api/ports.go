@@ -31,7 +31,7 @@ var _ agentv1connect.PortServiceHandler = (*portRelay)(nil)
 // Connect relays one connection. It ends when the guest ends the call
 // (after both directions are closed, or with the connection's error), when
 // the client goes away, or when either side breaks the protocol.
-func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.PortData, agentv1.PortData]) error {
+func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.PortData, agentv1.PortData]) (err error) {
 	link, err := linkFor(r.cfg, in.RequestHeader())
 	if err != nil {
 		return err
@@ -53,6 +53,12 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 	if err := r.cfg.allowForward(ctx, in.RequestHeader().Get(VMHeader), open.Host, open.Port); err != nil {
 		return err
 	}
+	var chk portCheck
+	act, err := r.cfg.beginForward(ctx, in.RequestHeader(), open.Host, open.Port)
+	if err != nil {
+		return err
+	}
+	defer func() { act.endForward(ctx, chk.fromGuest, err) }()
 	c, done := link.Ports()
 
 	ctx, cancel := context.WithCancel(ctx)
@@ -90,7 +96,6 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 		}
 	}()
 
-	var chk portCheck
 	for {
 		msg, err := g.Receive()
 		if err != nil {
@@ -158,7 +163,8 @@ func relayToGuest(in *connect.BidiStream[agentv1.PortData, agentv1.PortData], g 
 // portCheck enforces the shape of the guest's side of a connection after
 // opened: data chunks of at most maxPortChunk, then one close, then nothing.
 type portCheck struct {
-	closed bool
+	closed    bool
+	fromGuest int64 // data bytes relayed from the guest
 }
 
 // check returns the message to pass on, rebuilt from what was checked.
@@ -171,6 +177,7 @@ func (c *portCheck) check(msg *agentv1.PortData) (*agentv1.PortData, error) {
 		if len(m.Data) > maxPortChunk {
 			return nil, errGuest("a %d-byte chunk, over the %d-byte cap", len(m.Data), maxPortChunk)
 		}
+		c.fromGuest += int64(len(m.Data))
 		return &agentv1.PortData{Msg: &agentv1.PortData_Data{Data: m.Data}}, nil
 	case *agentv1.PortData_Close:
 		if c.closed {

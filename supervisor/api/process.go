@@ -60,6 +60,12 @@ func (r *agentRelay) SetSandbox(context.Context, *connect.Request[agentv1.SetSan
 	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("the guest sandbox is not relayed: it follows the vm's policy (carrel policy apply)"))
 }
 
+// Activity is carreld's alone: it records the guest's workspace activity
+// in the audit log (carrel audit), where clients read it.
+func (r *agentRelay) Activity(context.Context, *connect.Request[agentv1.ActivityRequest], *connect.ServerStream[agentv1.ActivityResponse]) error {
+	return connect.NewError(connect.CodePermissionDenied, errors.New("workspace activity is not relayed: carreld records it in the audit log"))
+}
+
 func (r *agentRelay) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
 	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("shutdown is not relayed: stop the vm with VMService.StopVM (carrel vm stop)"))
 }
@@ -73,11 +79,11 @@ func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.Exec
 		return err
 	}
 	var chk eventCheck
-	finish, err := r.cfg.beginExec(ctx, req.Header().Get(VMHeader), req.Msg, false)
+	rec, err := r.cfg.beginExec(ctx, req.Header().Get(VMHeader), req.Msg, false)
 	if err != nil {
 		return err
 	}
-	defer func() { finish(&chk, err) }()
+	defer func() { rec.finish(ctx, &chk, err) }()
 	s, err := c.Exec(ctx, connect.NewRequest(req.Msg))
 	if err != nil {
 		return relayErr(ctx, done, err)
@@ -85,6 +91,9 @@ func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.Exec
 	defer s.Close()
 	for s.Receive() {
 		if err := chk.check(s.Msg()); err != nil {
+			return err
+		}
+		if err := rec.event(ctx, s.Msg()); err != nil {
 			return err
 		}
 		if err := out.Send(s.Msg()); err != nil {
@@ -108,19 +117,18 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("process: no first message: %w", err))
 	}
 	var chk eventCheck
-	finish := func(*eventCheck, error) {} // an attach started nothing
+	var rec *execRecord // nil for an attach, which started nothing
 	if start := first.GetStart(); start != nil {
 		vm := in.RequestHeader().Get(VMHeader)
 		if err := r.cfg.allowExec(ctx, vm, start); err != nil {
 			return err
 		}
-		f, ferr := r.cfg.beginExec(ctx, vm, start, start.Detach)
-		if ferr != nil {
-			return ferr
+		rec, err = r.cfg.beginExec(ctx, vm, start, start.Detach)
+		if err != nil {
+			return err
 		}
-		finish = f
 	}
-	defer func() { finish(&chk, err) }()
+	defer func() { rec.finish(ctx, &chk, err) }()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	g := c.Process(ctx)
@@ -141,6 +149,11 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 				g.CloseRequest()
 				return
 			}
+			// What the guest is sent is recorded first.
+			if rec.output(ctx, streamStdin, msg.GetStdin()) != nil {
+				cancel()
+				return
+			}
 			if g.Send(msg) != nil {
 				return
 			}
@@ -152,6 +165,9 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 			return chk.end(relayErr(ctx, done, ignoreEOF(err)))
 		}
 		if err := chk.check(ev); err != nil {
+			return err
+		}
+		if err := rec.event(ctx, ev); err != nil {
 			return err
 		}
 		if err := in.Send(ev); err != nil {
@@ -205,6 +221,7 @@ func (r *agentRelay) Signal(ctx context.Context, req *connect.Request[agentv1.Si
 type eventCheck struct {
 	events  int
 	started bool
+	id      string // the guest's exec id (its file.activity records name it)
 	exited  bool
 	// What the audit record of the command's end says.
 	exit           *agentv1.ExitStatus
@@ -224,7 +241,7 @@ func (c *eventCheck) check(ev *agentv1.ExecResponse) error {
 		if c.started || c.events != 1 || e.Started.Pid <= 0 || len(e.Started.Id) > maxExecID {
 			return errGuest("an invalid start event")
 		}
-		c.started = true
+		c.started, c.id = true, sanitize(e.Started.Id, maxExecID)
 	case *agentv1.ExecResponse_Exit:
 		c.exited, c.exit = true, e.Exit
 	case *agentv1.ExecResponse_Stdout:

@@ -108,11 +108,11 @@ func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecReq
 		return err
 	}
 	var chk eventCheck
-	finish, err := s.cfg.beginExec(ctx, m.Vm, ereq, false)
+	rec, err := s.cfg.beginExec(ctx, m.Vm, ereq, false)
 	if err != nil {
 		return err
 	}
-	defer func() { finish(&chk, err) }()
+	defer func() { rec.finish(ctx, &chk, err) }()
 	stream, err := s.cfg.Manager.Exec(ctx, m.Vm, ereq)
 	if err != nil {
 		return toConnect(err)
@@ -127,6 +127,9 @@ func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecReq
 			return chk.end(toConnect(err))
 		}
 		if err := chk.check(ev); err != nil {
+			return err
+		}
+		if err := rec.event(ctx, ev); err != nil {
 			return err
 		}
 		resp, last, _ := relayEvent(ev)
@@ -171,6 +174,8 @@ func toProto(st vm.Status) *apiv1.VM {
 		CreatedAt:   st.CreatedAt.Format(time.RFC3339),
 		LastError:   st.LastError,
 		Policy:      st.PolicyName(),
+		Session:     st.Session,
+		Paused:      st.Paused,
 	}
 	switch st.State {
 	case registry.StateCreating:

@@ -82,6 +82,9 @@ func (r *fileRelay) Watch(ctx context.Context, req *connect.Request[agentv1.Watc
 		if !events.take(now, float64(len(msg.Events))) || !msgs.take(now, 1) {
 			return connect.NewError(connect.CodeResourceExhausted, ErrWatchRate)
 		}
+		if err := r.cfg.recordWatch(ctx, req.Header(), root, msg); err != nil {
+			return err
+		}
 		if err := out.Send(msg); err != nil {
 			return err
 		}

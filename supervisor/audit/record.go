@@ -30,6 +30,7 @@ const (
 	KindExecOutput     = "exec.output"
 	KindFileOp         = "file.op"
 	KindWatchEvent     = "watch.event"
+	KindFileActivity   = "file.activity"
 	KindNetEgress      = "net.egress"
 	KindGuestRequest   = "guest.request"
 	KindIntent         = "action.intent"

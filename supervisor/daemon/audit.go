@@ -2,49 +2,81 @@ package daemon
 
 import (
 	"context"
-	"encoding/json"
 	"log/slog"
+	"sync"
 
-	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/systemd"
+	"github.com/carrel-os/carrel/supervisor/vm"
 )
 
-// maxRecordedInput is the largest input document kept whole in a decision
-// record; a larger one (a huge argv) is kept as its digest only.
-const maxRecordedInput = 32 << 10
-
-// decisionRecorder makes policy decisions durable in the audit log before
-// the action they admit goes ahead.
-type decisionRecorder struct {
-	log *audit.Log
+// faultHandler pauses every VM while the audit log cannot be written and
+// resumes them when it can: nothing may happen that is not on record. The
+// log's callbacks only note the state; one goroutine acts on the latest.
+type faultHandler struct {
+	log  *slog.Logger
+	mu   sync.Mutex
+	mgr  *vm.Manager
+	down error // the fault, nil when writable
+	kick chan struct{}
 }
 
-type decisionData struct {
-	policy.Decision
-	Input json.RawMessage `json:"input,omitempty"`
+func newFaultHandler(log *slog.Logger) *faultHandler {
+	return &faultHandler{log: log, kick: make(chan struct{}, 1)}
 }
 
-func (r decisionRecorder) record(ctx context.Context, d policy.Decision, in policy.Input) error {
-	data := decisionData{Decision: d}
-	if len(d.Input) <= maxRecordedInput {
-		data.Input = d.Input
+func (f *faultHandler) set(err error) {
+	f.mu.Lock()
+	f.down = err
+	f.mu.Unlock()
+	select {
+	case f.kick <- struct{}{}:
+	default:
 	}
-	b, err := json.Marshal(data)
-	if err != nil {
-		return err
+}
+
+// run acts on the log's state until ctx ends, once mgr exists.
+func (f *faultHandler) run(ctx context.Context, mgr *vm.Manager) {
+	paused := false
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-f.kick:
+		}
+		f.mu.Lock()
+		down := f.down
+		f.mu.Unlock()
+		switch {
+		case down != nil && !paused:
+			reason := "audit log unavailable: " + down.Error()
+			systemd.Status(reason + "; every vm is paused")
+			if err := mgr.PauseAll(ctx, reason); err != nil {
+				f.log.Error("pausing vms", "err", err)
+			}
+			paused = true
+		case down == nil && paused:
+			if err := mgr.ResumeAll(ctx); err != nil {
+				f.log.Error("resuming vms", "err", err)
+			}
+			systemd.Status(status(mgr))
+			paused = false
+		}
 	}
-	_, err = r.log.Append(ctx, audit.Record{Kind: audit.KindPolicyDecision, VM: d.VM, Provenance: audit.Host, Data: b})
-	return err
 }
 
 // openAudit opens (or recovers) the audit log under the state directory.
-func openAudit(dir string, log *slog.Logger) (*audit.Log, error) {
+func openAudit(dir string, log *slog.Logger, faults *faultHandler) (*audit.Log, error) {
 	l, err := audit.Open(dir, audit.Options{
 		Logger: log,
 		OnFault: func(err error) {
-			log.Error("audit log unavailable: every call is refused until it can be written again", "err", err)
+			log.Error("audit log unavailable: every call is refused and every vm paused until it can be written again", "err", err)
+			faults.set(err)
 		},
-		OnRecover: func() { log.Info("audit log writable again") },
+		OnRecover: func() {
+			log.Info("audit log writable again; resuming vms")
+			faults.set(nil)
+		},
 	})
 	if err != nil {
 		return nil, err

@@ -19,7 +19,10 @@ import (
 	"github.com/carrel-os/carrel/image/devimage"
 	"github.com/carrel-os/carrel/image/store"
 	"github.com/carrel-os/carrel/supervisor/accel"
+	"github.com/carrel-os/carrel/supervisor/activity"
+	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/api"
+	"github.com/carrel-os/carrel/supervisor/auditrec"
 	"github.com/carrel-os/carrel/supervisor/driver/qemu"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policies"
@@ -84,21 +87,34 @@ func Run(ctx context.Context, cfg Config) error {
 	}
 	// Every decision is on record before the action it admits: the api
 	// decision precedes every call, so no call goes ahead unrecorded.
-	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), log)
+	faults := newFaultHandler(log)
+	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), log, faults)
 	if err != nil {
 		return err
 	}
 	defer auditLog.Close()
-	pols.Record = decisionRecorder{auditLog}.record
+	decisions := &auditrec.Decisions{Log: auditLog}
+	pols.Record = decisions.Record
 	tokens, err := identity.OpenTokens(filepath.Join(cfg.StateDir, "tokens.json"))
 	if err != nil {
 		return err
 	}
+	// Each live VM's workspace activity, as its agent reports it, is
+	// recorded until the VM stops or carreld lets go of it (mgr.Close),
+	// and before the audit log closes.
+	var recordings sync.WaitGroup
+	defer recordings.Wait()
 	mgr := vm.New(vm.Config{
 		Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock,
 		PolicyExists: func(name string) error { _, err := pols.Get(name); return err },
 		AgentReady:   pols.GiveSandbox,
+		OnEvent:      auditrec.Lifecycle(auditLog, pols),
+		AgentLive: func(live context.Context, rec registry.Record, link *agentlink.Link) {
+			recordings.Go(func() { _ = activity.Run(live, link, auditLog, rec.Name, rec.Session, log) })
+		},
 	})
+	decisions.Session = mgr.SessionOf
+	go faults.run(ctx, mgr)
 	if err := mgr.Reconcile(ctx); err != nil {
 		log.Error("reconcile", "err", err)
 	}

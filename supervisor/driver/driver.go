@@ -51,6 +51,9 @@ type Lifecycle interface {
 	Start(ctx context.Context, spec Spec) (Instance, error)
 	// Resume starts the vCPUs of a VM launched by Start.
 	Resume(ctx context.Context, inst Instance) error
+	// Pause stops the vCPUs of a running VM; Resume starts them again.
+	// carreld pauses every VM while its audit log cannot be written.
+	Pause(ctx context.Context, inst Instance) error
 	// Adopt checks that inst is still our VM, running. It returns
 	// ErrNotRunning when the process is gone or the pid was reused.
 	Adopt(ctx context.Context, inst Instance) error

@@ -50,6 +50,10 @@ type Record struct {
 	// Policy names the policy bound to the VM. Records written before
 	// policies existed have none and get the default.
 	Policy string `json:"policy,omitempty"`
+	// Session names the VM's current run (its latest one when stopped):
+	// "ses_" and 16 hex digits, new at every boot. Audit records of the
+	// run carry it.
+	Session string `json:"session,omitempty"`
 }
 
 // PolicyName is the VM's bound policy, "default" when none was recorded.

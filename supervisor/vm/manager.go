@@ -61,6 +61,16 @@ type Config struct {
 	// VM counts as running (carreld gives the guest its sandbox here). An
 	// error fails the boot: a VM must not run without its sandbox.
 	AgentReady func(ctx context.Context, rec registry.Record, link *agentlink.Link) error
+	// OnEvent, when set, hears of every step in a VM's life (carreld
+	// records them in the audit log). An error before QEMU starts
+	// (EventCreated, EventStarting) stops the create or start.
+	OnEvent func(ctx context.Context, ev Event) error
+	// AgentLive, when set, is called as a VM goes live (booted, or adopted
+	// after a carreld restart, when its agent may not answer yet) with a
+	// context that ends when the VM stops or carreld lets go of it. It
+	// must not block (carreld starts recording the guest's workspace
+	// activity here).
+	AgentLive func(live context.Context, rec registry.Record, link *agentlink.Link)
 }
 
 // Manager owns every VM of one carreld.
@@ -72,6 +82,10 @@ type Manager struct {
 	vms     map[string]*machine
 	closing bool
 	ops     sync.WaitGroup // lifecycle operations in flight
+	// pausedFor, when set, is why every running VM is held paused
+	// (PauseAll), since pausedAt.
+	pausedFor string
+	pausedAt  time.Time
 }
 
 // machine is a VM's live state.
@@ -89,6 +103,7 @@ type machine struct {
 	link      *agentlink.Link
 	console   *console.Recorder
 	cancel    context.CancelFunc // ends the link's keepalive and watchers
+	paused    bool               // by PauseAll
 }
 
 func newMachine(rec registry.Record) *machine {
@@ -210,6 +225,7 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		State:       registry.StateCreating,
 		CreatedAt:   time.Now().UTC().Truncate(time.Millisecond),
 		Policy:      p.Policy,
+		Session:     newSession(), // the first run's
 	})
 	mc.op <- struct{}{} // new, so free
 	defer mc.unlock()
@@ -225,9 +241,13 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 	// is found and cleaned up by Reconcile.
 	err = m.persist(mc, nil)
 	if err == nil {
+		err = m.event(ctx, mc, EventCreated, "")
+	}
+	if err == nil {
 		err = m.boot(ctx, mc)
 	}
 	if err != nil {
+		_ = m.event(ctx, mc, EventFailed, err.Error())
 		// Remove the record before the name is free again, so a new create
 		// of the same name cannot lose its files to this cleanup.
 		if derr := m.cfg.Registry.Delete(p.Name); derr != nil {
@@ -286,6 +306,16 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 		MemoryBytes: rec.MemoryBytes,
 		CPUs:        rec.CPUs,
 		Dir:         m.cfg.Registry.Dir(name),
+	}
+	// A new run (Create made the first one's), recorded before QEMU
+	// starts.
+	if rec.State != registry.StateCreating {
+		if err := m.persist(mc, func(r *registry.Record) { r.Session = newSession() }); err != nil {
+			return err
+		}
+	}
+	if err := m.event(ctx, mc, EventStarting, ""); err != nil {
+		return err
 	}
 	if m.cfg.Vsock {
 		spec.CID = m.allocCID(mc)
@@ -353,8 +383,11 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 		link.Close()
 		return fail(err)
 	}
-	m.log.Info("guest agent ready", "vm", name, "transport", transport, "boot", time.Since(start).Round(time.Millisecond))
+	boot := time.Since(start).Round(time.Millisecond)
+	m.log.Info("guest agent ready", "vm", name, "transport", transport, "boot", boot)
 	m.attach(live, cancelLive, mc, inst, link, rc, transport, exited)
+	_ = m.event(ctx, mc, EventStarted, "agent ready after "+boot.String())
+	m.pauseIfHeld(ctx, mc)
 	return nil
 }
 
@@ -390,6 +423,9 @@ func (m *Manager) attach(live context.Context, cancel context.CancelFunc, mc *ma
 			m.exitedOnItsOwn(mc, inst)
 		}
 	}()
+	if m.cfg.AgentLive != nil {
+		m.cfg.AgentLive(live, mc.snapshot(), link)
+	}
 }
 
 func waitOrTimeout(ch <-chan struct{}, d time.Duration) <-chan struct{} {
@@ -427,11 +463,12 @@ func (m *Manager) exitedOnItsOwn(mc *machine, inst driver.Instance) {
 		tail = rc.Tail(5)
 	}
 	m.log.Warn("vm exited on its own", "vm", rec.Name, "pid", inst.PID, "kill_err", kerr)
-	m.markStopped(mc, "vm exited without a stop request; last console lines: "+tail)
+	m.markStopped(mc, EventStopped, "vm exited without a stop request; last console lines: "+tail)
 }
 
-// markStopped moves mc to stopped and persists it.
-func (m *Manager) markStopped(mc *machine, lastErr string) {
+// markStopped moves mc to stopped, persists it and tells OnEvent (kind
+// EventStopped or EventFailed).
+func (m *Manager) markStopped(mc *machine, kind EventKind, lastErr string) {
 	mc.detach()
 	m.releaseCID(mc)
 	if err := m.persist(mc, func(r *registry.Record) {
@@ -441,6 +478,7 @@ func (m *Manager) markStopped(mc *machine, lastErr string) {
 	}); err != nil {
 		m.log.Error("persist stopped vm", "vm", mc.rec.Name, "err", err)
 	}
+	_ = m.event(context.Background(), mc, kind, lastErr)
 }
 
 // detach drops the link, console and watchers.
@@ -456,6 +494,7 @@ func (mc *machine) detach() {
 		mc.link = nil
 	}
 	mc.console = nil
+	mc.paused = false
 }
 
 func (mc *machine) snapshot() registry.Record {

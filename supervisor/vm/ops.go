@@ -21,6 +21,8 @@ type Status struct {
 	// Transport is how the host reaches the agent ("vsock" or
 	// "virtio-serial"), as the host chose it, not as the guest claims.
 	Transport string
+	// Paused is set while PauseAll holds the VM.
+	Paused bool
 }
 
 func (m *Manager) get(name string) (*machine, error) {
@@ -41,6 +43,7 @@ func (mc *machine) status() Status {
 		st.Agent, _ = mc.link.State()
 		st.Transport = mc.transport
 	}
+	st.Paused = mc.paused
 	return st
 }
 
@@ -130,7 +133,7 @@ func (m *Manager) Start(ctx context.Context, name string) (registry.Record, erro
 			return err
 		}
 		if err := m.boot(ctx, mc); err != nil {
-			m.markStopped(mc, err.Error())
+			m.markStopped(mc, EventFailed, err.Error())
 			return err
 		}
 		rec = mc.snapshot()
@@ -163,6 +166,11 @@ func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) error
 	if err := m.persist(mc, func(r *registry.Record) { r.State = registry.StateStopping }); err != nil {
 		return err
 	}
+	how := "power off"
+	if force {
+		how = "kill"
+	}
+	_ = m.event(ctx, mc, EventStopping, how)
 	mc.mu.Lock()
 	link := mc.link
 	mc.mu.Unlock()
@@ -186,7 +194,7 @@ func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) error
 	if err := m.cfg.Driver.Kill(context.Background(), inst); err != nil {
 		return fmt.Errorf("stop vm %q: %w", rec.Name, err)
 	}
-	m.markStopped(mc, "")
+	m.markStopped(mc, EventStopped, "")
 	log.Info("vm stopped", "force", force)
 	return nil
 }
@@ -210,6 +218,7 @@ func (m *Manager) Delete(ctx context.Context, name string, force bool) error {
 		mc.removed = true
 		mc.mu.Unlock()
 		m.forget(name)
+		_ = m.event(ctx, mc, EventRemoved, "")
 		m.log.Info("vm deleted", "vm", name)
 		return nil
 	})
@@ -352,7 +361,7 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 		if err := m.killLeftovers(ctx, rec); err != nil {
 			return err
 		}
-		m.markStopped(mc, "start interrupted by a carreld restart")
+		m.markStopped(mc, EventFailed, "start interrupted by a carreld restart")
 		return nil
 	}
 
@@ -363,7 +372,7 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 	err := m.cfg.Driver.Adopt(ctx, inst)
 	if errors.Is(err, driver.ErrNotRunning) {
 		log.Warn("vm exited while carreld was down; marking it stopped")
-		m.markStopped(mc, "vm exited while carreld was down")
+		m.markStopped(mc, EventStopped, "vm exited while carreld was down")
 		return nil
 	}
 	if err != nil {
@@ -398,6 +407,7 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 			}
 		}
 	}()
+	_ = m.event(ctx, mc, EventAdopted, "")
 	log.Info("adopted running vm", "pid", inst.PID)
 	return nil
 }

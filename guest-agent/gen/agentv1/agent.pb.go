@@ -25,6 +25,74 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// ActivityOp is what a command did to a path.
+type ActivityOp int32
+
+const (
+	ActivityOp_ACTIVITY_OP_UNSPECIFIED ActivityOp = 0
+	// Opened a file (directories opened to be listed are not reported).
+	ActivityOp_ACTIVITY_OP_OPEN ActivityOp = 1
+	// Wrote to a file (or truncated it).
+	ActivityOp_ACTIVITY_OP_MODIFY ActivityOp = 2
+	// Created a file, directory or link.
+	ActivityOp_ACTIVITY_OP_CREATE ActivityOp = 3
+	// Removed a file or directory.
+	ActivityOp_ACTIVITY_OP_DELETE ActivityOp = 4
+	// Renamed a path away (the old name of a move)...
+	ActivityOp_ACTIVITY_OP_MOVE_FROM ActivityOp = 5
+	// ...and to a path (the new name).
+	ActivityOp_ACTIVITY_OP_MOVE_TO ActivityOp = 6
+)
+
+// Enum value maps for ActivityOp.
+var (
+	ActivityOp_name = map[int32]string{
+		0: "ACTIVITY_OP_UNSPECIFIED",
+		1: "ACTIVITY_OP_OPEN",
+		2: "ACTIVITY_OP_MODIFY",
+		3: "ACTIVITY_OP_CREATE",
+		4: "ACTIVITY_OP_DELETE",
+		5: "ACTIVITY_OP_MOVE_FROM",
+		6: "ACTIVITY_OP_MOVE_TO",
+	}
+	ActivityOp_value = map[string]int32{
+		"ACTIVITY_OP_UNSPECIFIED": 0,
+		"ACTIVITY_OP_OPEN":        1,
+		"ACTIVITY_OP_MODIFY":      2,
+		"ACTIVITY_OP_CREATE":      3,
+		"ACTIVITY_OP_DELETE":      4,
+		"ACTIVITY_OP_MOVE_FROM":   5,
+		"ACTIVITY_OP_MOVE_TO":     6,
+	}
+)
+
+func (x ActivityOp) Enum() *ActivityOp {
+	p := new(ActivityOp)
+	*p = x
+	return p
+}
+
+func (x ActivityOp) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ActivityOp) Descriptor() protoreflect.EnumDescriptor {
+	return file_carrel_agent_v1_agent_proto_enumTypes[0].Descriptor()
+}
+
+func (ActivityOp) Type() protoreflect.EnumType {
+	return &file_carrel_agent_v1_agent_proto_enumTypes[0]
+}
+
+func (x ActivityOp) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ActivityOp.Descriptor instead.
+func (ActivityOp) EnumDescriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{0}
+}
+
 type HealthRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1278,6 +1346,180 @@ func (x *SetSandboxResponse) GetDetail() string {
 	return ""
 }
 
+type ActivityRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ActivityRequest) Reset() {
+	*x = ActivityRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ActivityRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ActivityRequest) ProtoMessage() {}
+
+func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ActivityRequest.ProtoReflect.Descriptor instead.
+func (*ActivityRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{19}
+}
+
+type ActivityEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Op    ActivityOp             `protobuf:"varint,1,opt,name=op,proto3,enum=carrel.agent.v1.ActivityOp" json:"op,omitempty"`
+	// Absolute and clean, at most 4096 bytes; bytes of a name that are not
+	// UTF-8 are replaced by "?". For an event on a name in a directory, the
+	// directory's path is the one it had when the agent read the event.
+	Path string `protobuf:"bytes,2,opt,name=path,proto3" json:"path,omitempty"`
+	// The process (thread group) that did it.
+	Pid int32 `protobuf:"varint,3,opt,name=pid,proto3" json:"pid,omitempty"`
+	// The command it belongs to: the id of the Exec or Process call that
+	// started it or an ancestor.
+	ExecId string `protobuf:"bytes,4,opt,name=exec_id,json=execId,proto3" json:"exec_id,omitempty"`
+	// How long before this message was sent the agent read the event, in
+	// nanoseconds.
+	AgeNs         int64 `protobuf:"varint,5,opt,name=age_ns,json=ageNs,proto3" json:"age_ns,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ActivityEvent) Reset() {
+	*x = ActivityEvent{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ActivityEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ActivityEvent) ProtoMessage() {}
+
+func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ActivityEvent.ProtoReflect.Descriptor instead.
+func (*ActivityEvent) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *ActivityEvent) GetOp() ActivityOp {
+	if x != nil {
+		return x.Op
+	}
+	return ActivityOp_ACTIVITY_OP_UNSPECIFIED
+}
+
+func (x *ActivityEvent) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ActivityEvent) GetPid() int32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+func (x *ActivityEvent) GetExecId() string {
+	if x != nil {
+		return x.ExecId
+	}
+	return ""
+}
+
+func (x *ActivityEvent) GetAgeNs() int64 {
+	if x != nil {
+		return x.AgeNs
+	}
+	return 0
+}
+
+type ActivityResponse struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Events []*ActivityEvent       `protobuf:"bytes,1,rep,name=events,proto3" json:"events,omitempty"`
+	// Events lost since the last message: over the agent's queue, lost to
+	// the kernel's queue overflowing, or whose path could not be found.
+	Dropped       uint64 `protobuf:"varint,2,opt,name=dropped,proto3" json:"dropped,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ActivityResponse) Reset() {
+	*x = ActivityResponse{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ActivityResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ActivityResponse) ProtoMessage() {}
+
+func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ActivityResponse.ProtoReflect.Descriptor instead.
+func (*ActivityResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *ActivityResponse) GetEvents() []*ActivityEvent {
+	if x != nil {
+		return x.Events
+	}
+	return nil
+}
+
+func (x *ActivityResponse) GetDropped() uint64 {
+	if x != nil {
+		return x.Dropped
+	}
+	return 0
+}
+
 var File_carrel_agent_v1_agent_proto protoreflect.FileDescriptor
 
 const file_carrel_agent_v1_agent_proto_rawDesc = "" +
@@ -1356,7 +1598,26 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x12SetSandboxResponse\x12\x1a\n" +
 	"\blandlock\x18\x01 \x01(\bR\blandlock\x12!\n" +
 	"\flandlock_abi\x18\x02 \x01(\x05R\vlandlockAbi\x12\x16\n" +
-	"\x06detail\x18\x03 \x01(\tR\x06detail2\xc0\x04\n" +
+	"\x06detail\x18\x03 \x01(\tR\x06detail\"\x11\n" +
+	"\x0fActivityRequest\"\x92\x01\n" +
+	"\rActivityEvent\x12+\n" +
+	"\x02op\x18\x01 \x01(\x0e2\x1b.carrel.agent.v1.ActivityOpR\x02op\x12\x12\n" +
+	"\x04path\x18\x02 \x01(\tR\x04path\x12\x10\n" +
+	"\x03pid\x18\x03 \x01(\x05R\x03pid\x12\x17\n" +
+	"\aexec_id\x18\x04 \x01(\tR\x06execId\x12\x15\n" +
+	"\x06age_ns\x18\x05 \x01(\x03R\x05ageNs\"d\n" +
+	"\x10ActivityResponse\x126\n" +
+	"\x06events\x18\x01 \x03(\v2\x1e.carrel.agent.v1.ActivityEventR\x06events\x12\x18\n" +
+	"\adropped\x18\x02 \x01(\x04R\adropped*\xbb\x01\n" +
+	"\n" +
+	"ActivityOp\x12\x1b\n" +
+	"\x17ACTIVITY_OP_UNSPECIFIED\x10\x00\x12\x14\n" +
+	"\x10ACTIVITY_OP_OPEN\x10\x01\x12\x16\n" +
+	"\x12ACTIVITY_OP_MODIFY\x10\x02\x12\x16\n" +
+	"\x12ACTIVITY_OP_CREATE\x10\x03\x12\x16\n" +
+	"\x12ACTIVITY_OP_DELETE\x10\x04\x12\x19\n" +
+	"\x15ACTIVITY_OP_MOVE_FROM\x10\x05\x12\x17\n" +
+	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\x93\x05\n" +
 	"\fAgentService\x12I\n" +
 	"\x06Health\x12\x1e.carrel.agent.v1.HealthRequest\x1a\x1f.carrel.agent.v1.HealthResponse\x12E\n" +
 	"\x04Exec\x12\x1c.carrel.agent.v1.ExecRequest\x1a\x1d.carrel.agent.v1.ExecResponse0\x01\x12K\n" +
@@ -1365,7 +1626,8 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x06Signal\x12\x1e.carrel.agent.v1.SignalRequest\x1a\x1f.carrel.agent.v1.SignalResponse\x12O\n" +
 	"\bShutdown\x12 .carrel.agent.v1.ShutdownRequest\x1a!.carrel.agent.v1.ShutdownResponse\x12U\n" +
 	"\n" +
-	"SetSandbox\x12\".carrel.agent.v1.SetSandboxRequest\x1a#.carrel.agent.v1.SetSandboxResponseB=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
+	"SetSandbox\x12\".carrel.agent.v1.SetSandboxRequest\x1a#.carrel.agent.v1.SetSandboxResponse\x12Q\n" +
+	"\bActivity\x12 .carrel.agent.v1.ActivityRequest\x1a!.carrel.agent.v1.ActivityResponse0\x01B=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
 
 var (
 	file_carrel_agent_v1_agent_proto_rawDescOnce sync.Once
@@ -1379,55 +1641,64 @@ func file_carrel_agent_v1_agent_proto_rawDescGZIP() []byte {
 	return file_carrel_agent_v1_agent_proto_rawDescData
 }
 
-var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_carrel_agent_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
 var file_carrel_agent_v1_agent_proto_goTypes = []any{
-	(*HealthRequest)(nil),         // 0: carrel.agent.v1.HealthRequest
-	(*HealthResponse)(nil),        // 1: carrel.agent.v1.HealthResponse
-	(*ExecRequest)(nil),           // 2: carrel.agent.v1.ExecRequest
-	(*ProcessInput)(nil),          // 3: carrel.agent.v1.ProcessInput
-	(*AttachRequest)(nil),         // 4: carrel.agent.v1.AttachRequest
-	(*CloseStdin)(nil),            // 5: carrel.agent.v1.CloseStdin
-	(*Resize)(nil),                // 6: carrel.agent.v1.Resize
-	(*ListProcessesRequest)(nil),  // 7: carrel.agent.v1.ListProcessesRequest
-	(*ListProcessesResponse)(nil), // 8: carrel.agent.v1.ListProcessesResponse
-	(*ProcessInfo)(nil),           // 9: carrel.agent.v1.ProcessInfo
-	(*SignalRequest)(nil),         // 10: carrel.agent.v1.SignalRequest
-	(*SignalResponse)(nil),        // 11: carrel.agent.v1.SignalResponse
-	(*ExecResponse)(nil),          // 12: carrel.agent.v1.ExecResponse
-	(*Started)(nil),               // 13: carrel.agent.v1.Started
-	(*ExitStatus)(nil),            // 14: carrel.agent.v1.ExitStatus
-	(*ShutdownRequest)(nil),       // 15: carrel.agent.v1.ShutdownRequest
-	(*ShutdownResponse)(nil),      // 16: carrel.agent.v1.ShutdownResponse
-	(*SetSandboxRequest)(nil),     // 17: carrel.agent.v1.SetSandboxRequest
-	(*SetSandboxResponse)(nil),    // 18: carrel.agent.v1.SetSandboxResponse
+	(ActivityOp)(0),               // 0: carrel.agent.v1.ActivityOp
+	(*HealthRequest)(nil),         // 1: carrel.agent.v1.HealthRequest
+	(*HealthResponse)(nil),        // 2: carrel.agent.v1.HealthResponse
+	(*ExecRequest)(nil),           // 3: carrel.agent.v1.ExecRequest
+	(*ProcessInput)(nil),          // 4: carrel.agent.v1.ProcessInput
+	(*AttachRequest)(nil),         // 5: carrel.agent.v1.AttachRequest
+	(*CloseStdin)(nil),            // 6: carrel.agent.v1.CloseStdin
+	(*Resize)(nil),                // 7: carrel.agent.v1.Resize
+	(*ListProcessesRequest)(nil),  // 8: carrel.agent.v1.ListProcessesRequest
+	(*ListProcessesResponse)(nil), // 9: carrel.agent.v1.ListProcessesResponse
+	(*ProcessInfo)(nil),           // 10: carrel.agent.v1.ProcessInfo
+	(*SignalRequest)(nil),         // 11: carrel.agent.v1.SignalRequest
+	(*SignalResponse)(nil),        // 12: carrel.agent.v1.SignalResponse
+	(*ExecResponse)(nil),          // 13: carrel.agent.v1.ExecResponse
+	(*Started)(nil),               // 14: carrel.agent.v1.Started
+	(*ExitStatus)(nil),            // 15: carrel.agent.v1.ExitStatus
+	(*ShutdownRequest)(nil),       // 16: carrel.agent.v1.ShutdownRequest
+	(*ShutdownResponse)(nil),      // 17: carrel.agent.v1.ShutdownResponse
+	(*SetSandboxRequest)(nil),     // 18: carrel.agent.v1.SetSandboxRequest
+	(*SetSandboxResponse)(nil),    // 19: carrel.agent.v1.SetSandboxResponse
+	(*ActivityRequest)(nil),       // 20: carrel.agent.v1.ActivityRequest
+	(*ActivityEvent)(nil),         // 21: carrel.agent.v1.ActivityEvent
+	(*ActivityResponse)(nil),      // 22: carrel.agent.v1.ActivityResponse
 }
 var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
-	2,  // 0: carrel.agent.v1.ProcessInput.start:type_name -> carrel.agent.v1.ExecRequest
-	4,  // 1: carrel.agent.v1.ProcessInput.attach:type_name -> carrel.agent.v1.AttachRequest
-	5,  // 2: carrel.agent.v1.ProcessInput.close_stdin:type_name -> carrel.agent.v1.CloseStdin
-	6,  // 3: carrel.agent.v1.ProcessInput.resize:type_name -> carrel.agent.v1.Resize
-	9,  // 4: carrel.agent.v1.ListProcessesResponse.processes:type_name -> carrel.agent.v1.ProcessInfo
-	13, // 5: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
-	14, // 6: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
-	0,  // 7: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
-	2,  // 8: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
-	3,  // 9: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
-	7,  // 10: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
-	10, // 11: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
-	15, // 12: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
-	17, // 13: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
-	1,  // 14: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
-	12, // 15: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
-	12, // 16: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
-	8,  // 17: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
-	11, // 18: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
-	16, // 19: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
-	18, // 20: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
-	14, // [14:21] is the sub-list for method output_type
-	7,  // [7:14] is the sub-list for method input_type
-	7,  // [7:7] is the sub-list for extension type_name
-	7,  // [7:7] is the sub-list for extension extendee
-	0,  // [0:7] is the sub-list for field type_name
+	3,  // 0: carrel.agent.v1.ProcessInput.start:type_name -> carrel.agent.v1.ExecRequest
+	5,  // 1: carrel.agent.v1.ProcessInput.attach:type_name -> carrel.agent.v1.AttachRequest
+	6,  // 2: carrel.agent.v1.ProcessInput.close_stdin:type_name -> carrel.agent.v1.CloseStdin
+	7,  // 3: carrel.agent.v1.ProcessInput.resize:type_name -> carrel.agent.v1.Resize
+	10, // 4: carrel.agent.v1.ListProcessesResponse.processes:type_name -> carrel.agent.v1.ProcessInfo
+	14, // 5: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
+	15, // 6: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
+	0,  // 7: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
+	21, // 8: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
+	1,  // 9: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
+	3,  // 10: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
+	4,  // 11: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
+	8,  // 12: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
+	11, // 13: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
+	16, // 14: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
+	18, // 15: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
+	20, // 16: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
+	2,  // 17: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
+	13, // 18: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
+	13, // 19: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
+	9,  // 20: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
+	12, // 21: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
+	17, // 22: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
+	19, // 23: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
+	22, // 24: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
+	17, // [17:25] is the sub-list for method output_type
+	9,  // [9:17] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_carrel_agent_v1_agent_proto_init() }
@@ -1458,13 +1729,14 @@ func file_carrel_agent_v1_agent_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_agent_proto_rawDesc), len(file_carrel_agent_v1_agent_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   19,
+			NumEnums:      1,
+			NumMessages:   22,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_carrel_agent_v1_agent_proto_goTypes,
 		DependencyIndexes: file_carrel_agent_v1_agent_proto_depIdxs,
+		EnumInfos:         file_carrel_agent_v1_agent_proto_enumTypes,
 		MessageInfos:      file_carrel_agent_v1_agent_proto_msgTypes,
 	}.Build()
 	File_carrel_agent_v1_agent_proto = out.File

@@ -62,6 +62,15 @@ type VM struct {
 
 	mu      sync.Mutex
 	sandbox *agentv1.SetSandboxRequest // the last one carreld set
+	paused  bool
+}
+
+// Paused reports whether carreld paused the VM (Driver.Pause) and has not
+// resumed it since.
+func (v *VM) Paused() bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return v.paused
 }
 
 // Sandbox returns the sandbox carreld last gave the fake agent, or nil.
@@ -146,6 +155,13 @@ func (d *Driver) Resume(ctx context.Context, inst driver.Instance) error {
 	if err != nil {
 		return err
 	}
+	v.mu.Lock()
+	wasPaused := v.paused
+	v.paused = false
+	v.mu.Unlock()
+	if wasPaused {
+		return nil // a resume after Pause, not the first start
+	}
 	go func() {
 		if v.behavior.Console != "" {
 			select {
@@ -159,6 +175,18 @@ func (d *Driver) Resume(ctx context.Context, inst driver.Instance) error {
 			v.Exit()
 		}
 	}()
+	return nil
+}
+
+// Pause implements driver.Lifecycle.
+func (d *Driver) Pause(ctx context.Context, inst driver.Instance) error {
+	v, err := d.vm(inst)
+	if err != nil {
+		return err
+	}
+	v.mu.Lock()
+	v.paused = true
+	v.mu.Unlock()
 	return nil
 }
 

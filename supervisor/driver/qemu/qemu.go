@@ -275,6 +275,16 @@ func (d *Driver) Resume(ctx context.Context, inst driver.Instance) error {
 	})
 }
 
+// Pause implements driver.Lifecycle.
+func (d *Driver) Pause(ctx context.Context, inst driver.Instance) error {
+	return d.monitor(ctx, inst.QMPSocket, func(m *raw.Monitor) error {
+		if err := m.Stop(); err != nil {
+			return fmt.Errorf("qmp stop: %w", err)
+		}
+		return nil
+	})
+}
+
 // Adopt implements driver.Lifecycle.
 func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
 	if !alive(inst.PID, inst.StartTime) {
@@ -286,6 +296,14 @@ func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
 			return fmt.Errorf("qmp query-status: %w", err)
 		}
 		d.cfg.Logger.Debug("adopted qemu", "pid", inst.PID, "status", st.Status.String(), "running", st.Running)
+		// Only carreld pauses a running VM (while its audit log could not
+		// be written); a new carreld, whose log opened, resumes it.
+		if st.Status == raw.RunStatePaused {
+			if err := m.Cont(); err != nil {
+				return fmt.Errorf("qmp cont: %w", err)
+			}
+			d.cfg.Logger.Info("resumed a vm a previous carreld paused", "pid", inst.PID)
+		}
 		return nil
 	})
 	if err != nil && !alive(inst.PID, inst.StartTime) {

@@ -165,8 +165,14 @@ type VM struct {
 	// The policy that decides everything done to and in the VM.
 	Policy         string `protobuf:"bytes,14,opt,name=policy,proto3" json:"policy,omitempty"`
 	PolicyRevision string `protobuf:"bytes,15,opt,name=policy_revision,json=policyRevision,proto3" json:"policy_revision,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The VM's current run (its latest when stopped): audit records of the
+	// run carry it (carrel audit show SESSION).
+	Session string `protobuf:"bytes,16,opt,name=session,proto3" json:"session,omitempty"`
+	// True while carreld holds the VM paused because its audit log cannot
+	// be written.
+	Paused        bool `protobuf:"varint,17,opt,name=paused,proto3" json:"paused,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *VM) Reset() {
@@ -302,6 +308,20 @@ func (x *VM) GetPolicyRevision() string {
 		return x.PolicyRevision
 	}
 	return ""
+}
+
+func (x *VM) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *VM) GetPaused() bool {
+	if x != nil {
+		return x.Paused
+	}
+	return false
 }
 
 type CreateVMRequest struct {
@@ -1488,7 +1508,7 @@ var File_carrel_api_v1_api_proto protoreflect.FileDescriptor
 
 const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
-	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xd5\x03\n" +
+	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\x87\x04\n" +
 	"\x02VM\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12,\n" +
@@ -1508,7 +1528,9 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
 	"last_error\x18\r \x01(\tR\tlastError\x12\x16\n" +
 	"\x06policy\x18\x0e \x01(\tR\x06policy\x12'\n" +
-	"\x0fpolicy_revision\x18\x0f \x01(\tR\x0epolicyRevision\"\x8a\x01\n" +
+	"\x0fpolicy_revision\x18\x0f \x01(\tR\x0epolicyRevision\x12\x18\n" +
+	"\asession\x18\x10 \x01(\tR\asession\x12\x16\n" +
+	"\x06paused\x18\x11 \x01(\bR\x06paused\"\x8a\x01\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12!\n" +

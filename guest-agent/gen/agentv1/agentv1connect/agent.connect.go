@@ -52,6 +52,8 @@ const (
 	AgentServiceShutdownProcedure = "/carrel.agent.v1.AgentService/Shutdown"
 	// AgentServiceSetSandboxProcedure is the fully-qualified name of the AgentService's SetSandbox RPC.
 	AgentServiceSetSandboxProcedure = "/carrel.agent.v1.AgentService/SetSandbox"
+	// AgentServiceActivityProcedure is the fully-qualified name of the AgentService's Activity RPC.
+	AgentServiceActivityProcedure = "/carrel.agent.v1.AgentService/Activity"
 )
 
 // AgentServiceClient is a client for the carrel.agent.v1.AgentService service.
@@ -84,6 +86,16 @@ type AgentServiceClient interface {
 	// commands already running keep the sandbox they started with. Every
 	// command runs with no_new_privs, sandbox or not.
 	SetSandbox(context.Context, *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error)
+	// Activity streams what the commands the agent started (and their
+	// descendants) did in /workspace, as fanotify saw it: opens, writes,
+	// creates, deletes and moves, in batches of at most 256 events. The
+	// agent's own file operations (FileService) are not reported. carreld
+	// calls it once the link is up and records every batch as guest-reported.
+	// Events are kept while no call is open, up to a bound; what is lost is
+	// counted in dropped. One call at a time: a new call ends the one before
+	// with CodeAborted. CodeUnimplemented when the guest cannot watch (no
+	// fanotify, say); the agent's log says why.
+	Activity(context.Context, *connect.Request[agentv1.ActivityRequest]) (*connect.ServerStreamForClient[agentv1.ActivityResponse], error)
 }
 
 // NewAgentServiceClient constructs a client for the carrel.agent.v1.AgentService service. By
@@ -139,6 +151,12 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("SetSandbox")),
 			connect.WithClientOptions(opts...),
 		),
+		activity: connect.NewClient[agentv1.ActivityRequest, agentv1.ActivityResponse](
+			httpClient,
+			baseURL+AgentServiceActivityProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Activity")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -151,6 +169,7 @@ type agentServiceClient struct {
 	signal        *connect.Client[agentv1.SignalRequest, agentv1.SignalResponse]
 	shutdown      *connect.Client[agentv1.ShutdownRequest, agentv1.ShutdownResponse]
 	setSandbox    *connect.Client[agentv1.SetSandboxRequest, agentv1.SetSandboxResponse]
+	activity      *connect.Client[agentv1.ActivityRequest, agentv1.ActivityResponse]
 }
 
 // Health calls carrel.agent.v1.AgentService.Health.
@@ -188,6 +207,11 @@ func (c *agentServiceClient) SetSandbox(ctx context.Context, req *connect.Reques
 	return c.setSandbox.CallUnary(ctx, req)
 }
 
+// Activity calls carrel.agent.v1.AgentService.Activity.
+func (c *agentServiceClient) Activity(ctx context.Context, req *connect.Request[agentv1.ActivityRequest]) (*connect.ServerStreamForClient[agentv1.ActivityResponse], error) {
+	return c.activity.CallServerStream(ctx, req)
+}
+
 // AgentServiceHandler is an implementation of the carrel.agent.v1.AgentService service.
 type AgentServiceHandler interface {
 	// Health reports that the agent is up and which build it is.
@@ -218,6 +242,16 @@ type AgentServiceHandler interface {
 	// commands already running keep the sandbox they started with. Every
 	// command runs with no_new_privs, sandbox or not.
 	SetSandbox(context.Context, *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error)
+	// Activity streams what the commands the agent started (and their
+	// descendants) did in /workspace, as fanotify saw it: opens, writes,
+	// creates, deletes and moves, in batches of at most 256 events. The
+	// agent's own file operations (FileService) are not reported. carreld
+	// calls it once the link is up and records every batch as guest-reported.
+	// Events are kept while no call is open, up to a bound; what is lost is
+	// counted in dropped. One call at a time: a new call ends the one before
+	// with CodeAborted. CodeUnimplemented when the guest cannot watch (no
+	// fanotify, say); the agent's log says why.
+	Activity(context.Context, *connect.Request[agentv1.ActivityRequest], *connect.ServerStream[agentv1.ActivityResponse]) error
 }
 
 // NewAgentServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -269,6 +303,12 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("SetSandbox")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceActivityHandler := connect.NewServerStreamHandler(
+		AgentServiceActivityProcedure,
+		svc.Activity,
+		connect.WithSchema(agentServiceMethods.ByName("Activity")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.agent.v1.AgentService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AgentServiceHealthProcedure:
@@ -285,6 +325,8 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceShutdownHandler.ServeHTTP(w, r)
 		case AgentServiceSetSandboxProcedure:
 			agentServiceSetSandboxHandler.ServeHTTP(w, r)
+		case AgentServiceActivityProcedure:
+			agentServiceActivityHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -320,4 +362,8 @@ func (UnimplementedAgentServiceHandler) Shutdown(context.Context, *connect.Reque
 
 func (UnimplementedAgentServiceHandler) SetSandbox(context.Context, *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.SetSandbox is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Activity(context.Context, *connect.Request[agentv1.ActivityRequest], *connect.ServerStream[agentv1.ActivityResponse]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Activity is not implemented"))
 }

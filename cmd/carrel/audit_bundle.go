@@ -1,0 +1,76 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+
+	"github.com/spf13/cobra"
+
+	"github.com/carrel-os/carrel/supervisor/audit/review"
+)
+
+// verifyBundle is `carrel audit verify --bundle FILE`: it checks an
+// evidence bundle that carrel audit export wrote, on any machine.
+func verifyBundle(cmd *cobra.Command, path, key, output string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	rep, err := review.VerifyBundle(f, review.BundleVerifyOptions{Key: key})
+	if err != nil {
+		return err
+	}
+	w := cmd.OutOrStdout()
+	if output == "json" {
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			return err
+		}
+	} else {
+		if m := rep.Manifest; m != nil {
+			fmt.Fprintf(w, "bundle of session %s of vm %s, made %s\n", review.SafeText(m.Session), review.SafeText(m.VM), m.Created.UTC().Format("2006-01-02T15:04:05Z"))
+			policy := review.SafeText(m.Policy)
+			if m.PolicyRevision != "" {
+				policy += "@" + review.SafeText(m.PolicyRevision)
+			}
+			fmt.Fprintf(w, "image %s, policy %s\n", orNone(review.SafeText(m.ImageDigest)), orNone(policy))
+		}
+		sig := "signature verified with the key given"
+		switch {
+		case !rep.CheckpointVerified:
+			sig = "signature NOT verified"
+		case rep.KeyFromBundle:
+			sig = "signature verified with the bundle's own key.pub"
+		}
+		fmt.Fprintf(w, "%d records, %d blobs, checkpoint of %d records (%s)\n", rep.Records, rep.Blobs, rep.TreeSize, sig)
+		for _, n := range rep.Notes {
+			fmt.Fprintln(w, "note: "+n)
+		}
+		for _, p := range rep.Problems {
+			fmt.Fprintln(w, describeProblem(p))
+		}
+		if rep.Omitted > 0 {
+			fmt.Fprintf(w, "... and %d more problems\n", rep.Omitted)
+		}
+	}
+	if !rep.OK() {
+		if output != "json" {
+			fmt.Fprintf(cmd.ErrOrStderr(), "carrel: the bundle FAILED verification: %d problems\n", len(rep.Problems)+rep.Omitted)
+		}
+		return exitError{code: 1}
+	}
+	if output != "json" {
+		fmt.Fprintln(w, "ok: every record is in the signed log at its seq, every blob is intact, and the manifest agrees")
+	}
+	return nil
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "not recorded"
+	}
+	return s
+}

@@ -1,0 +1,58 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/carrel-os/carrel/supervisor/audit/review"
+)
+
+func newAuditExportCmd() *cobra.Command {
+	var dir, out, key string
+	c := &cobra.Command{
+		Use:   "export SESSION -o bundle.tar [--key KEY]",
+		Short: "Write a session's evidence bundle: its records with inclusion proofs, blobs, the signed checkpoint and the key",
+		Long: "The bundle (a tar file) holds the session's records byte for byte, each with an RFC 6962\n" +
+			"inclusion proof against the log's latest signed checkpoint, the blobs they reference, that\n" +
+			"checkpoint, the log's verifier key and a manifest (session, VM, image digest, policy and\n" +
+			"revision). Records after the checkpoint are left out (the manifest counts them); carreld signs\n" +
+			"one every 5 seconds while records arrive. Check a bundle anywhere with\n" +
+			"carrel audit verify --bundle FILE --key KEY. --key makes the export hold the checkpoint to the\n" +
+			"key you kept, instead of the log's key.pub.",
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if out == "" {
+				return errors.New("-o FILE is required: where to write the bundle")
+			}
+			r, s, err := openAuditSession(dir, args[0], cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			defer r.Close()
+			var m *review.Manifest
+			if err := writeFileVia(out, func(f *os.File) error {
+				m, err = review.Export(f, r, s, review.ExportOptions{Key: strings.TrimSpace(key)})
+				return err
+			}); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "wrote %s: session %s of vm %s, %d records, %d blobs, proved against the checkpoint of %d records\n",
+				out, m.Session, review.SafeText(m.VM), m.Records, len(m.Blobs), m.TreeSize)
+			if m.Unsigned > 0 {
+				fmt.Fprintf(cmd.OutOrStdout(), "note: the session's last %d records follow that checkpoint and are not in the bundle; export again once carreld signs the next\n", m.Unsigned)
+			}
+			if key == "" {
+				fmt.Fprintln(cmd.OutOrStdout(), "note: the checkpoint was checked with the log's own key.pub; whoever checks the bundle should pass --key with a key kept apart from the log")
+			}
+			return nil
+		},
+	}
+	c.Flags().StringVar(&dir, "dir", defaultAuditDir, "the audit log's directory (carreld's state dir + /audit, or a copy)")
+	c.Flags().StringVarP(&out, "output-file", "o", "", "where to write the bundle (a tar file)")
+	c.Flags().StringVar(&key, "key", "", "the verifier key the checkpoint must be signed with (from carrel audit key)")
+	return c
+}

@@ -1,0 +1,91 @@
+//go:build linux
+
+package exec
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/carrel-os/carrel/guest-agent/cgroups"
+	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+)
+
+// testGroups makes a cgroup of the test's own under a cgroup v2 hierarchy,
+// or skips.
+func testGroups(t *testing.T) *cgroups.Dir {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to make cgroups")
+	}
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		t.Skip(err)
+	}
+	defer f.Close()
+	mount := ""
+	sc := bufio.NewScanner(f)
+	for sc.Scan() && mount == "" {
+		fields := strings.Fields(sc.Text())
+		for i, fl := range fields {
+			if fl == "-" && i+1 < len(fields) && fields[i+1] == "cgroup2" && fields[3] == "/" {
+				mount = fields[4]
+			}
+		}
+	}
+	if mount == "" {
+		t.Skip("no cgroup v2 hierarchy mounted")
+	}
+	var b [4]byte
+	rand.Read(b[:])
+	d, err := cgroups.Open(mount, "carrel-exec-test-"+hex.EncodeToString(b[:]))
+	if err != nil {
+		t.Skipf("cannot make a cgroup: %v", err)
+	}
+	t.Cleanup(func() {
+		entries, _ := os.ReadDir(d.Path())
+		for _, e := range entries {
+			if e.IsDir() {
+				os.Remove(filepath.Join(d.Path(), e.Name()))
+			}
+		}
+		os.Remove(d.Path())
+	})
+	return d
+}
+
+// TestCommandsRunInTheirOwnGroup checks that a command starts in a group
+// named by its id, that OnStart is told its pid and id, and that the group
+// goes when the command ends.
+func TestCommandsRunInTheirOwnGroup(t *testing.T) {
+	r := runner(t)
+	r.Cgroups = testGroups(t)
+	var startedPid int
+	var startedID string
+	r.OnStart = func(pid int, id string) { startedPid, startedID = pid, id }
+	var res result
+	err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"cat", "/proc/self/cgroup"}}, res.send)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code := res.exit(t).Code; code != 0 {
+		t.Fatalf("exit %d: %s", code, res.stderr.String())
+	}
+	st := res.events[0].GetStarted()
+	if startedPid != int(st.Pid) || startedID != st.Id || len(st.Id) != 16 {
+		t.Errorf("OnStart told pid %d id %q; Started says %d %q", startedPid, startedID, st.Pid, st.Id)
+	}
+	want := "0::/" + filepath.Base(r.Cgroups.Path()) + "/" + st.Id + "\n"
+	if !strings.Contains(res.stdout.String(), want) {
+		t.Errorf("the command's /proc/self/cgroup is %q, want the line %q", res.stdout.String(), want)
+	}
+	if _, err := os.Stat(filepath.Join(r.Cgroups.Path(), st.Id)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the command's group is still there after it ended: %v", err)
+	}
+}

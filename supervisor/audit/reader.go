@@ -1,0 +1,236 @@
+package audit
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/mod/sumdb/note"
+	"golang.org/x/mod/sumdb/tlog"
+)
+
+// Reader reads a log's files without taking its lock and without writing:
+// for review tools, which work on a log that carreld may be appending to,
+// or on a copy of one.
+type Reader struct {
+	dir string
+	rec *os.File
+}
+
+// OpenReader opens the log in dir for reading.
+func OpenReader(dir string) (*Reader, error) {
+	f, err := os.Open(filepath.Join(dir, recordsFile))
+	if err != nil {
+		return nil, fmt.Errorf("open audit log: %w", err)
+	}
+	return &Reader{dir: dir, rec: f}, nil
+}
+
+// Dir is the log's directory.
+func (r *Reader) Dir() string { return r.dir }
+
+// Close closes records.log.
+func (r *Reader) Close() error { return r.rec.Close() }
+
+// ScanEnd says where a Reader's scan stopped.
+type ScanEnd struct {
+	// Records is how many complete records were read.
+	Records uint64
+	// Offset is the byte offset just after the last of them.
+	Offset int64
+	// TailBytes follow Offset without being a whole record yet: an append
+	// in progress, or a crash's torn tail that carreld cuts on its next
+	// start. TailReason says what is wrong with them.
+	TailBytes  int64
+	TailReason string
+}
+
+// Scan calls fn for each complete record of records.log as it is when
+// Scan starts, in order, with its seq (its index), its byte offset and
+// its payload, valid only during the call. A bad last frame with no good
+// frame after it, which is what a concurrent append leaves, ends the scan
+// without error (ScanEnd says so); a bad frame with good ones after it is
+// a *CorruptError. Scan does not check seq fields or hashes: Verify does.
+func (r *Reader) Scan(fn func(seq uint64, offset int64, payload []byte) error) (ScanEnd, error) {
+	st, err := r.rec.Stat()
+	if err != nil {
+		return ScanEnd{}, fmt.Errorf("scan audit log: %w", err)
+	}
+	fr := newFrameReader(r.rec, st.Size())
+	for seq := uint64(0); ; seq++ {
+		p, off, err := fr.next()
+		if errors.Is(err, io.EOF) {
+			return ScanEnd{Records: seq, Offset: off}, nil
+		}
+		var fe *frameError
+		if errors.As(err, &fe) {
+			next, rerr := fr.resync(off)
+			if rerr != nil {
+				return ScanEnd{}, fmt.Errorf("scan audit log %s: %w", r.dir, rerr)
+			}
+			if next >= 0 {
+				return ScanEnd{}, &CorruptError{Offset: off, Seq: seq, Reason: fe.reason}
+			}
+			return ScanEnd{Records: seq, Offset: off, TailBytes: fr.size - off, TailReason: fe.reason}, nil
+		}
+		if err != nil {
+			return ScanEnd{}, fmt.Errorf("scan audit log %s: %w", r.dir, err)
+		}
+		if err := fn(seq, off, p); err != nil {
+			return ScanEnd{}, err
+		}
+	}
+}
+
+// ReadRecord returns the payload of the frame at byte offset off, as Scan
+// gave it.
+func (r *Reader) ReadRecord(off int64) ([]byte, error) {
+	st, err := r.rec.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("read audit record: %w", err)
+	}
+	fr := &frameReader{r: r.rec, size: st.Size(), buf: make([]byte, min(int64(maxFrameSize), max(st.Size()-off, 0)))}
+	fr.seek(off)
+	p, _, err := fr.next()
+	if err != nil {
+		return nil, fmt.Errorf("read audit record at offset %d: %w", off, err)
+	}
+	return append([]byte(nil), p...), nil
+}
+
+// LatestCheckpoint returns the log's largest checkpoint, checked against
+// key, or key.pub in the log's directory when key is empty (which proves
+// less: whoever can rewrite the log can rewrite key.pub). It returns nil
+// when the log has no checkpoint yet, and a *CheckpointError when the
+// largest one does not verify.
+func (r *Reader) LatestCheckpoint(key string) (*Checkpoint, error) {
+	if key == "" {
+		k, err := PublicKey(r.dir)
+		if err != nil {
+			return nil, err
+		}
+		key = k
+	}
+	v, err := note.NewVerifier(key)
+	if err != nil {
+		return nil, fmt.Errorf("verifier key: %w", err)
+	}
+	return latestCheckpoint(r.dir, note.VerifierList(v))
+}
+
+// Prover makes RFC 6962 inclusion proofs against one checkpoint's tree.
+// It reads the tree from hashes.db when that reproduces the checkpoint's
+// root, and otherwise recomputes it from records.log into a temporary
+// file, so a lagging, rebuilt or damaged hashes.db costs time, never a
+// wrong proof: every proof is checked before Prove returns it.
+type Prover struct {
+	r          *Reader
+	cp         Checkpoint
+	hashes     *os.File // hashes.db, or the recomputed hashes
+	recomputed bool
+}
+
+// Prover returns a prover for cp's tree. records.log must hold at least
+// cp.Size records.
+func (r *Reader) Prover(cp *Checkpoint) (*Prover, error) {
+	p := &Prover{r: r, cp: *cp}
+	if f, err := os.Open(filepath.Join(r.dir, hashesFile)); err == nil {
+		st, err := f.Stat()
+		if err == nil && st.Size() >= storedCount(cp.Size)*tlog.HashSize {
+			if t, err := loadTree(cp.Size, hashFile{osFile{f}}); err == nil && t.root() == cp.Root {
+				p.hashes = f
+				return p, nil
+			}
+		}
+		f.Close()
+	}
+	if err := p.recompute(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// recompute hashes the first cp.Size records of records.log into a
+// temporary file of stored hashes, laid out as hashes.db.
+func (p *Prover) recompute() error {
+	if p.hashes != nil {
+		p.closeHashes()
+	}
+	p.recomputed = true
+	f, err := os.CreateTemp("", "carrel-audit-hashes-*")
+	if err != nil {
+		return fmt.Errorf("recompute audit tree: %w", err)
+	}
+	os.Remove(f.Name()) // unlinked: it goes when it is closed
+	p.hashes = f
+	w := bufio.NewWriterSize(f, 1<<20)
+	var t tree
+	var stored []tlog.Hash
+	lh := newLeafHasher()
+	errDone := errors.New("done")
+	_, err = p.r.Scan(func(seq uint64, _ int64, payload []byte) error {
+		if seq >= p.cp.Size {
+			return errDone
+		}
+		stored = t.push(lh.sum(payload), stored[:0])
+		for _, h := range stored {
+			if _, err := w.Write(h[:]); err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, errDone) {
+		return fmt.Errorf("recompute audit tree: %w", err)
+	}
+	if err := w.Flush(); err != nil {
+		return fmt.Errorf("recompute audit tree: %w", err)
+	}
+	if t.n < p.cp.Size {
+		return &LostError{Checkpoint: p.cp.Size, Records: t.n}
+	}
+	if root := t.root(); root != p.cp.Root {
+		return &CheckpointError{Size: p.cp.Size, Reason: fmt.Sprintf("the records hash to %s, the checkpoint says %s (run carrel audit verify)", root, p.cp.Root)}
+	}
+	return nil
+}
+
+// Prove returns the proof that payload is record seq of the checkpoint's
+// tree, checked against its root.
+func (p *Prover) Prove(seq uint64, payload []byte) (tlog.RecordProof, error) {
+	if seq >= p.cp.Size {
+		return nil, fmt.Errorf("record %d is not in the checkpoint's tree of %d", seq, p.cp.Size)
+	}
+	for {
+		proof, err := tlog.ProveRecord(int64(p.cp.Size), int64(seq), hashFile{osFile{p.hashes}})
+		if err == nil {
+			err = CheckProof(proof, p.cp.Size, p.cp.Root, seq, payload)
+		}
+		if err == nil {
+			return proof, nil
+		}
+		if p.recomputed {
+			return nil, &CheckpointError{Size: p.cp.Size, Reason: fmt.Sprintf("record %d is not in its tree: %v (run carrel audit verify)", seq, err)}
+		}
+		if err := p.recompute(); err != nil {
+			return nil, err
+		}
+	}
+}
+
+func (p *Prover) closeHashes() error {
+	err := p.hashes.Close()
+	p.hashes = nil
+	return err
+}
+
+// Close releases the prover's files.
+func (p *Prover) Close() error {
+	if p.hashes == nil {
+		return nil
+	}
+	return p.closeHashes()
+}

@@ -1,0 +1,425 @@
+package review
+
+import (
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/carrel-os/carrel/supervisor/audit"
+)
+
+// maxField caps one guest- or caller-supplied string in a summary.
+const maxField = 200
+
+// clean makes s safe to print on a terminal and readable in a page:
+// control characters, bidirectional overrides and bytes that are not
+// UTF-8 become Go-style escapes, and it is cut at max runes. Everything
+// in a record may come from a hostile guest or caller.
+func clean(s string, max int) string {
+	var b strings.Builder
+	n := 0
+	for i := 0; i < len(s); {
+		if n == max {
+			b.WriteString("…")
+			break
+		}
+		r, size := utf8.DecodeRuneInString(s[i:])
+		switch {
+		case r == utf8.RuneError && size == 1:
+			fmt.Fprintf(&b, `\x%02x`, s[i])
+		case r == '\n':
+			b.WriteString(`\n`)
+		case r == '\t':
+			b.WriteString(`\t`)
+		case unicode.IsControl(r) || unicode.Is(unicode.Bidi_Control, r) || r == '\u2028' || r == '\u2029':
+			q := strconv.QuoteRuneToASCII(r)
+			b.WriteString(q[1 : len(q)-1])
+		default:
+			b.WriteRune(r)
+		}
+		i += size
+		n++
+	}
+	return b.String()
+}
+
+// shellWord quotes one argument the way a POSIX shell would read it back,
+// with what cannot be printed escaped.
+func shellWord(s string) string {
+	if s == "" {
+		return "''"
+	}
+	plain := true
+	for _, r := range s {
+		if !(r < utf8.RuneSelf && (r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || strings.ContainsRune("@%+=:,./_-", r))) {
+			plain = false
+			break
+		}
+	}
+	if plain {
+		return s
+	}
+	if clean(s, -1) != s {
+		return "$'" + strings.ReplaceAll(clean(s, -1), `'`, `\'`) + "'"
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// CommandLine is an exec intent's argv as a shell command line, safe to
+// print, cut at max runes (-1 for no cap).
+func commandLine(d *intentData, max int) string {
+	if d.Truncated {
+		return clean(fmt.Sprintf("%s … (%d arguments, too large to record)", shellWord(d.Argv0), d.Args), max)
+	}
+	words := make([]string, len(d.Argv))
+	for i, a := range d.Argv {
+		words[i] = shellWord(a)
+	}
+	s := strings.Join(words, " ")
+	if max >= 0 && utf8.RuneCountInString(s) > max {
+		return string([]rune(s)[:max]) + "…"
+	}
+	return s
+}
+
+// Summary says in one line what a record is about: an exec's command
+// line, an exit code, a decision and its rule, a file operation, a
+// lifecycle event. It is safe to print.
+func Summary(e *Entry) string {
+	if s, ok := summary(e); ok {
+		return s
+	}
+	return rawData(e)
+}
+
+func rawData(e *Entry) string {
+	if len(e.Data) == 0 {
+		return ""
+	}
+	return clean(string(e.Data), maxField)
+}
+
+func summary(e *Entry) (string, bool) {
+	f := func(s string) string { return clean(s, maxField) }
+	var parts []string
+	add := func(format string, args ...any) { parts = append(parts, fmt.Sprintf(format, args...)) }
+	switch e.Kind {
+	case audit.KindVMLifecycle:
+		var d lifecycleData
+		if !decodeData(e, &d) || d.Event == "" {
+			return "", false
+		}
+		add("%s", f(d.Event))
+		if d.ImageDigest != "" {
+			add("image %s", f(d.ImageDigest))
+		}
+		if d.Policy != "" || d.PolicyRevision != "" {
+			add("policy %s", f(policyRef(d.Policy, d.PolicyRevision)))
+		}
+		if d.CPUs > 0 {
+			add("%d cpus", d.CPUs)
+		}
+		if d.MemoryBytes > 0 {
+			add("%s memory", bytesText(d.MemoryBytes))
+		}
+		if d.Driver != "" {
+			add("driver %s", f(d.Driver))
+		}
+		if d.Reason != "" {
+			add("reason: %s", f(d.Reason))
+		}
+	case audit.KindAPICall:
+		var d apiCallData
+		if !decodeData(e, &d) || d.Procedure == "" {
+			return "", false
+		}
+		add("%s", f(d.Procedure))
+		if d.Code != "" {
+			add("-> %s", f(d.Code))
+		}
+		if d.Error != "" {
+			add("(%s)", f(d.Error))
+		}
+		if d.DurationNS > 0 {
+			add("in %s", time.Duration(d.DurationNS).Round(time.Microsecond))
+		}
+		if c := callerText(d.Caller); c != "" {
+			add("by %s", c)
+		}
+	case audit.KindPolicyDecision:
+		var d decisionData
+		if !decodeData(e, &d) {
+			return "", false
+		}
+		add("%s %s", verdict(d.Allow), f(d.Kind))
+		add("rule %s", f(d.Rule))
+		if d.Reason != "" {
+			add("reason: %s", f(d.Reason))
+		}
+		add("[policy %s]", f(policyRef(d.Policy, d.Revision)))
+		if d.Cached {
+			add("(cached)")
+		}
+	case audit.KindIntent:
+		var d intentData
+		if !decodeData(e, &d) || d.Action == "" {
+			return "", false
+		}
+		switch d.Action {
+		case "exec":
+			add("exec $ %s", commandLine(&d, maxField))
+			var opts []string
+			if d.Cwd != "" {
+				opts = append(opts, "cwd "+f(d.Cwd))
+			}
+			if d.User != "" {
+				opts = append(opts, "user "+f(d.User))
+			}
+			if d.TTY {
+				opts = append(opts, "tty")
+			}
+			if d.Detach {
+				opts = append(opts, "detached")
+			}
+			if len(opts) > 0 {
+				add("(%s)", strings.Join(opts, ", "))
+			}
+		default:
+			add("%s", f(d.Action))
+			if d.Path != "" {
+				add("%s", f(d.Path))
+			}
+			if d.To != "" {
+				add("-> %s", f(d.To))
+			}
+			for _, kv := range []struct {
+				k string
+				v json.RawMessage
+			}{{"mode", d.Mode}, {"uid", d.UID}, {"gid", d.GID}, {"port", d.Port}} {
+				if len(kv.v) > 0 && string(kv.v) != "null" {
+					add("%s %s", kv.k, f(string(kv.v)))
+				}
+			}
+			if d.Tar {
+				add("(tar)")
+			}
+			if d.Recursive {
+				add("(recursive)")
+			}
+			if d.Reason != "" {
+				add("reason: %s", f(d.Reason))
+			}
+		}
+		if c := callerText(d.Caller); c != "" {
+			add("by %s", c)
+		}
+	case audit.KindExecExit:
+		var d exitData
+		if !decodeData(e, &d) {
+			return "", false
+		}
+		add("%s", exitText(&d))
+		add("stdout %s, stderr %s", bytesText(d.StdoutBytes), bytesText(d.StderrBytes))
+		if d.StdinBytes > 0 {
+			add("stdin %s", bytesText(d.StdinBytes))
+		}
+	case audit.KindExecOutput:
+		var d outputData
+		if !decodeData(e, &d) || d.Exec == nil {
+			return "", false
+		}
+		add("%s %s at %d", f(d.Stream), bytesText(d.Size), d.Offset)
+		add("of exec %d", *d.Exec)
+		if len(d.Chunks) > 1 {
+			add("(%d chunks)", len(d.Chunks))
+		}
+	case audit.KindFileOp:
+		var d fileOpData
+		if !decodeData(e, &d) || d.Op == "" {
+			return "", false
+		}
+		add("%s %s", f(d.Op), f(d.Path))
+		if d.To != "" {
+			add("-> %s", f(d.To))
+		}
+		if d.Size != nil {
+			add("%s", bytesText(*d.Size))
+		}
+		if d.Entries > 0 {
+			add("%d entries", d.Entries)
+		}
+		if d.Digest != "" {
+			add("%s", f(d.Digest))
+		}
+		if d.Content != "" {
+			add("(content not kept: %s)", f(d.Content))
+		}
+		if d.Error != "" {
+			add("error: %s", f(d.Error))
+		}
+	case audit.KindWatchEvent:
+		var d watchData
+		if !decodeData(e, &d) || d.Op == "" && len(d.Events) == 0 {
+			return "", false
+		}
+		if d.Op != "" {
+			add("%s %s", f(d.Op), f(d.Path))
+			if d.Size != nil {
+				add("%s", bytesText(*d.Size))
+			}
+		}
+		if len(d.Events) > 0 {
+			add("%d events", len(d.Events))
+		}
+		for i, ev := range d.Events {
+			if i == 3 {
+				add("…")
+				break
+			}
+			add("%s %s", f(ev.Op), f(ev.Path))
+			if ev.OldPath != "" {
+				add("(from %s)", f(ev.OldPath))
+			}
+		}
+		if d.Dropped > 0 {
+			add("(%d dropped)", d.Dropped)
+		}
+	case "file.activity":
+		var d activityData
+		if !decodeData(e, &d) {
+			return "", false
+		}
+		add("%d events", len(d.Events))
+		for i, ev := range d.Events {
+			if i == 3 {
+				add("…")
+				break
+			}
+			add("%s %s", f(ev.Op), f(ev.Path))
+		}
+		if d.Dropped > 0 {
+			add("(%d dropped)", d.Dropped)
+		}
+	case audit.KindOutcome:
+		var d outcomeData
+		if !decodeData(e, &d) {
+			return "", false
+		}
+		if d.Outcome != "" {
+			add("%s", f(d.Outcome))
+		}
+		if d.BytesIn != nil || d.BytesOut != nil {
+			add("in %s, out %s", bytesText(deref(d.BytesIn)), bytesText(deref(d.BytesOut)))
+		}
+		if d.Error != "" {
+			add("error: %s", f(d.Error))
+		}
+		if d.Reason != "" {
+			add("reason: %s", f(d.Reason))
+		}
+		if len(parts) == 0 {
+			return "", false
+		}
+	case audit.KindRecovery:
+		var d recoveryData
+		if !decodeData(e, &d) || d.Cause == "" {
+			return "", false
+		}
+		add("%s", f(d.Cause))
+		if d.TruncatedBytes > 0 {
+			add("cut a torn tail of %d bytes (%s)", d.TruncatedBytes, f(d.TailReason))
+		}
+		if d.UnknownOutcomes > 0 {
+			add("%d actions' outcomes unknown", d.UnknownOutcomes)
+		}
+		if d.Since != nil {
+			add("unavailable since %s", d.Since.UTC().Format(timeLayout))
+		}
+		if d.Refused > 0 {
+			add("%d appends refused", d.Refused)
+		}
+		if d.Error != "" {
+			add("error: %s", f(d.Error))
+		}
+	default:
+		return "", false
+	}
+	s := strings.Join(parts, " ")
+	if e.Intent != nil && e.Kind != audit.KindExecOutput {
+		s += fmt.Sprintf(" (intent %d)", *e.Intent)
+	}
+	return s, true
+}
+
+func deref(p *int64) int64 {
+	if p == nil {
+		return 0
+	}
+	return *p
+}
+
+func verdict(allow bool) string {
+	if allow {
+		return "allow"
+	}
+	return "deny"
+}
+
+func policyRef(name, rev string) string {
+	if rev == "" {
+		return name
+	}
+	return name + "@" + rev
+}
+
+func exitText(d *exitData) string {
+	switch {
+	case d.Code != nil:
+		return fmt.Sprintf("exit %d", *d.Code)
+	case d.Signal != "":
+		return "killed by " + clean(d.Signal, maxField)
+	case d.Error != "":
+		return "no exit status: " + clean(d.Error, maxField)
+	}
+	return "no exit status"
+}
+
+func callerText(c *callerData) string {
+	if c == nil {
+		return ""
+	}
+	switch {
+	case c.TokenID != "":
+		return "token " + clean(c.TokenID, maxField)
+	case c.Type == "peer" && c.PID != 0:
+		return fmt.Sprintf("uid %d pid %d", c.UID, c.PID)
+	case c.Type == "peer":
+		return fmt.Sprintf("uid %d", c.UID)
+	}
+	return clean(c.Type, maxField)
+}
+
+// bytesText is a byte count for people.
+func bytesText(n int64) string {
+	switch {
+	case n < 1<<10:
+		return fmt.Sprintf("%d B", n)
+	case n < 1<<20:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	case n < 1<<30:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	}
+	return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
+}
+
+// timeLayout is how review tools print a record's time (UTC).
+const timeLayout = "2006-01-02T15:04:05.000Z"
+
+// SafeText is s made safe to print on a terminal: control characters,
+// bidirectional overrides and bytes that are not UTF-8 escaped, and cut
+// at 200 characters.
+func SafeText(s string) string { return clean(s, maxField) }

@@ -1,0 +1,82 @@
+// Package auditrec writes the audit records carreld makes outside the
+// API's handlers: every policy decision, and every step in a VM's life.
+package auditrec
+
+import (
+	"context"
+	"encoding/json"
+
+	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/vm"
+)
+
+// maxRecordedInput is the largest input document kept whole in a decision
+// record; a larger one (a huge argv) is kept as its digest only.
+const maxRecordedInput = 32 << 10
+
+// Decisions makes policy decisions durable in the audit log before
+// the action they admit goes ahead.
+type Decisions struct {
+	Log *audit.Log
+	// Session names a VM's current run; set it once the VM manager
+	// exists.
+	Session func(vm string) string
+}
+
+type decisionData struct {
+	policy.Decision
+	Input json.RawMessage `json:"input,omitempty"`
+}
+
+func (r *Decisions) Record(ctx context.Context, d policy.Decision, in policy.Input) error {
+	data := decisionData{Decision: d}
+	if len(d.Input) <= maxRecordedInput {
+		data.Input = d.Input
+	}
+	b, err := json.Marshal(data)
+	if err != nil {
+		return err
+	}
+	session := ""
+	if r.Session != nil && d.VM != "" {
+		session = r.Session(d.VM)
+	}
+	_, err = r.Log.Append(ctx, audit.Record{Kind: audit.KindPolicyDecision, VM: d.VM, Session: session, Provenance: audit.Host, Data: b})
+	return err
+}
+
+// lifecycleData is the data of a "vm.lifecycle" record.
+type lifecycleData struct {
+	Event          vm.EventKind `json:"event"`
+	ImageDigest    string       `json:"image_digest"`
+	Policy         string       `json:"policy"`
+	PolicyRevision string       `json:"policy_revision,omitempty"`
+	MemoryBytes    uint64       `json:"memory_bytes"`
+	CPUs           uint32       `json:"cpus"`
+	Driver         string       `json:"driver"`
+	Reason         string       `json:"reason,omitempty"`
+}
+
+// Lifecycle records a step in a VM's life, with what a later rerun needs
+// to start the same VM: the image digest and the policy revision.
+func Lifecycle(l *audit.Log, pols *policies.Store) func(context.Context, vm.Event) error {
+	return func(ctx context.Context, ev vm.Event) error {
+		r := ev.Record
+		data := lifecycleData{Event: ev.Kind, ImageDigest: r.ImageDigest, Policy: r.PolicyName(),
+			MemoryBytes: r.MemoryBytes, CPUs: r.CPUs, Driver: r.Driver, Reason: ev.Reason}
+		if p, err := pols.Get(r.PolicyName()); err == nil {
+			data.PolicyRevision = p.Revision
+		}
+		if len(data.Reason) > 4096 {
+			data.Reason = data.Reason[:4096]
+		}
+		b, err := json.Marshal(data)
+		if err != nil {
+			return err
+		}
+		_, err = l.Append(ctx, audit.Record{Kind: audit.KindVMLifecycle, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b})
+		return err
+	}
+}

@@ -1,0 +1,160 @@
+package vm
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/carrel-os/carrel/supervisor/registry"
+)
+
+// EventKind names a step in a VM's life.
+type EventKind string
+
+// The steps Config.OnEvent hears about.
+const (
+	EventCreated  EventKind = "created"
+	EventStarting EventKind = "starting" // a new session; QEMU is about to start
+	EventStarted  EventKind = "started"  // the agent answered
+	EventAdopted  EventKind = "adopted"  // a new carreld found it running
+	EventStopping EventKind = "stopping"
+	EventStopped  EventKind = "stopped"
+	EventFailed   EventKind = "failed" // a boot that did not come up
+	EventRemoved  EventKind = "removed"
+	EventPaused   EventKind = "paused"
+	EventResumed  EventKind = "resumed"
+)
+
+// Event is one step in a VM's life. Record is the VM's record as of the
+// step; its Session names the run the step belongs to.
+type Event struct {
+	Kind   EventKind
+	Record registry.Record
+	Reason string
+}
+
+// event tells Config.OnEvent about a step. The steps before QEMU starts
+// (created, starting) fail the operation when they cannot be recorded;
+// for the others the VM has already changed, so a failure is logged.
+func (m *Manager) event(ctx context.Context, mc *machine, kind EventKind, reason string) error {
+	if m.cfg.OnEvent == nil {
+		return nil
+	}
+	ev := Event{Kind: kind, Record: mc.snapshot(), Reason: reason}
+	err := m.cfg.OnEvent(context.WithoutCancel(ctx), ev)
+	if err == nil {
+		return nil
+	}
+	switch kind {
+	case EventCreated, EventStarting:
+		return fmt.Errorf("vm %q not started: %w", ev.Record.Name, err)
+	}
+	m.log.Error("vm event not recorded", "vm", ev.Record.Name, "event", kind, "err", err)
+	return nil
+}
+
+func newSession() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return "ses_" + hex.EncodeToString(b[:])
+}
+
+// SessionOf returns the session of a VM's current (or latest) run.
+func (m *Manager) SessionOf(name string) string {
+	mc, err := m.get(name)
+	if err != nil {
+		return ""
+	}
+	mc.mu.Lock()
+	defer mc.mu.Unlock()
+	return mc.rec.Session
+}
+
+// PauseAll stops the vCPUs of every running VM, for reason (the audit log
+// cannot be written, say). VMs stay paused until ResumeAll. A VM that
+// starts meanwhile is paused as soon as its boot ends.
+func (m *Manager) PauseAll(ctx context.Context, reason string) error {
+	m.mu.Lock()
+	m.pausedFor = reason
+	m.pausedAt = time.Now()
+	mcs := m.machinesLocked()
+	m.mu.Unlock()
+	var errs []error
+	for _, mc := range mcs {
+		errs = append(errs, m.pause(ctx, mc, reason))
+	}
+	return errors.Join(errs...)
+}
+
+// ResumeAll resumes the VMs PauseAll paused.
+func (m *Manager) ResumeAll(ctx context.Context) error {
+	m.mu.Lock()
+	reason, since := m.pausedFor, m.pausedAt
+	m.pausedFor = ""
+	mcs := m.machinesLocked()
+	m.mu.Unlock()
+	var errs []error
+	for _, mc := range mcs {
+		mc.mu.Lock()
+		paused, inst := mc.paused, mc.rec.Instance
+		mc.paused = false
+		mc.mu.Unlock()
+		if !paused || inst == nil {
+			continue
+		}
+		if err := m.cfg.Driver.Resume(ctx, *inst); err != nil {
+			errs = append(errs, fmt.Errorf("resume vm %q: %w", mc.rec.Name, err))
+			continue
+		}
+		m.log.Info("vm resumed", "vm", mc.rec.Name, "paused_for", time.Since(since).Round(time.Millisecond))
+		// The pause could not be recorded while the log was down; both
+		// are recorded now.
+		_ = m.event(ctx, mc, EventPaused, fmt.Sprintf("%s (at %s)", reason, since.UTC().Format(time.RFC3339Nano)))
+		_ = m.event(ctx, mc, EventResumed, fmt.Sprintf("paused for %s", time.Since(since).Round(time.Millisecond)))
+	}
+	return errors.Join(errs...)
+}
+
+// pause pauses mc if it runs and is not paused yet.
+func (m *Manager) pause(ctx context.Context, mc *machine, reason string) error {
+	mc.mu.Lock()
+	inst, state := mc.rec.Instance, mc.rec.State
+	if mc.paused || inst == nil || state != registry.StateRunning {
+		mc.mu.Unlock()
+		return nil
+	}
+	mc.paused = true
+	mc.mu.Unlock()
+	if err := m.cfg.Driver.Pause(ctx, *inst); err != nil {
+		mc.mu.Lock()
+		mc.paused = false
+		mc.mu.Unlock()
+		return fmt.Errorf("pause vm %q: %w", mc.rec.Name, err)
+	}
+	m.log.Warn("vm paused", "vm", mc.rec.Name, "reason", reason)
+	return nil
+}
+
+// pauseIfHeld pauses a VM that came up while every VM is held paused.
+func (m *Manager) pauseIfHeld(ctx context.Context, mc *machine) {
+	m.mu.Lock()
+	reason := m.pausedFor
+	m.mu.Unlock()
+	if reason == "" {
+		return
+	}
+	if err := m.pause(ctx, mc, reason); err != nil {
+		m.log.Error("vm not paused", "vm", mc.rec.Name, "err", err)
+	}
+}
+
+func (m *Manager) machinesLocked() []*machine {
+	mcs := make([]*machine, 0, len(m.vms))
+	for _, mc := range m.vms {
+		mcs = append(mcs, mc)
+	}
+	return mcs
+}
