@@ -12,8 +12,12 @@ CACHE   ?= $(CURDIR)/.cache/carrel
 
 # System packages: QEMU to run VMs, nix-bin to check our .nix files,
 # protoc for `make generate`, cpio for the initramfs tests, xxd for the
-# Nix vendor hash check, systemd for systemd-socket-activate in the tests.
-DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd systemd
+# Nix vendor hash check, systemd for systemd-socket-activate in the tests,
+# libvirtd and virsh for the libvirt driver's tests (they start libvirtd
+# themselves: nothing starts services on the build and CI machines),
+# e2fsprogs for the dev image's workspace template (qemu-utils' qemu-img
+# makes each VM's workspace disk).
+DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd systemd libvirt-daemon-system libvirt-clients e2fsprogs
 
 .PHONY: help
 help: ## List the targets
@@ -38,7 +42,7 @@ run: deps build ## Build, start carreld, build the dev image, boot a VM, run a s
 	@BIN=$(BIN) CACHE=$(CACHE) ./tests/run-demo.sh
 
 .PHONY: test
-test: deps build lint check-generated nix-check policy-test unit fuzz integration ## Run every test: lint, generated code, nix syntax, Rego, unit, fuzz and real-VM end-to-end
+test: deps build lint check-generated nix-check policy-test unit fuzz integration integration-libvirt ## Run every test: lint, generated code, nix syntax, Rego, unit, fuzz and real-VM end-to-end (both drivers)
 
 .PHONY: policy-test
 policy-test: build ## The policy bundles' Rego tests (default and examples), through carrel policy test
@@ -65,8 +69,17 @@ fuzz: ## Run every fuzz target for FUZZTIME (default 2000 executions) on top of 
 integration: deps build ## End-to-end tests: a real carreld boots real VMs under QEMU
 	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 20m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
 
+# The end-to-end tests that exercise the driver (lifecycle, boot failures,
+# exec, files, policy and audit in the VM, pause and resume, guest limits),
+# again with carreld --driver libvirt. The harness starts libvirtd and
+# virtlogd if they are not running (CARREL_TEST_DRIVER, tests/harness).
+LIBVIRT_TESTS := TestVMEndToEnd|TestCreateRejectsBadArguments|TestBootFailures|TestCopyFiles|TestCopyDirectories|TestPolicyInTheVM|TestAuditRecordsDecisions|TestAuditDiskFull|TestGuestLimits
+.PHONY: integration-libvirt
+integration-libvirt: deps build ## The driver's share of the end-to-end tests again, through libvirtd
+	CARREL_TEST_DRIVER=libvirt CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 15m -v -run '^($(LIBVIRT_TESTS))$$' ./tests/ 2>&1 | tee out/integration-libvirt.log; exit $${PIPESTATUS[0]}
+
 .PHONY: bench
-bench: deps build ## Benchmarks: boot vs bare QEMU, warm exec, exec and file throughput vs qemu-guest-agent, policy decision latency
+bench: deps build ## Benchmarks: boot through the qemu and libvirt drivers vs bare QEMU, warm exec, exec and file throughput vs qemu-guest-agent, policy decision latency, egress through the tunnel vs direct
 	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) run ./tests/bench $(BENCH_ARGS)
 
 .PHONY: lint

@@ -43,7 +43,7 @@ buildGo126Module (finalAttrs: {
   # "hash mismatch in fixed-output derivation ... got: sha256-...", and the
   # "got" value is the one to put here. `nix/update-vendor-hash.sh --check`
   # fails when it is stale (for CI).
-  vendorHash = "sha256-ODZ4takhKu7B3mO79yKroOSN6ZD8S5xfPL8IuPc8Prk=";
+  vendorHash = "sha256-CavLyHIDYf7w9BdFpmXDaousKKPfiEbCdsN1iHrHh+M=";
 
   subPackages = [
     "cmd/carreld"

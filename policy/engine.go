@@ -18,6 +18,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -44,7 +45,9 @@ type Policy struct {
 	bundle   *Bundle
 	decide   map[Kind]rego.PreparedEvalQuery
 	sandbox  rego.PreparedEvalQuery
-	cache    *decisionCache
+	// limits is data.carrel.net.limits, prepared when the bundle has it.
+	limits *rego.PreparedEvalQuery
+	cache  *decisionCache
 }
 
 // Decision is the outcome of one evaluation, as it is recorded.
@@ -136,6 +139,13 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 		return nil, err
 	}
 	p.sandbox = q
+	if hasRule(c, "data.carrel.net.limits") {
+		q, err := p.prepare(ctx, "data.carrel.net.limits")
+		if err != nil {
+			return nil, err
+		}
+		p.limits = &q
+	}
 	return p, nil
 }
 
@@ -322,6 +332,60 @@ func (p *Policy) Sandbox(ctx context.Context, vm string) (Sandbox, error) {
 		}
 	}
 	return s, nil
+}
+
+// NetLimits are the limits on a VM's egress that carreld enforces besides
+// decisions. Zero is no limit.
+type NetLimits struct {
+	// MaxConnections caps the VM's egress connections open at once.
+	MaxConnections int64 `json:"max_connections"`
+	// BandwidthBytesPerSecond caps the bytes a second the VM's egress
+	// carries each way, over all its connections.
+	BandwidthBytesPerSecond int64 `json:"bandwidth_bytes_per_second"`
+}
+
+// NetLimits evaluates data.carrel.net.limits for vm. A bundle without the
+// rule, or whose rule is undefined for vm, sets no limits; a value that is
+// not an object of non-negative integers is an error.
+func (p *Policy) NetLimits(ctx context.Context, vm string) (NetLimits, error) {
+	if p.limits == nil {
+		return NetLimits{}, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, EvalTimeout)
+	defer cancel()
+	in := ast.NewObject(
+		ast.Item(ast.StringTerm("version"), ast.IntNumberTerm(InputVersion)),
+		ast.Item(ast.StringTerm("vm"), ast.StringTerm(vm)),
+		ast.Item(keyDirection, stringTerm(DirEgress)),
+	)
+	rs, err := p.limits.Eval(ctx, rego.EvalParsedInput(in))
+	if err != nil {
+		return NetLimits{}, fmt.Errorf("evaluate the net limits of policy %s: %w", p.Name, err)
+	}
+	if len(rs) != 1 || len(rs[0].Expressions) != 1 {
+		return NetLimits{}, nil
+	}
+	raw, err := json.Marshal(rs[0].Expressions[0].Value)
+	if err != nil {
+		return NetLimits{}, err
+	}
+	// Rego numbers come back as floats (1e+06): read them so, and insist
+	// on whole, non-negative ones.
+	var v struct {
+		MaxConnections          float64 `json:"max_connections"`
+		BandwidthBytesPerSecond float64 `json:"bandwidth_bytes_per_second"`
+	}
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&v); err != nil {
+		return NetLimits{}, fmt.Errorf("policy %s: data.carrel.net.limits: %w", p.Name, err)
+	}
+	for _, f := range []float64{v.MaxConnections, v.BandwidthBytesPerSecond} {
+		if f < 0 || f != math.Trunc(f) || f > 1<<53 {
+			return NetLimits{}, fmt.Errorf("policy %s: data.carrel.net.limits: %v is not a whole number from 0 to 2^53", p.Name, f)
+		}
+	}
+	return NetLimits{MaxConnections: int64(v.MaxConnections), BandwidthBytesPerSecond: int64(v.BandwidthBytesPerSecond)}, nil
 }
 
 // Procedures returns data.carrel.api.procedures: every procedure the api

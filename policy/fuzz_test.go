@@ -20,6 +20,7 @@ func FuzzDecodeInput(f *testing.F) {
 		KindAPI: {
 			`{"version":1,"caller":{"type":"peer","uid":0,"gid":0,"pid":1},"daemon_uid":0,"procedure":"/carrel.api.v1.VMService/CreateVM","vm":"a"}`,
 			`{"version":1,"caller":{"type":"token","token_id":"tok-1","vm":"a"},"procedure":"/carrel.api.v1.VMService/Exec","vm":"b"}`,
+			`{"caller":{"type":"peer","uid":0},"procedure":"/carrel.api.v1.VMService/CreateVM","vm":"a","gpus":["0000:4A:00.0","0000:01:00.0","00000:01:00.0"]}`,
 		},
 		KindExec: {
 			`{"version":1,"caller":{"type":"peer","uid":1000},"vm":"demo","argv":["sh","-c","ls"],"env":{"K":"V"},"cwd":"/workspace","user":"agent","tty":false}`,
@@ -32,6 +33,8 @@ func FuzzDecodeInput(f *testing.F) {
 		KindNet: {
 			`{"version":1,"vm":"demo","direction":"egress","host":"registry.npmjs.org","port":443,"protocol":"tcp"}`,
 			`{"caller":{"type":"token","token_id":"t","vm":"demo"},"vm":"demo","direction":"forward","host":"Local.Host.","port":8080}`,
+			`{"version":1,"vm":"demo","direction":"egress","host":"allowed.test","port":8443,"protocol":"tcp","addresses":[{"ip":"127.0.0.1","class":"public"},{"ip":"::ffff:10.0.0.1"},{"ip":"127.0.0.1"}]}`,
+			`{"vm":"demo","direction":"egress","host":"::FFFF:169.254.169.254","port":80,"ip_literal":false,"addresses":[{"ip":"8.8.8.8"}]}`,
 		},
 		KindGuest: {
 			`{"version":1,"vm":"demo","request":"checkpoint","args":{"name":"x"}}`,

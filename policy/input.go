@@ -3,6 +3,7 @@ package policy
 import (
 	"encoding/json"
 	"fmt"
+	"net/netip"
 	"path"
 	"strings"
 	"unicode/utf8"
@@ -139,12 +140,18 @@ var (
 	keyProtocol  = ast.StringTerm("protocol")
 	keyRequest   = ast.StringTerm("request")
 	keyArgs      = ast.StringTerm("args")
+	keyIPLiteral = ast.StringTerm("ip_literal")
+	keyAddresses = ast.StringTerm("addresses")
+	keyIP        = ast.StringTerm("ip")
+	keyClass     = ast.StringTerm("class")
+	keyGPUs      = ast.StringTerm("gpus")
 
 	versionTerm = ast.IntNumberTerm(InputVersion)
 	fixedTerms  = func() map[string]*ast.Term {
 		m := map[string]*ast.Term{}
 		for _, s := range []string{CallerPeer, CallerToken, OpRead, OpWrite, OpCreate, OpDelete, OpChmod, OpList, OpWatch,
-			DirEgress, DirForward, "tcp", "udp", DefaultUser, DefaultCwd} {
+			DirEgress, DirForward, "tcp", "udp", DefaultUser, DefaultCwd,
+			ClassPublic, ClassPrivate, ClassLoopback, ClassLinkLocal, ClassCGNAT, ClassUnspecified, ClassMulticast, ClassMetadata, ClassReserved} {
 			m[s] = ast.StringTerm(s)
 		}
 		return m
@@ -186,6 +193,10 @@ type APIInput struct {
 	DaemonUID uint32 `json:"daemon_uid"`
 	Procedure string `json:"procedure"`
 	VM        string `json:"vm"`
+	// GPUs are the PCI addresses of the GPUs the call would give vm:
+	// CreateVM's, or the ones a VM that StartVM boots was created with.
+	// Normalize writes them in the kernel's spelling, sorted.
+	GPUs []string `json:"gpus,omitempty"`
 }
 
 func (*APIInput) Kind() Kind        { return KindAPI }
@@ -198,16 +209,36 @@ func (in *APIInput) Normalize() error {
 	if !strings.HasPrefix(in.Procedure, "/") {
 		return fmt.Errorf("%w: procedure %q", ErrInvalidInput, in.Procedure)
 	}
+	gpus, err := normalizeGPUs(in.GPUs)
+	if err != nil {
+		return err
+	}
+	in.GPUs = gpus
 	return checkStrings("api", in.Procedure, in.VM)
 }
 
 func (in *APIInput) value() ast.Value {
+	caller := ast.NewTerm(in.Caller.value())
+	if len(in.GPUs) == 0 { // as in the JSON: gpus only when set
+		return ast.NewObject(
+			ast.Item(keyVersion, versionTerm),
+			ast.Item(keyCaller, caller),
+			ast.Item(keyDaemonUID, ast.InternedTerm(in.DaemonUID)),
+			ast.Item(keyProcedure, ast.StringTerm(in.Procedure)),
+			ast.Item(keyVM, ast.StringTerm(in.VM)),
+		)
+	}
+	gpus := make([]*ast.Term, len(in.GPUs))
+	for i, g := range in.GPUs {
+		gpus[i] = ast.StringTerm(g)
+	}
 	return ast.NewObject(
 		ast.Item(keyVersion, versionTerm),
-		ast.Item(keyCaller, ast.NewTerm(in.Caller.value())),
+		ast.Item(keyCaller, caller),
 		ast.Item(keyDaemonUID, ast.InternedTerm(in.DaemonUID)),
 		ast.Item(keyProcedure, ast.StringTerm(in.Procedure)),
 		ast.Item(keyVM, ast.StringTerm(in.VM)),
+		ast.Item(keyGPUs, ast.ArrayTerm(gpus...)),
 	)
 }
 
@@ -360,7 +391,25 @@ type NetInput struct {
 	Host      string `json:"host"`
 	Port      int    `json:"port"`
 	Protocol  string `json:"protocol"`
+	// IPLiteral is set by Normalize for egress to an IP address rather
+	// than a name; it is never taken from the caller.
+	IPLiteral bool `json:"ip_literal,omitempty"`
+	// Addresses are what an egress host resolved to, each with the class
+	// Normalize gives it (AddressClass). carreld asks first with none,
+	// before it resolves the name (so a denied name never reaches DNS),
+	// then again with them. For an IP literal, Normalize sets the one
+	// address.
+	Addresses []NetAddress `json:"addresses,omitempty"`
 }
+
+// NetAddress is one address an egress host resolved to.
+type NetAddress struct {
+	IP    string `json:"ip"`
+	Class string `json:"class"`
+}
+
+// MaxNetAddresses caps the addresses a net input carries.
+const MaxNetAddresses = 32
 
 func (*NetInput) Kind() Kind        { return KindNet }
 func (in *NetInput) VMName() string { return in.VM }
@@ -388,7 +437,51 @@ func (in *NetInput) Normalize() error {
 		return err
 	}
 	in.Host = h
+	if err := in.normalizeAddresses(); err != nil {
+		return err
+	}
 	return checkStrings("net", in.VM)
+}
+
+// normalizeAddresses writes an IP literal host, and every address, in
+// their canonical form (an IPv4-mapped address as IPv4), drops repeats,
+// and classes each address itself: a class the caller gave is replaced.
+func (in *NetInput) normalizeAddresses() error {
+	in.IPLiteral = false
+	if in.Direction != DirEgress {
+		if len(in.Addresses) > 0 {
+			return fmt.Errorf("%w: addresses are for egress only", ErrInvalidInput)
+		}
+		return nil
+	}
+	if len(in.Addresses) > MaxNetAddresses {
+		return fmt.Errorf("%w: %d addresses, limit %d", ErrInvalidInput, len(in.Addresses), MaxNetAddresses)
+	}
+	if a, err := netip.ParseAddr(in.Host); err == nil {
+		a = a.Unmap()
+		in.Host, in.IPLiteral = a.String(), true
+		in.Addresses = []NetAddress{{IP: in.Host, Class: AddressClass(a)}}
+		return nil
+	}
+	seen := make(map[netip.Addr]bool, len(in.Addresses))
+	out := in.Addresses[:0:0]
+	for _, na := range in.Addresses {
+		a, err := netip.ParseAddr(na.IP)
+		if err != nil || a.Zone() != "" {
+			return fmt.Errorf("%w: address %.64q", ErrInvalidInput, na.IP)
+		}
+		a = a.Unmap()
+		if seen[a] {
+			continue
+		}
+		seen[a] = true
+		out = append(out, NetAddress{IP: a.String(), Class: AddressClass(a)})
+	}
+	in.Addresses = out
+	if len(out) == 0 {
+		in.Addresses = nil
+	}
+	return nil
 }
 
 // normalizeHost puts a host name or IP literal in the one form rules
@@ -416,19 +509,28 @@ func normalizeHost(host string) (string, error) {
 }
 
 func (in *NetInput) value() ast.Value {
-	items := [7][2]*ast.Term{
-		ast.Item(keyVersion, versionTerm),
-		ast.Item(keyVM, ast.StringTerm(in.VM)),
-		ast.Item(keyDirection, stringTerm(in.Direction)),
-		ast.Item(keyHost, ast.StringTerm(in.Host)),
-		ast.Item(keyPort, ast.InternedTerm(in.Port)),
-		ast.Item(keyProtocol, stringTerm(in.Protocol)),
+	items := make([][2]*ast.Term, 6, 9)
+	items[0] = ast.Item(keyVersion, versionTerm)
+	items[1] = ast.Item(keyVM, ast.StringTerm(in.VM))
+	items[2] = ast.Item(keyDirection, stringTerm(in.Direction))
+	items[3] = ast.Item(keyHost, ast.StringTerm(in.Host))
+	items[4] = ast.Item(keyPort, ast.InternedTerm(in.Port))
+	items[5] = ast.Item(keyProtocol, stringTerm(in.Protocol))
+	if in.Caller.Type != "" { // egress has none: the guest asks
+		items = append(items, ast.Item(keyCaller, ast.NewTerm(in.Caller.value())))
 	}
-	if in.Caller.Type == "" { // the guest asks: no caller
-		return ast.NewObject(items[:6]...)
+	// As in the JSON: each only when set.
+	if in.IPLiteral {
+		items = append(items, ast.Item(keyIPLiteral, ast.InternedTerm(true)))
 	}
-	items[6] = ast.Item(keyCaller, ast.NewTerm(in.Caller.value()))
-	return ast.NewObject(items[:]...)
+	if len(in.Addresses) > 0 {
+		addrs := make([]*ast.Term, len(in.Addresses))
+		for i, a := range in.Addresses {
+			addrs[i] = ast.ObjectTerm(ast.Item(keyIP, ast.StringTerm(a.IP)), ast.Item(keyClass, stringTerm(a.Class)))
+		}
+		items = append(items, ast.Item(keyAddresses, ast.ArrayTerm(addrs...)))
+	}
+	return ast.NewObject(items...)
 }
 
 // GuestInput asks whether the agent inside a VM may have what it asked

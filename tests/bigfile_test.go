@@ -24,8 +24,8 @@ func TestGiBFile(t *testing.T) {
 	d := harness.New(t)
 	d.Start()
 	d.BuildImage()
-	// /workspace is a tmpfs of half the guest's memory: 2.5 GiB holds the
-	// file and its temporary twin during the atomic rename.
+	// /workspace is half the guest's memory by default: 1.25 GiB holds
+	// the file as it is written beside its name and renamed over it.
 	d.Must("vm", "create", "big", "--memory", "2560M")
 	dir := t.TempDir()
 	local := filepath.Join(dir, "gib")

@@ -31,6 +31,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/activity"
 	"github.com/carrel-os/carrel/guest-agent/cgroups"
+	"github.com/carrel-os/carrel/guest-agent/egress"
 	"github.com/carrel-os/carrel/guest-agent/exec"
 	"github.com/carrel-os/carrel/guest-agent/files"
 	"github.com/carrel-os/carrel/guest-agent/initsys"
@@ -92,6 +93,12 @@ func main() {
 	if pid1 {
 		if err := initsys.Setup(log); err != nil {
 			log.Error("setup", "err", err)
+			if errors.Is(err, initsys.ErrWorkspace) {
+				// Fail the boot (the kernel panics when PID 1 exits), with
+				// the reason on the console, rather than serve a
+				// workspace in memory that carreld did not give the VM.
+				os.Exit(1)
+			}
 		}
 		if err := useConsole(); err != nil {
 			log.Error("open console", "err", err)
@@ -114,10 +121,11 @@ func main() {
 	// One sandbox for the agent's life: it outlives a serve that fails.
 	sb := &sandbox.Guard{Log: log}
 	w := watchWorkspace(log, pid1)
+	eg := startEgress(ctx, log, pid1)
 
 	backoff := time.Second
 	for {
-		err := serve(ctx, log, o, pid1, sb, w)
+		err := serve(ctx, log, o, pid1, sb, w, eg)
 		if ctx.Err() != nil {
 			return
 		}
@@ -153,6 +161,14 @@ func watchWorkspace(log *slog.Logger, pid1 bool) workspace {
 			log.Warn("commands get no cgroup of their own", "err", err)
 		} else {
 			w.groups = d
+			// The limit carreld set is applied to all commands together.
+			if l, _ := initsys.ReadLimits(); l.MaxProcesses > 0 {
+				if err := d.SetMaxProcesses(l.MaxProcesses); err != nil {
+					log.Error("process limit not applied", "max", l.MaxProcesses, "err", err)
+				} else {
+					log.Info("process limit applied", "max", l.MaxProcesses)
+				}
+			}
 		}
 	}
 	if os.Geteuid() != 0 {
@@ -174,7 +190,7 @@ func watchWorkspace(log *slog.Logger, pid1 bool) workspace {
 
 // serve listens on the chosen transport, prints the ready line, and serves
 // until ctx ends or serving fails.
-func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sandbox.Guard, w workspace) error {
+func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sandbox.Guard, w workspace, eg *egress.Service) error {
 	l, name, err := listen(ctx, log, o, pid1)
 	if err != nil {
 		return err
@@ -194,7 +210,36 @@ func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sand
 		cfg.Runner.OnStart = w.activity.Started
 		cfg.Activity = w.activity.Serve
 	}
+	if eg != nil {
+		cfg.Egress = eg
+		cfg.Runner.Env = egress.Env()
+	}
 	return server.Serve(ctx, l, cfg)
+}
+
+// startEgress starts the egress proxies on the guest's loopback, the VM's
+// only way out (as PID 1; a development host has its own network). They
+// outlive a serve that fails. nil if they cannot listen.
+func startEgress(ctx context.Context, log *slog.Logger, pid1 bool) *egress.Service {
+	if !pid1 {
+		return nil
+	}
+	eg := egress.New(egress.Options{Log: log})
+	hl, err := net.Listen("tcp", egress.HTTPProxyAddr)
+	if err != nil {
+		log.Error("no egress: the HTTP proxy cannot listen", "err", err)
+		return nil
+	}
+	sl, err := net.Listen("tcp", egress.SOCKSProxyAddr)
+	if err != nil {
+		hl.Close()
+		log.Error("no egress: the SOCKS5 proxy cannot listen", "err", err)
+		return nil
+	}
+	go func() { log.Error("egress HTTP proxy stopped", "err", eg.ServeHTTPProxy(ctx, hl)) }()
+	go func() { log.Error("egress SOCKS5 proxy stopped", "err", eg.ServeSOCKS5(ctx, sl)) }()
+	log.Info("egress proxies listening", "http", egress.HTTPProxyAddr, "socks5", egress.SOCKSProxyAddr)
+	return eg
 }
 
 // fileOwner is who owns what the host puts in the guest: the agent user,

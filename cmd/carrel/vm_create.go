@@ -13,8 +13,10 @@ import (
 )
 
 func newVMCreateCmd(g *globals) *cobra.Command {
-	var image, memory, pol string
+	var image, memory, pol, workspace string
 	var cpus uint32
+	var procs uint64
+	var gpus []string
 	c := &cobra.Command{
 		Use:   "create NAME",
 		Short: "Create a VM and boot it; returns once its agent is ready",
@@ -24,21 +26,35 @@ func newVMCreateCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return fmt.Errorf("--memory: %w", err)
 			}
+			var ws uint64
+			if workspace != "" {
+				if ws, err = parseSize(workspace); err != nil {
+					return fmt.Errorf("--workspace: %w", err)
+				}
+			}
 			resp, err := g.client().VMs.CreateVM(cmd.Context(), connect.NewRequest(&apiv1.CreateVMRequest{
 				Name: args[0], Image: image, MemoryBytes: mem, Cpus: cpus, Policy: pol,
+				WorkspaceBytes: ws, MaxProcesses: procs, Gpus: gpuAddresses(gpus),
 			}))
 			if err != nil {
 				return err
 			}
 			v := resp.Msg.Vm
-			fmt.Printf("%s %s (image %s, policy %s, pid %d, %s)\n", v.Name, stateName(v.State), short(v.ImageDigest), v.Policy, v.Pid, v.Accelerator)
+			withGPUs := ""
+			if len(v.Gpus) > 0 {
+				withGPUs = ", gpus " + strings.Join(v.Gpus, " ")
+			}
+			fmt.Printf("%s %s (image %s, policy %s, pid %d, %s%s)\n", v.Name, stateName(v.State), short(v.ImageDigest), v.Policy, v.Pid, v.Accelerator, withGPUs)
 			return nil
 		},
 	}
 	c.Flags().StringVar(&image, "image", "dev", "image tag or digest")
 	c.Flags().StringVar(&memory, "memory", "512M", "guest memory, e.g. 512M or 2G")
 	c.Flags().Uint32Var(&cpus, "cpus", 1, "virtual CPUs")
+	c.Flags().StringVar(&workspace, "workspace", "", "size of the guest's /workspace, e.g. 1G (default: half the memory)")
+	c.Flags().Uint64Var(&procs, "max-processes", 0, "processes and threads the VM's commands may have together (default: no limit)")
 	c.Flags().StringVar(&pol, "policy", "default", "the policy that decides everything done in the VM (see carrel policy ls)")
+	c.Flags().StringArrayVar(&gpus, "gpu", nil, "pass through the GPU at this PCI address, e.g. 0000:41:00.0, with the other functions of its slot (repeatable; see carrel gpu ls)")
 	return c
 }
 

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/supervisor/daemon"
+	"github.com/carrel-os/carrel/supervisor/flagfile"
 )
 
 func main() {
@@ -25,13 +26,23 @@ func main() {
 	flag.StringVar(&cfg.AgentBinary, "agent", defaultAgent(), "static carrel-agent binary put into development images")
 	flag.StringVar(&cfg.QEMUBinary, "qemu", "qemu-system-x86_64", "QEMU binary")
 	flag.StringVar(&cfg.Machine, "machine", "auto", "QEMU machine type: microvm, q35, or auto (microvm under KVM, q35 under TCG)")
+	flag.StringVar(&cfg.Driver, "driver", daemon.DriverQEMU, "how new VMs run: qemu (QEMU started by carreld) or libvirt (domains of libvirtd); existing VMs keep theirs")
+	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI for the libvirt driver")
 	flag.DurationVar(&cfg.BootTimeout, "boot-timeout", 90*time.Second, "longest a VM may take from start to agent ready")
+	flag.StringVar(&cfg.EgressHosts, "egress-hosts", "", "hosts(5) file that resolves the names VMs reach, instead of DNS (tests, air-gapped sites)")
 	flag.StringVar(&level, "log-level", "info", "debug, info, warn or error")
 	version := flag.Bool("version", false, "print the version and exit")
+	config := flag.String("config", "", "JSON file of settings named as these flags, e.g. {\"driver\": \"libvirt\"}; flags given here win")
 	flag.Parse()
 	if *version {
 		fmt.Println("carreld", daemon.Version)
 		return
+	}
+	if *config != "" {
+		if err := flagfile.Apply(flag.CommandLine, *config, "config", "version"); err != nil {
+			fmt.Fprintln(os.Stderr, "carreld:", err)
+			os.Exit(2)
+		}
 	}
 	var lv slog.Level
 	if err := lv.UnmarshalText([]byte(level)); err != nil {
@@ -42,9 +53,16 @@ func main() {
 		fmt.Fprintln(os.Stderr, "carreld: --machine must be auto, microvm or q35")
 		os.Exit(2)
 	}
+	if cfg.Driver != daemon.DriverQEMU && cfg.Driver != daemon.DriverLibvirt {
+		fmt.Fprintln(os.Stderr, "carreld: --driver must be qemu or libvirt")
+		os.Exit(2)
+	}
 	// Image builds run tools in other working directories, so every path
 	// given on the command line is made absolute once, here.
-	for _, p := range []*string{&cfg.StateDir, &cfg.Socket, &cfg.CacheDir, &cfg.AgentBinary} {
+	for _, p := range []*string{&cfg.StateDir, &cfg.Socket, &cfg.CacheDir, &cfg.AgentBinary, &cfg.EgressHosts} {
+		if *p == "" {
+			continue
+		}
 		abs, err := filepath.Abs(*p)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "carreld:", err)

@@ -173,3 +173,17 @@ func validName(s string) bool {
 	}
 	return true
 }
+
+// SetMaxProcesses caps the processes (and threads) of every command
+// together: pids.max of the Dir, with the pids controller enabled for it.
+// Commands cannot raise it: the files belong to root.
+func (d *Dir) SetMaxProcesses(n uint64) error {
+	ctl := filepath.Join(filepath.Dir(d.dir), "cgroup.subtree_control")
+	if err := os.WriteFile(ctl, []byte("+pids"), 0); err != nil {
+		return fmt.Errorf("cgroups: enable the pids controller: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(d.dir, "pids.max"), []byte(strconv.FormatUint(n, 10)), 0); err != nil {
+		return fmt.Errorf("cgroups: set pids.max: %w", err)
+	}
+	return nil
+}

@@ -88,6 +88,10 @@ type Runner struct {
 	// by its id, which every process it starts inherits. A command whose
 	// group cannot be made starts without one.
 	Cgroups *cgroups.Dir
+	// Env is added to DefaultEnv for every command (carrel-agent puts the
+	// egress proxies' HTTP_PROXY and the like here); the request's
+	// entries override it key by key.
+	Env []string
 	// OnStart, when set, is told each command's pid and id as it starts,
 	// before Start returns (package activity uses it to attribute what
 	// the command does).
@@ -149,7 +153,7 @@ func (r *Runner) prepare(req *agentv1.ExecRequest) (*command, error) {
 	if err != nil {
 		return nil, err
 	}
-	env := mergeEnv(DefaultEnv, u.Env())
+	env := mergeEnv(mergeEnv(DefaultEnv, r.Env), u.Env())
 	c := &command{argv: req.Argv, cred: cred, tty: req.GetTty(), rows: req.GetRows(), cols: req.GetCols()}
 	if c.tty {
 		env = mergeEnv(env, []string{"TERM=" + TTYTerm})

@@ -150,6 +150,22 @@ func TestEnvAndDir(t *testing.T) {
 	}
 }
 
+// TestRunnerEnv: the Runner's Env reaches every command, and the
+// request's entries override it key by key.
+func TestRunnerEnv(t *testing.T) {
+	r := runner(t)
+	r.Env = []string{"HTTP_PROXY=http://127.0.0.1:3128", "ALL_PROXY=socks5h://127.0.0.1:1080"}
+	req := sh(`echo "$HTTP_PROXY|$ALL_PROXY"`)
+	req.Env = []string{"ALL_PROXY=mine"}
+	res, err := run(t, r, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := res.stdout.String(); got != "http://127.0.0.1:3128|mine\n" {
+		t.Errorf("got %q", got)
+	}
+}
+
 func TestPathFromRequestEnv(t *testing.T) {
 	bin := t.TempDir()
 	if err := os.WriteFile(bin+"/hello-carrel", []byte("#!/bin/sh\necho hi\n"), 0o755); err != nil {

@@ -76,15 +76,35 @@ var devLinks = [][2]string{
 // Setup mounts the kernel and scratch file systems, creates the usual /dev
 // links, turns on the link protections (fs.protected_hardlinks and
 // fs.protected_symlinks), sets the hostname from /etc/hostname, brings up the loopback
-// interface, and loads the modules listed in ModuleList. A mount failure is
-// returned (after trying the rest); a module that fails to load is logged
-// and skipped, since the transport may not need it.
+// interface, and loads the modules listed in ModuleList. /workspace is a
+// tmpfs, or, when the kernel command line says so, the workspace disk,
+// mounted after the modules load (an error there wraps ErrWorkspace). A
+// mount failure is returned (after trying the rest); a module that fails
+// to load is logged and skipped, since the transport may not need it.
 func Setup(log *slog.Logger) error {
 	if os.Getpid() != 1 {
 		return ErrNotInit
 	}
 	var errs []error
+	var limits Limits
+	onDisk := false
 	for _, m := range mounts {
+		if m.target == "/workspace" {
+			// /proc is mounted by now.
+			l, err := ReadLimits()
+			if err != nil {
+				log.Warn("limits", "err", err)
+			}
+			limits = l
+			if cmdline, err := os.ReadFile("/proc/cmdline"); err == nil && WorkspaceOnDisk(string(cmdline)) {
+				// Mounted once the disk's modules are loaded, below.
+				onDisk = true
+				continue
+			}
+			if l.WorkspaceBytes > 0 {
+				m.data += fmt.Sprintf(",size=%d", l.WorkspaceBytes)
+			}
+		}
 		if err := doMount(m); err != nil {
 			errs = append(errs, err)
 		}
@@ -106,6 +126,13 @@ func Setup(log *slog.Logger) error {
 		log.Warn("loopback", "err", err)
 	}
 	LoadModules(log, ModuleList)
+	if onDisk {
+		if err := mountWorkspaceDisk(log); err != nil {
+			errs = append(errs, err)
+		}
+	} else if limits.WorkspaceBytes > 0 {
+		log.Info("workspace size limited", "bytes", limits.WorkspaceBytes)
+	}
 	return errors.Join(errs...)
 }
 

@@ -25,6 +25,15 @@ const (
 	// guest finds it under /sys/class/virtio-ports/*/name.
 	SerialPortName = "org.carrel.agent.0"
 
+	// WorkspaceSerial is the serial of the VM's workspace disk (a virtio
+	// block device); the guest finds it under /sys/block/*/serial when the
+	// kernel command line has WorkspaceDiskArg.
+	WorkspaceSerial = "carrel-workspace"
+	// WorkspaceDiskArg on the kernel command line tells the guest that its
+	// /workspace is on the workspace disk; without it /workspace is a
+	// tmpfs.
+	WorkspaceDiskArg = "carrel.workspace=disk"
+
 	// MaxMessageBytes caps a single protobuf message in either direction.
 	MaxMessageBytes = 1 << 20
 

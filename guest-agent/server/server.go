@@ -1,9 +1,10 @@
 //go:build linux
 
 // Package server serves carrel.agent.v1.AgentService, FileService and
-// PortService on any net.Listener: vsock or virtio-serial in the guest, a
-// unix socket in tests. SetSandbox puts the host's sandbox into force for
-// the commands and file operations that follow (package sandbox).
+// PortService (and EgressService, when given one) on any net.Listener:
+// vsock or virtio-serial in the guest, a unix socket in tests. SetSandbox
+// puts the host's sandbox into force for the commands and file operations
+// that follow (package sandbox).
 package server
 
 import (
@@ -66,6 +67,9 @@ type Config struct {
 	// ctx ends or sending fails (activity.Monitor.Serve). nil makes the
 	// call fail with CodeUnimplemented.
 	Activity func(ctx context.Context, send func(*agentv1.ActivityResponse) error) error
+	// Egress serves EgressService (package egress, whose proxies feed
+	// it); nil leaves it unserved (CodeUnimplemented).
+	Egress agentv1connect.EgressServiceHandler
 	// Log receives server logs; nil means slog.Default().
 	Log *slog.Logger
 }
@@ -91,7 +95,14 @@ func Serve(ctx context.Context, l net.Listener, cfg Config) error {
 		cfg.Ports = ports.New(ports.Options{Log: cfg.Log})
 	}
 	svc := &service{cfg: cfg, sessions: session.New(cfg.Runner), shutdown: make(chan bool, 1)}
-	srv := protocol.NewHTTPServer(NewHandler(svc, cfg.Files, cfg.Ports))
+	h := NewHandler(svc, cfg.Files, cfg.Ports)
+	if cfg.Egress != nil {
+		mux := http.NewServeMux()
+		mux.Handle("/", h)
+		mux.Handle(agentv1connect.NewEgressServiceHandler(cfg.Egress, protocol.HandlerOptions()...))
+		h = mux
+	}
+	srv := protocol.NewHTTPServer(h)
 	srv.ErrorLog = slog.NewLogLogger(cfg.Log.Handler(), slog.LevelWarn)
 	srv.BaseContext = func(net.Listener) context.Context { return ctx }
 

@@ -20,6 +20,7 @@ import (
 	"github.com/carrel-os/carrel/image/initramfs"
 	"github.com/carrel-os/carrel/image/kmod"
 	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/image/workspace"
 )
 
 // Guest paths and accounts the agent relies on.
@@ -120,6 +121,11 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	if err != nil {
 		return nil, fmt.Errorf("write initramfs: %w", err)
 	}
+	res.WorkspacePath = filepath.Join(o.OutDir, WorkspaceFile)
+	wsTemplate, err := buildWorkspaceTemplate(ctx, res.WorkspacePath)
+	if err != nil {
+		return nil, err
+	}
 	res.Manifest = &manifest.Manifest{
 		SchemaVersion: manifest.SchemaVersion,
 		Name:          o.Name,
@@ -128,6 +134,7 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 		Kernel:        kernel,
 		Initrd:        initrd,
 		Cmdline:       o.Cmdline,
+		Workspace:     &wsTemplate,
 	}
 	b, err := res.Manifest.Marshal()
 	if err != nil {
@@ -144,6 +151,29 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 		"initrd_bytes", initrd.Size, "compressed", o.Compress,
 		"digest", manifest.DigestBytes(b), "assemble_time", time.Since(start).Round(time.Millisecond))
 	return res, nil
+}
+
+// buildWorkspaceTemplate writes the workspace template (image/workspace)
+// to dst and returns it as a manifest part.
+func buildWorkspaceTemplate(ctx context.Context, dst string) (manifest.Part, error) {
+	tmp := filepath.Join(filepath.Dir(dst), "."+filepath.Base(dst)+".mkfs")
+	defer os.Remove(tmp)
+	if err := workspace.Template(ctx, tmp); err != nil {
+		return manifest.Part{}, err
+	}
+	p, err := writeAtomic(dst, func(w io.Writer) error {
+		f, err := os.Open(tmp)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		_, err = io.Copy(w, f)
+		return err
+	})
+	if err != nil {
+		return manifest.Part{}, fmt.Errorf("write workspace template: %w", err)
+	}
+	return p, nil
 }
 
 // busyboxApplets lists the applet links busybox wants, keeping only those in

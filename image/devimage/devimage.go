@@ -1,6 +1,7 @@
 // Package devimage builds the development image: Debian's stock kernel plus
 // an initramfs whose /init is carrel-agent, with busybox for a shell and the
-// virtio and vsock modules the agent loads at boot. Production images are
+// virtio, vsock and ext4 modules the agent loads at boot, and the template
+// of the VMs' workspace disks (image/workspace). Production images are
 // built with Nix instead (see nix/).
 //
 // Options.WithQemuGA builds a variant that also holds Debian's qemu-ga
@@ -8,8 +9,8 @@
 // compare carrel-agent with (see qemuga.go and tests/bench).
 //
 // Build fetches packages with apt-get download and unpacks them with
-// dpkg-deb -x into a cache it reuses, so it needs a Debian host but never
-// installs anything on it. The same inputs always give byte-identical
+// dpkg-deb -x into a cache it reuses, so it needs a Debian host (and
+// mkfs.ext4, from e2fsprogs) but never installs anything on it. The same inputs always give byte-identical
 // files and the same manifest digest.
 package devimage
 
@@ -39,11 +40,13 @@ const (
 	// BusyboxPackage provides the image's shell and core utilities.
 	BusyboxPackage = "busybox-static"
 
-	// KernelFile, InitrdFile and ManifestFile are the names Build writes
+	// KernelFile, InitrdFile, ManifestFile and WorkspaceFile (the
+	// workspace template, see image/workspace) are the names Build writes
 	// in Options.OutDir.
-	KernelFile   = "vmlinuz"
-	InitrdFile   = "initrd.img"
-	ManifestFile = "manifest.json"
+	KernelFile    = "vmlinuz"
+	InitrdFile    = "initrd.img"
+	ManifestFile  = "manifest.json"
+	WorkspaceFile = "workspace.img"
 
 	arch = "amd64"
 )
@@ -55,6 +58,11 @@ var DefaultModules = []string{
 	"virtio_pci",
 	"virtio_console",
 	"virtio_blk",
+	// The workspace disk's file system; ext4 asks the crypto API for
+	// crc32c (metadata checksums) only when it mounts, and the guest has
+	// no modprobe to load it then.
+	"crc32c_generic",
+	"ext4",
 	"vsock",
 	"vmw_vsock_virtio_transport",
 }
@@ -100,7 +108,10 @@ type Result struct {
 	KernelPath   string
 	InitrdPath   string
 	ManifestPath string
-	// Manifest records the kernel's and initrd's digests and sizes.
+	// WorkspacePath is the workspace template.
+	WorkspacePath string
+	// Manifest records the digests and sizes of the kernel, the initrd and
+	// the workspace template.
 	Manifest *manifest.Manifest
 	// Modules are the guest paths of the modules in /etc/carrel/modules, in
 	// load order.

@@ -21,6 +21,7 @@ import (
 	"github.com/carrel-os/carrel/image/kmod/kmodtest"
 	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/image/workspace"
 )
 
 const testRelease = "6.1.0-99-amd64"
@@ -64,6 +65,11 @@ func syntheticInputs(t *testing.T) (inputs, string) {
 		kmodtest.Module{Rel: "kernel/drivers/virtio/virtio_pci.ko", Depends: []string{"virtio_ring", "virtio_pci_modern_dev", "virtio_pci_legacy_dev", "virtio"}},
 		kmodtest.Module{Rel: "kernel/drivers/char/virtio_console.ko", Depends: []string{"virtio", "virtio_ring"}},
 		kmodtest.Module{Rel: "kernel/drivers/block/virtio_blk.ko", Depends: []string{"virtio", "virtio_ring"}},
+		kmodtest.Module{Rel: "kernel/crypto/crc32c_generic.ko"},
+		kmodtest.Module{Rel: "kernel/lib/crc16.ko"},
+		kmodtest.Module{Rel: "kernel/fs/mbcache.ko"},
+		kmodtest.Module{Rel: "kernel/fs/jbd2/jbd2.ko"},
+		kmodtest.Module{Rel: "kernel/fs/ext4/ext4.ko", Depends: []string{"mbcache", "jbd2", "crc16"}},
 		kmodtest.Module{Rel: "kernel/net/vmw_vsock/vsock.ko"},
 		kmodtest.Module{Rel: "kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko", Depends: []string{"vsock"}},
 		kmodtest.Module{Rel: "kernel/net/vmw_vsock/vmw_vsock_virtio_transport.ko", Depends: []string{"virtio", "vmw_vsock_virtio_transport_common", "virtio_ring", "vsock"}},
@@ -153,6 +159,14 @@ func TestAssembleLayout(t *testing.T) {
 	if manifest.DigestBytes(initrd) != m.Initrd.Digest || int64(len(initrd)) != m.Initrd.Size {
 		t.Error("initrd does not match its manifest part")
 	}
+	// The workspace template (its content: image/workspace's tests).
+	ws, err := os.ReadFile(res.WorkspacePath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Workspace == nil || manifest.DigestBytes(ws) != m.Workspace.Digest || int64(len(ws)) != m.Workspace.Size || m.Workspace.Size != workspace.TemplateSize {
+		t.Errorf("workspace template does not match its manifest part %+v", m.Workspace)
+	}
 
 	files := readInitrd(t, res.InitrdPath, false)
 	agentBytes, _ := os.ReadFile(agent)
@@ -197,6 +211,11 @@ func TestAssembleLayout(t *testing.T) {
 		"kernel/drivers/virtio/virtio_pci.ko",
 		"kernel/drivers/char/virtio_console.ko",
 		"kernel/drivers/block/virtio_blk.ko",
+		"kernel/crypto/crc32c_generic.ko",
+		"kernel/fs/mbcache.ko",
+		"kernel/fs/jbd2/jbd2.ko",
+		"kernel/lib/crc16.ko",
+		"kernel/fs/ext4/ext4.ko",
 		"kernel/net/vmw_vsock/vsock.ko",
 		"kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko",
 		"kernel/net/vmw_vsock/vmw_vsock_virtio_transport.ko",
@@ -349,8 +368,8 @@ func TestStoreResult(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.Manifest.Initrd != res.Manifest.Initrd {
-		t.Errorf("stored manifest %+v", r.Manifest)
+	if r.Manifest.Initrd != res.Manifest.Initrd || r.WorkspacePath == "" || *r.Manifest.Workspace != *res.Manifest.Workspace {
+		t.Errorf("stored manifest %+v, workspace %q", r.Manifest, r.WorkspacePath)
 	}
 
 	if err := os.WriteFile(res.KernelPath, []byte("tampered"), 0o644); err != nil {

@@ -8,19 +8,27 @@ import (
 )
 
 // StoreResult copies a built image into st and, if tag is not empty, points
-// tag at it. It fails, storing no manifest, if the kernel or initrd no
-// longer match the digests Build recorded. It returns the manifest digest.
+// tag at it. It fails, storing no manifest, if a part (kernel, initrd,
+// workspace template) no longer matches the digest Build recorded. It
+// returns the manifest digest.
 func StoreResult(st *store.Store, res *Result, tag string) (string, error) {
 	if tag != "" && !store.ValidTagName(tag) {
 		return "", fmt.Errorf("store dev image: tag %q: %w", tag, store.ErrInvalidRef)
 	}
-	for _, p := range []struct {
+	parts := []struct {
 		what, path string
 		want       manifest.Part
 	}{
 		{"kernel", res.KernelPath, res.Manifest.Kernel},
 		{"initrd", res.InitrdPath, res.Manifest.Initrd},
-	} {
+	}
+	if res.Manifest.Workspace != nil {
+		parts = append(parts, struct {
+			what, path string
+			want       manifest.Part
+		}{"workspace template", res.WorkspacePath, *res.Manifest.Workspace})
+	}
+	for _, p := range parts {
 		got, err := st.PutBlob(p.path)
 		if err != nil {
 			return "", fmt.Errorf("store dev image: %s: %w", p.what, err)

@@ -51,6 +51,27 @@ type Manifest struct {
 	Initrd        Part   `json:"initrd"`
 	// Cmdline is the default kernel command line for this image.
 	Cmdline string `json:"cmdline"`
+	// Workspace, when set, is the template of each VM's workspace disk: a
+	// raw ext4 file system that every VM's copy-on-write qcow2 disk has as
+	// its backing file (see image/workspace). Without it, VMs of the image
+	// keep their workspace in memory (tmpfs).
+	Workspace *Part `json:"workspace,omitempty"`
+}
+
+// Parts are the image's files, named, in a fixed order: kernel, initrd,
+// and the workspace template if the image has one.
+func (m *Manifest) Parts() []NamedPart {
+	ps := []NamedPart{{"kernel", m.Kernel}, {"initrd", m.Initrd}}
+	if m.Workspace != nil {
+		ps = append(ps, NamedPart{"workspace", *m.Workspace})
+	}
+	return ps
+}
+
+// NamedPart is a Part with what it is.
+type NamedPart struct {
+	Name string
+	Part Part
 }
 
 var (
@@ -108,6 +129,11 @@ func (m *Manifest) Validate() error {
 	}
 	if err := m.Initrd.validate(); err != nil {
 		return fmt.Errorf("initrd: %w", err)
+	}
+	if m.Workspace != nil {
+		if err := m.Workspace.validate(); err != nil {
+			return fmt.Errorf("workspace: %w", err)
+		}
 	}
 	if len(m.Cmdline) > MaxCmdline {
 		return fmt.Errorf("%w: cmdline is %d bytes, limit %d", ErrInvalid, len(m.Cmdline), MaxCmdline)

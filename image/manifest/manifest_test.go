@@ -144,3 +144,30 @@ func FuzzParse(f *testing.F) {
 		}
 	})
 }
+
+func TestWorkspacePart(t *testing.T) {
+	m := valid()
+	m.Workspace = &Part{Digest: DigestBytes([]byte("ext4")), Size: 16 << 20}
+	b, err := m.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasSuffix(string(b), `,"workspace":{"digest":"`+m.Workspace.Digest+`","size":16777216}}`) {
+		t.Errorf("encoding: %s", b)
+	}
+	got, err := Parse(b)
+	if err != nil || got.Workspace == nil || *got.Workspace != *m.Workspace {
+		t.Fatalf("round trip: %+v, %v", got, err)
+	}
+	ps := got.Parts()
+	if len(ps) != 3 || ps[0].Name != "kernel" || ps[1].Name != "initrd" || ps[2].Name != "workspace" || ps[2].Part != *m.Workspace {
+		t.Errorf("parts %+v", ps)
+	}
+	if n := len(valid().Parts()); n != 2 {
+		t.Errorf("an image without a workspace template has %d parts", n)
+	}
+	m.Workspace.Size = 0
+	if err := m.Validate(); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "workspace") {
+		t.Errorf("empty workspace template: %v", err)
+	}
+}

@@ -22,6 +22,9 @@ type Resolved struct {
 	Manifest   *manifest.Manifest
 	KernelPath string
 	InitrdPath string
+	// WorkspacePath is the workspace template's blob; "" when the image
+	// has none.
+	WorkspacePath string
 }
 
 // Resolve looks up ref, a tag name or a manifest digest ("sha256:<hex>").
@@ -69,34 +72,36 @@ func (s *Store) resolveDigest(digest string) (*Resolved, error) {
 	if err != nil {
 		return nil, fmt.Errorf("manifest %s: %w: %w", digest, ErrCorrupt, err)
 	}
-	for _, p := range []struct {
-		what string
-		part manifest.Part
-	}{{"kernel", m.Kernel}, {"initrd", m.Initrd}} {
-		if err := s.checkBlob(p.part); err != nil {
+	for _, p := range m.Parts() {
+		if err := s.checkBlob(p.Part); err != nil {
 			// A manifest whose blob is gone is damage, not an unknown image.
 			if errors.Is(err, ErrNotFound) {
-				err = fmt.Errorf("blob %s is missing: %w", p.part.Digest, ErrCorrupt)
+				err = fmt.Errorf("blob %s is missing: %w", p.Part.Digest, ErrCorrupt)
 			}
-			return nil, fmt.Errorf("manifest %s: %s: %w", digest, p.what, err)
+			return nil, fmt.Errorf("manifest %s: %s: %w", digest, p.Name, err)
 		}
 	}
-	return &Resolved{
+	r := &Resolved{
 		Digest:     digest,
 		Manifest:   m,
 		KernelPath: s.blobPath(m.Kernel.Digest),
 		InitrdPath: s.blobPath(m.Initrd.Digest),
-	}, nil
+	}
+	if m.Workspace != nil {
+		r.WorkspacePath = s.blobPath(m.Workspace.Digest)
+	}
+	return r, nil
 }
 
-// Verify resolves ref and then hashes both parts in full; a part whose
+// Verify resolves ref and then hashes every part in full; a part whose
 // content does not match its digest gives an error wrapping ErrCorrupt.
 func (s *Store) Verify(ref string) (*Resolved, error) {
 	r, err := s.Resolve(ref)
 	if err != nil {
 		return nil, err
 	}
-	for _, p := range []manifest.Part{r.Manifest.Kernel, r.Manifest.Initrd} {
+	for _, np := range r.Manifest.Parts() {
+		p := np.Part
 		got, _, err := hashFile(s.blobPath(p.Digest))
 		if err != nil {
 			return nil, fmt.Errorf("verify %q: %w", ref, err)
@@ -130,7 +135,8 @@ type Entry struct {
 	Manifest *manifest.Manifest `json:"manifest,omitempty"`
 	// Created is when the manifest was first committed to this store.
 	Created time.Time `json:"created"`
-	// Size is the kernel's plus the initrd's size in bytes.
+	// Size is the size of all its parts (kernel, initrd, workspace
+	// template) in bytes.
 	Size int64 `json:"size"`
 	// Error says why the entry cannot be resolved; empty when it can.
 	Error string `json:"error,omitempty"`
@@ -167,7 +173,9 @@ func (s *Store) List() ([]Entry, error) {
 			e.Error = err.Error()
 		} else {
 			e.Manifest = r.Manifest
-			e.Size = r.Manifest.Kernel.Size + r.Manifest.Initrd.Size
+			for _, p := range r.Manifest.Parts() {
+				e.Size += p.Part.Size
+			}
 		}
 		entries = append(entries, e)
 	}

@@ -105,7 +105,7 @@ func (s *Store) manifestPath(digest string) string {
 // [a-z0-9][a-z0-9._-]{0,62}.
 func ValidTagName(name string) bool { return manifest.ValidName(name) }
 
-// PutManifest stores m and returns its digest. Both parts must already be in
+// PutManifest stores m and returns its digest. Its parts must already be in
 // the store with the sizes m states; otherwise the error wraps ErrNotFound or
 // ErrCorrupt. Storing the same manifest again is a no-op that succeeds.
 func (s *Store) PutManifest(m *manifest.Manifest) (string, error) {
@@ -113,12 +113,9 @@ func (s *Store) PutManifest(m *manifest.Manifest) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("put manifest: %w", err)
 	}
-	for _, p := range []struct {
-		what string
-		part manifest.Part
-	}{{"kernel", m.Kernel}, {"initrd", m.Initrd}} {
-		if err := s.checkBlob(p.part); err != nil {
-			return "", fmt.Errorf("put manifest: %s: %w", p.what, err)
+	for _, p := range m.Parts() {
+		if err := s.checkBlob(p.Part); err != nil {
+			return "", fmt.Errorf("put manifest: %s: %w", p.Name, err)
 		}
 	}
 	digest := manifest.DigestBytes(b)

@@ -378,3 +378,45 @@ func mustTime(t *testing.T, s string) time.Time {
 	}
 	return tm
 }
+
+func TestWorkspaceTemplatePart(t *testing.T) {
+	s := open(t)
+	_, m := putImage(t, s, "k", "i")
+	wp, err := s.PutBlob(writeFile(t, "workspace.img", "ext4 template"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.Workspace = &wp
+	d, err := s.PutManifest(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := s.Verify(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(r.WorkspacePath); err != nil || string(b) != "ext4 template" {
+		t.Errorf("workspace path %q: %q, %v", r.WorkspacePath, b, err)
+	}
+	entries, err := s.List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if e.Digest == d && e.Size != 1+1+int64(len("ext4 template")) {
+			t.Errorf("listed size %d", e.Size)
+		}
+	}
+	// A template that is gone is damage; a manifest naming an unknown one
+	// is refused.
+	if err := os.Remove(r.WorkspacePath); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Resolve(d); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), "workspace") {
+		t.Errorf("resolve without its template: %v", err)
+	}
+	m.Name = "other"
+	if _, err := s.PutManifest(m); !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "workspace") {
+		t.Errorf("put manifest without its template: %v", err)
+	}
+}

@@ -30,6 +30,7 @@ let
   # StateDirectory= manages directories below /var/lib only; any other
   # stateDir is created by tmpfiles and made writable explicitly.
   stateUnderVarLib = lib.hasPrefix "/var/lib/" cfg.stateDir;
+  useLibvirt = cfg.driver == "libvirt";
 in
 {
   options.services.carreld = {
@@ -62,6 +63,27 @@ in
       '';
     };
 
+    driver = mkOption {
+      type = types.enum [
+        "qemu"
+        "libvirt"
+      ];
+      default = "qemu";
+      description = ''
+        How carreld runs new VMs (carreld's `--driver`): `qemu` starts QEMU
+        itself; `libvirt` runs them as libvirt domains through libvirtd,
+        which is then enabled (`virtualisation.libvirtd.enable`) and
+        started before carreld. Existing VMs keep the driver they were
+        created with.
+      '';
+    };
+
+    libvirtURI = mkOption {
+      type = types.str;
+      default = "qemu:///system";
+      description = "libvirt connection of the libvirt driver (carreld's `--libvirt-uri`).";
+    };
+
     extraArgs = mkOption {
       type = types.listOf types.str;
       default = [ ];
@@ -82,6 +104,9 @@ in
 
     # Members may use the API socket (mode 0660, group carrel).
     users.groups.carrel = { };
+
+    # The libvirt driver needs libvirtd (and its virtlogd).
+    virtualisation.libvirtd.enable = mkIf useLibvirt true;
 
     environment.systemPackages = [ cfg.package ];
     environment.variables = mkIf (cfg.socket != defaultSocket) { CARREL_SOCKET = cfg.socket; };
@@ -107,7 +132,10 @@ in
       documentation = [ "https://github.com/carrel-os/carrel" ];
       wantedBy = [ "multi-user.target" ];
       requires = [ "carreld.socket" ];
-      after = [ "carreld.socket" ];
+      # With the libvirt driver carreld checks that libvirtd answers before
+      # it serves.
+      wants = lib.optional useLibvirt "libvirtd.service";
+      after = [ "carreld.socket" ] ++ lib.optional useLibvirt "libvirtd.service";
 
       serviceConfig = {
         Type = "notify";
@@ -127,6 +155,10 @@ in
             "${cfg.package}/libexec/carrel/carrel-agent"
             "--qemu"
             (lib.getExe' cfg.qemuPackage "qemu-system-x86_64")
+            "--driver"
+            cfg.driver
+            "--libvirt-uri"
+            cfg.libvirtURI
           ]
           ++ cfg.extraArgs
         );
@@ -142,6 +174,9 @@ in
         # stopped through the API. systemd logs the QEMUs as "left-over
         # process" on the next start; that is expected.
         KillMode = "process";
+        # carreld gives each VM's QEMU a cgroup of its own below its own,
+        # with memory, cpu and pids limits.
+        Delegate = "memory cpu pids";
 
         StateDirectory = mkIf stateUnderVarLib (lib.removePrefix "/var/lib/" cfg.stateDir);
         StateDirectoryMode = "0700";

@@ -8,6 +8,9 @@
 # SO_PEERCRED, or a bearer token, {"type": "token", "token_id", "vm"},
 # where vm is the one VM the token may act on. vm is the VM the call names,
 # or "" when it names none. daemon_uid is carreld's own uid.
+# gpus is there only when the call would give its VM GPUs (CreateVM with
+# GPUs, or StartVM of a VM created with them): their PCI addresses in the
+# kernel's spelling, sorted, e.g. "gpus": ["0000:41:00.0"].
 #
 # Every list of uids, gids and classes lives in data.json under settings.api.
 package carrel.api
@@ -33,6 +36,7 @@ procedures := {
 	"/carrel.api.v1.ImageService/BuildImage": "admin",
 	"/carrel.api.v1.ImageService/ListImages": "read",
 	"/carrel.api.v1.SystemService/GetInfo": "read",
+	"/carrel.api.v1.GPUService/ListGPUs": "read",
 	"/carrel.api.v1.PolicyService/ApplyPolicy": "admin",
 	"/carrel.api.v1.PolicyService/GetPolicy": "read",
 	"/carrel.api.v1.PolicyService/ListPolicies": "read",
@@ -65,6 +69,9 @@ procedures := {
 	"/carrel.agent.v1.FileService/Chmod": "files_write",
 	"/carrel.agent.v1.FileService/Chown": "files_write",
 	"/carrel.agent.v1.PortService/Connect": "ports",
+	# carreld's own calls into the guest for egress: not on its API at all.
+	"/carrel.agent.v1.EgressService/Requests": "admin",
+	"/carrel.agent.v1.EgressService/Connect": "admin",
 }
 
 default procedure := ""
@@ -101,6 +108,7 @@ decision := {
 	procedure_class in settings.token_classes
 	input.caller.vm != "" # token_on_its_vm, spelled out
 	input.caller.vm == input.vm
+	gpus_allowed
 } else := {
 	"allow": true,
 	"rule": "carrel.api.operator",
@@ -109,6 +117,7 @@ decision := {
 	input.caller.type == "peer"
 	procedures[input.procedure] # a known procedure
 	operator
+	gpus_allowed
 } else := {
 	"allow": false,
 	"rule": "carrel.api.unknown_procedure",
@@ -129,6 +138,21 @@ decision := {
 } if {
 	input.caller.type == "token"
 	not token_on_its_vm
+} else := {
+	"allow": false,
+	"rule": "carrel.api.gpu_vm",
+	"reason": sprintf("VM %q may not be given GPUs (%s): %s", [vm, concat(", ", requested_gpus), gpu_vm_refusal]),
+} if {
+	count(requested_gpus) > 0
+	caller_may_call
+	not vm_may_have_gpus
+} else := {
+	"allow": false,
+	"rule": "carrel.api.gpu_device",
+	"reason": sprintf("VM %q may not be given %s: not in settings.gpu.devices", [vm, concat(", ", gpus_not_allowed)]),
+} if {
+	count(gpus_not_allowed) > 0
+	caller_may_call
 } else := {
 	"allow": false,
 	"rule": "carrel.api.default_deny",
@@ -178,3 +202,57 @@ who := sprintf("uid %v gid %v (pid %v)", [input.caller.uid, input.caller.gid, in
 } else := concat("", ["token ", input.caller.token_id]) if {
 	input.caller.type == "token"
 } else := sprintf("a caller of type %v", [object.get(input, ["caller", "type"], "none")])
+
+# caller_may_call is true when one of the allows above holds, GPUs aside:
+# the GPU denies are for callers who could otherwise make the call.
+caller_may_call if {
+	input.caller.type == "token"
+	procedures[input.procedure] in settings.token_classes
+	token_on_its_vm
+}
+
+caller_may_call if {
+	input.caller.type == "peer"
+	procedures[input.procedure]
+	operator
+}
+
+# GPUs. Policy decides which VMs may be given GPUs, and which GPUs: the
+# settings are data.settings.gpu with data.settings.vms[NAME].gpu merged
+# over it. Either may be missing (a data-only policy written before GPUs
+# existed): then no VM gets a GPU.
+gpu_settings := object.union(object.get(data.settings, "gpu", {}), object.get(data.settings, ["vms", vm, "gpu"], {}))
+
+# requested_gpus are the GPUs the call would give its VM.
+requested_gpus := object.get(input, "gpus", [])
+
+# gpus_allowed: the call gives its VM no GPU, or only GPUs it may have.
+gpus_allowed if count(requested_gpus) == 0
+
+gpus_allowed if {
+	vm_may_have_gpus
+	count(gpus_not_allowed) == 0
+}
+
+# vm_may_have_gpus: gpu.allow decides when it is set (true or false; set
+# it per VM under vms[NAME].gpu); otherwise the VM must be named in
+# gpu.allowed_vms.
+vm_may_have_gpus if gpu_settings.allow == true
+
+vm_may_have_gpus if {
+	not is_boolean(object.get(gpu_settings, "allow", null))
+	vm in object.get(gpu_settings, "allowed_vms", [])
+}
+
+gpu_vm_refusal := sprintf("gpu.allow is false for it (settings.vms[%q].gpu.allow, or settings.gpu.allow)", [vm]) if {
+	gpu_settings.allow == false
+} else := sprintf("settings.gpu.allowed_vms does not name it, and settings.vms[%q].gpu.allow is not true", [vm])
+
+# gpus_not_allowed are the requested GPUs gpu.devices does not name ("*"
+# names every GPU).
+gpus_not_allowed := [] if {
+	"*" in object.get(gpu_settings, "devices", [])
+} else := [gpu |
+	some gpu in requested_gpus
+	not gpu in object.get(gpu_settings, "devices", [])
+]

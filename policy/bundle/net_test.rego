@@ -125,3 +125,117 @@ test_decision_defined_for_any_input if {
 		d.rule == "carrel.net.default_deny"
 	}
 }
+
+# Egress with what carreld adds: ip_literal and the resolved addresses.
+egress_with(host, port, extra) := d if {
+	d := net.decision with input as object.union(net_input("egress", host, port), extra)
+}
+
+local_list := [
+	{"host": "allowed.test", "port": 8443, "networks": ["127.0.0.0/8", "::1/128"]},
+	{"host": "pypi.org", "port": 443},
+	{"host": "*.corp.example", "port": 443, "networks": ["10.0.0.0/8"]},
+	{"host": "10.1.2.3", "port": 5432},
+	{"host": "169.254.169.254", "port": 80},
+]
+
+test_public_addresses_allowed if {
+	d := egress_with("pypi.org", 443, {"addresses": [{"ip": "151.101.0.223", "class": "public"}, {"ip": "2a04:4e42::223", "class": "public"}]})
+		with data.settings.net.egress_allow as local_list
+	allowed_by(d, "carrel.net.egress_allow")
+	d.reason == "egress to pypi.org:443/tcp: allowed by pypi.org:443 in settings.net.egress_allow (addresses 151.101.0.223 public, 2a04:4e42::223 public)"
+}
+
+test_private_address_refused_unless_named if {
+	every class in ["private", "loopback", "link_local", "cgnat", "unspecified", "multicast", "metadata", "reserved"] {
+		d := egress_with("pypi.org", 443, {"addresses": [{"ip": "10.0.0.7", "class": class}]}) with data.settings.net.egress_allow as local_list
+		denied_by(d, "carrel.net.address_refused")
+		d.reason == sprintf("egress to pypi.org:443/tcp: 10.0.0.7 is %v, and no entry that allows the host names it in its networks", [class])
+	}
+}
+
+test_one_private_address_among_public_refuses_all if {
+	d := egress_with("pypi.org", 443, {"addresses": [{"ip": "151.101.0.223", "class": "public"}, {"ip": "127.0.0.1", "class": "loopback"}]})
+		with data.settings.net.egress_allow as local_list
+	denied_by(d, "carrel.net.address_refused")
+}
+
+test_named_network_allows_private_address if {
+	d := egress_with("allowed.test", 8443, {"addresses": [{"ip": "127.0.0.1", "class": "loopback"}, {"ip": "::1", "class": "loopback"}]})
+		with data.settings.net.egress_allow as local_list
+	allowed_by(d, "carrel.net.egress_allow")
+	w := egress_with("git.corp.example", 443, {"addresses": [{"ip": "10.9.8.7", "class": "private"}]}) with data.settings.net.egress_allow as local_list
+	allowed_by(w, "carrel.net.egress_allow")
+}
+
+test_network_of_another_entry_does_not_count if {
+	# 10.0.0.0/8 is named by *.corp.example's entry, not pypi.org's.
+	d := egress_with("pypi.org", 443, {"addresses": [{"ip": "10.9.8.7", "class": "private"}]}) with data.settings.net.egress_allow as local_list
+	denied_by(d, "carrel.net.address_refused")
+
+	# 192.168.1.1 is in none of allowed.test's networks.
+	o := egress_with("allowed.test", 8443, {"addresses": [{"ip": "192.168.1.1", "class": "private"}]}) with data.settings.net.egress_allow as local_list
+	denied_by(o, "carrel.net.address_refused")
+}
+
+test_name_only_decided_before_resolving if {
+	d := egress_with("allowed.test", 8443, {}) with data.settings.net.egress_allow as local_list
+	allowed_by(d, "carrel.net.egress_allow")
+	d.reason == "egress to allowed.test:8443/tcp: allowed by allowed.test:8443 in settings.net.egress_allow"
+}
+
+test_ip_literal_needs_an_exact_entry if {
+	d := egress_with("151.101.0.223", 443, {"ip_literal": true, "addresses": [{"ip": "151.101.0.223", "class": "public"}]})
+		with data.settings.net.egress_allow as local_list
+	denied_by(d, "carrel.net.ip_literal")
+	d.reason == "egress to 151.101.0.223:443/tcp: an IP address, and no entry of settings.net.egress_allow names it"
+}
+
+test_ip_literal_wildcard_never_matches if {
+	# "*.3" would match "10.1.2.3" as a string.
+	d := egress_with("10.1.2.3", 443, {"ip_literal": true, "addresses": [{"ip": "10.1.2.3", "class": "private"}]})
+		with data.settings.net.egress_allow as [{"host": "*.3", "port": 443, "networks": ["0.0.0.0/0"]}]
+	denied_by(d, "carrel.net.ip_literal")
+}
+
+test_ip_literal_named_exactly_is_allowed if {
+	d := egress_with("10.1.2.3", 5432, {"ip_literal": true, "addresses": [{"ip": "10.1.2.3", "class": "private"}]})
+		with data.settings.net.egress_allow as local_list
+	allowed_by(d, "carrel.net.egress_allow")
+	m := egress_with("169.254.169.254", 80, {"ip_literal": true, "addresses": [{"ip": "169.254.169.254", "class": "metadata"}]})
+		with data.settings.net.egress_allow as local_list
+	allowed_by(m, "carrel.net.egress_allow")
+	other := egress_with("10.1.2.4", 5432, {"ip_literal": true, "addresses": [{"ip": "10.1.2.4", "class": "private"}]})
+		with data.settings.net.egress_allow as local_list
+	denied_by(other, "carrel.net.ip_literal")
+}
+
+test_metadata_refused_by_name if {
+	d := egress_with("metadata.google.internal", 80, {"addresses": [{"ip": "169.254.169.254", "class": "metadata"}]})
+		with data.settings.net.egress_allow as [{"host": "metadata.google.internal", "port": 80}]
+	denied_by(d, "carrel.net.address_refused")
+}
+
+test_port_still_decides_with_addresses if {
+	d := egress_with("allowed.test", 8080, {"addresses": [{"ip": "127.0.0.1", "class": "loopback"}]}) with data.settings.net.egress_allow as local_list
+	denied_by(d, "carrel.net.default_deny")
+}
+
+test_limits_default_none if {
+	l := net.limits with input as net_input("egress", "pypi.org", 443)
+	l == {}
+}
+
+test_limits_per_vm if {
+	overrides := {"demo": {"net": {"limits": {"max_connections": 4}}}}
+	l := net.limits with input as net_input("egress", "pypi.org", 443)
+		with data.settings.net.limits as {"max_connections": 64, "bandwidth_bytes_per_second": 1048576}
+		with data.settings.vms as overrides
+
+	# An override names only the limits it changes.
+	l == {"max_connections": 4, "bandwidth_bytes_per_second": 1048576}
+	other := net.limits with input as object.union(net_input("egress", "pypi.org", 443), {"vm": "other"})
+		with data.settings.net.limits as {"max_connections": 64, "bandwidth_bytes_per_second": 1048576}
+		with data.settings.vms as overrides
+	other == {"max_connections": 64, "bandwidth_bytes_per_second": 1048576}
+}

@@ -80,6 +80,7 @@ type session struct {
 	client    agentv1connect.AgentServiceClient
 	files     agentv1connect.FileServiceClient
 	ports     agentv1connect.PortServiceClient
+	egress    agentv1connect.EgressServiceClient
 
 	mu   sync.Mutex
 	conn net.Conn
@@ -107,6 +108,7 @@ func (l *Link) session() *session {
 		s.client = agentv1connect.NewAgentServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
 		s.files = agentv1connect.NewFileServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
 		s.ports = agentv1connect.NewPortServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+		s.egress = agentv1connect.NewEgressServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
 		l.cur = s
 	}
 	return l.cur
@@ -375,6 +377,13 @@ func (l *Link) Files() (client agentv1connect.FileServiceClient, done func(ctx c
 func (l *Link) Ports() (client agentv1connect.PortServiceClient, done func(ctx context.Context, err error) error) {
 	s := l.session()
 	return s.ports, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
+}
+
+// Egress returns the guest's egress service on the current connection,
+// and done, to be passed every error of the calls made with it (see Files).
+func (l *Link) Egress() (client agentv1connect.EgressServiceClient, done func(ctx context.Context, err error) error) {
+	s := l.session()
+	return s.egress, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
 // Agent returns the guest's agent service on the current connection, and

@@ -88,12 +88,17 @@ func (a authzInterceptor) authorize(ctx context.Context, call *apiCall, headerVM
 	if err != nil {
 		return ctx, connect.NewError(connect.CodeUnauthenticated, err)
 	}
+	// A request that names its VM is decided for that VM, the one its
+	// handler acts on; a header naming another is refused.
 	vm := headerVM
-	if vm == "" {
-		vm = vmInMessage(call.Procedure, msg)
+	if body := vmInMessage(call.Procedure, msg); body != "" {
+		if headerVM != "" && headerVM != body {
+			return ctx, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("the %s header names VM %q, the request VM %q", VMHeader, headerVM, body))
+		}
+		vm = body
 	}
 	call.Caller, call.VM = &caller, vm
-	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: call.Procedure, VM: vm}
+	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: call.Procedure, VM: vm, GPUs: a.cfg.gpusOf(call.Procedure, vm, msg)}
 	d, err := a.cfg.decision(ctx, in)
 	call.Decision = d.ID
 	if err != nil {

@@ -3,6 +3,7 @@ package api
 import (
 	"context"
 	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
@@ -33,6 +35,8 @@ func servedServices() []protoreflect.ServiceDescriptor {
 	for _, f := range []protoreflect.FileDescriptor{
 		apiv1.File_carrel_api_v1_api_proto, apiv1.File_carrel_api_v1_policy_proto,
 		agentv1.File_carrel_agent_v1_agent_proto, agentv1.File_carrel_agent_v1_files_proto, agentv1.File_carrel_agent_v1_ports_proto,
+		// Classified for completeness; carreld does not mount it (TestEgressServiceNotServed).
+		agentv1.File_carrel_agent_v1_egress_proto,
 	} {
 		for i := 0; i < f.Services().Len(); i++ {
 			out = append(out, f.Services().Get(i))
@@ -361,5 +365,42 @@ test_srv_writable if {
 	}
 	if _, err := c.Stat(ctx, "a", "/srv/x"); connect.CodeOf(err) == connect.CodePermissionDenied {
 		t.Errorf("after a refused apply the old policy must keep serving: %v", err)
+	}
+}
+
+// TestEgressServiceNotServed: the guest's EgressService is carreld's own
+// business; its API does not serve it, even to an operator.
+func TestEgressServiceNotServed(t *testing.T) {
+	sock, _, _, _ := authzAPI(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	p := new(http.Protocols)
+	p.SetUnencryptedHTTP2(true)
+	hc := &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", sock)
+		},
+		Protocols: p,
+	}}
+	c := agentv1connect.NewEgressServiceClient(hc, "http://carreld", connect.WithGRPC())
+	req := connect.NewRequest(&agentv1.EgressRequestsRequest{})
+	req.Header().Set(VMHeader, "a")
+	s, err := c.Requests(ctx, req)
+	if err == nil {
+		for s.Receive() {
+			t.Errorf("EgressService/Requests answered: %v", s.Msg())
+		}
+		err = s.Err()
+	}
+	if connect.CodeOf(err) != connect.CodeUnimplemented {
+		t.Errorf("EgressService/Requests on carreld's API: %v; want unimplemented", err)
+	}
+	bs := c.Connect(ctx)
+	bs.RequestHeader().Set(VMHeader, "a")
+	bs.Send(&agentv1.EgressData{Msg: &agentv1.EgressData_Verdict{Verdict: &agentv1.EgressVerdict{Id: 1, Outcome: agentv1.EgressOutcome_EGRESS_OUTCOME_ALLOWED}}})
+	bs.CloseRequest()
+	if _, err := bs.Receive(); connect.CodeOf(err) != connect.CodeUnimplemented {
+		t.Errorf("EgressService/Connect on carreld's API: %v; want unimplemented", err)
 	}
 }

@@ -22,6 +22,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
+	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policies"
 	"github.com/carrel-os/carrel/supervisor/vm"
@@ -61,6 +62,8 @@ type Config struct {
 	// Audit, when set, gets a durable intent before every command starts
 	// and its outcome after.
 	Audit Recorder
+	// GPUs lists the host's GPUs (GPUService); nil answers Unimplemented.
+	GPUs *gpu.Host
 }
 
 // Info describes the supervisor for SystemService.GetInfo.
@@ -86,6 +89,7 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle(apiv1connect.NewSystemServiceHandler(&systemService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewPolicyServiceHandler(&policyService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewTokenServiceHandler(&tokenService{cfg: cfg}, opts...))
+	mux.Handle(apiv1connect.NewGPUServiceHandler(&gpuService{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewFileServiceHandler(&fileRelay{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewAgentServiceHandler(&agentRelay{cfg: cfg}, opts...))
 	mux.Handle(agentv1connect.NewPortServiceHandler(&portRelay{cfg: cfg}, opts...))
@@ -166,8 +170,10 @@ func toConnect(err error) error {
 	}
 	code := connect.CodeInternal
 	switch {
-	case errors.Is(err, vm.ErrInvalid):
+	case errors.Is(err, vm.ErrInvalid), errors.Is(err, gpu.ErrInvalid):
 		code = connect.CodeInvalidArgument
+	case errors.Is(err, gpu.ErrUnavailable):
+		code = connect.CodeFailedPrecondition
 	case errors.Is(err, vm.ErrExists):
 		code = connect.CodeAlreadyExists
 	case errors.Is(err, vm.ErrNotFound), errors.Is(err, vm.ErrImageMissing):

@@ -30,7 +30,8 @@ var _ apiv1connect.VMServiceHandler = (*vmService)(nil)
 
 func (s *vmService) CreateVM(ctx context.Context, req *connect.Request[apiv1.CreateVMRequest]) (*connect.Response[apiv1.CreateVMResponse], error) {
 	m := req.Msg
-	rec, err := s.cfg.Manager.Create(ctx, vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus, Policy: m.Policy})
+	rec, err := s.cfg.Manager.Create(ctx, vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus, Policy: m.Policy,
+		WorkspaceBytes: m.WorkspaceBytes, MaxProcesses: m.MaxProcesses, GPUs: m.Gpus})
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -176,6 +177,10 @@ func toProto(st vm.Status) *apiv1.VM {
 		Policy:      st.PolicyName(),
 		Session:     st.Session,
 		Paused:      st.Paused,
+
+		WorkspaceBytes: st.WorkspaceBytes,
+		MaxProcesses:   st.MaxProcesses,
+		Gpus:           st.GPUs,
 	}
 	switch st.State {
 	case registry.StateCreating:

@@ -35,6 +35,10 @@ const (
 	KindGuestRequest   = "guest.request"
 	KindIntent         = "action.intent"
 	KindOutcome        = "action.outcome"
+	// A VM's GPUs: handed to it before its QEMU starts, and given back to
+	// the host when the run ends.
+	KindGPUAttach = "gpu.attach"
+	KindGPUDetach = "gpu.detach"
 	// KindRecovery records what the log itself did to recover: a torn
 	// tail cut at Open, or a period of unavailability.
 	KindRecovery = "audit.recovery"

@@ -57,15 +57,39 @@ type lifecycleData struct {
 	CPUs           uint32       `json:"cpus"`
 	Driver         string       `json:"driver"`
 	Reason         string       `json:"reason,omitempty"`
+	GPUs           []string     `json:"gpus,omitempty"`
+}
+
+// gpuData is the data of a "gpu.attach" or "gpu.detach" record.
+type gpuData struct {
+	// GPUs are the PCI addresses the VM was created with; the other
+	// functions of their slots go with them.
+	GPUs   []string `json:"gpus"`
+	Driver string   `json:"driver"`
+	Reason string   `json:"reason,omitempty"`
 }
 
 // Lifecycle records a step in a VM's life, with what a later rerun needs
-// to start the same VM: the image digest and the policy revision.
+// to start the same VM: the image digest and the policy revision. A GPU
+// attach or detach gets a record of its own kind.
 func Lifecycle(l *audit.Log, pols *policies.Store) func(context.Context, vm.Event) error {
 	return func(ctx context.Context, ev vm.Event) error {
 		r := ev.Record
+		switch ev.Kind {
+		case vm.EventGPUAttach, vm.EventGPUDetach:
+			kind := audit.KindGPUAttach
+			if ev.Kind == vm.EventGPUDetach {
+				kind = audit.KindGPUDetach
+			}
+			b, err := json.Marshal(gpuData{GPUs: r.GPUs, Driver: r.Driver, Reason: ev.Reason})
+			if err != nil {
+				return err
+			}
+			_, err = l.Append(ctx, audit.Record{Kind: kind, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b})
+			return err
+		}
 		data := lifecycleData{Event: ev.Kind, ImageDigest: r.ImageDigest, Policy: r.PolicyName(),
-			MemoryBytes: r.MemoryBytes, CPUs: r.CPUs, Driver: r.Driver, Reason: ev.Reason}
+			MemoryBytes: r.MemoryBytes, CPUs: r.CPUs, Driver: r.Driver, Reason: ev.Reason, GPUs: r.GPUs}
 		if p, err := pols.Get(r.PolicyName()); err == nil {
 			data.PolicyRevision = p.Revision
 		}

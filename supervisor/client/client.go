@@ -49,6 +49,8 @@ type Client struct {
 	// VM-scoped tokens agent harnesses call with.
 	Policies apiv1connect.PolicyServiceClient
 	Tokens   apiv1connect.TokenServiceClient
+	// GPUs lists the host's GPUs, for carrel vm create --gpu.
+	GPUs apiv1connect.GPUServiceClient
 }
 
 // An Option configures a Client.
@@ -99,6 +101,7 @@ func New(path string, opt ...Option) *Client {
 
 		Policies: apiv1connect.NewPolicyServiceClient(hc, base, opts...),
 		Tokens:   apiv1connect.NewTokenServiceClient(hc, base, opts...),
+		GPUs:     apiv1connect.NewGPUServiceClient(hc, base, opts...),
 	}
 }
 

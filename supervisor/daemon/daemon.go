@@ -18,12 +18,13 @@ import (
 
 	"github.com/carrel-os/carrel/image/devimage"
 	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/image/workspace"
 	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/activity"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/api"
 	"github.com/carrel-os/carrel/supervisor/auditrec"
-	"github.com/carrel-os/carrel/supervisor/driver/qemu"
+	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policies"
 	"github.com/carrel-os/carrel/supervisor/registry"
@@ -44,8 +45,16 @@ type Config struct {
 	AgentBinary string
 	QEMUBinary  string
 	// Machine is the QEMU machine type: auto, microvm or q35.
-	Machine     string
+	Machine string
+	// Driver runs new VMs: DriverQEMU (the default) or DriverLibvirt.
+	// Existing VMs keep the driver they were created with.
+	Driver string
+	// LibvirtURI is the libvirt connection (default qemu:///system).
+	LibvirtURI  string
 	BootTimeout time.Duration
+	// EgressHosts, when set, is a hosts(5) file that resolves the names
+	// VMs reach through the egress proxy, instead of DNS.
+	EgressHosts string
 	Logger      *slog.Logger
 }
 
@@ -79,8 +88,11 @@ func Run(ctx context.Context, cfg Config) error {
 	if !vsock {
 		log.Info("no /dev/vhost-vsock: guest agents are reached over virtio-serial")
 	}
-	drv := qemu.New(qemu.Config{Binary: cfg.QEMUBinary, Machine: cfg.Machine, Accelerator: acc.Name, Logger: log.With("subsystem", "qemu")})
-	log.Info("qemu machine type", "machine", drv.Machine())
+	drv, closeDrivers, err := newDrivers(ctx, cfg, acc.Name, log)
+	if err != nil {
+		return err
+	}
+	defer closeDrivers()
 	pols, err := policies.Open(ctx, filepath.Join(cfg.StateDir, "policies"), log.With("subsystem", "policy"))
 	if err != nil {
 		return err
@@ -104,13 +116,29 @@ func Run(ctx context.Context, cfg Config) error {
 	// and before the audit log closes.
 	var recordings sync.WaitGroup
 	defer recordings.Wait()
-	mgr := vm.New(vm.Config{
+	// Each live VM's egress, its only way out, decided per connection by
+	// its policy at the time (the manager names it).
+	var mgr *vm.Manager
+	eg, err := newEgress(cfg.EgressHosts, pols, func(name string) (string, error) { return mgr.PolicyOf(name) }, auditLog, log)
+	if err != nil {
+		return err
+	}
+	// The host's GPUs, read from sysfs at each use. Creates are vetted
+	// here; the drivers bind and release the devices.
+	gpus := gpu.New(gpu.Config{})
+	mgr = vm.New(vm.Config{
 		Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock,
+		QEMUImg:      workspace.QEMUImg(cfg.QEMUBinary),
 		PolicyExists: func(name string) error { _, err := pols.Get(name); return err },
 		AgentReady:   pols.GiveSandbox,
 		OnEvent:      auditrec.Lifecycle(auditLog, pols),
+		CheckGPUs: func(want []string, held map[string][]string) error {
+			_, err := gpus.Check(want, held)
+			return err
+		},
 		AgentLive: func(live context.Context, rec registry.Record, link *agentlink.Link) {
 			recordings.Go(func() { _ = activity.Run(live, link, auditLog, rec.Name, rec.Session, log) })
+			recordings.Go(func() { _ = eg.Serve(live, link, rec.Name, rec.Session) })
 		},
 	})
 	decisions.Session = mgr.SessionOf
@@ -135,6 +163,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Tokens:    tokens,
 		DaemonUID: uint32(os.Getuid()),
 		Audit:     auditLog,
+		GPUs:      gpus,
 		Info: func() api.Info {
 			return api.Info{Version: Version, Accelerator: acc.Name, StateDir: cfg.StateDir, Vsock: vsock}
 		},

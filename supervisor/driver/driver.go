@@ -1,5 +1,5 @@
 // Package driver defines how carreld runs a VM, independent of the
-// hypervisor front end (straight QEMU here; libvirt later).
+// hypervisor front end (straight QEMU, or libvirt).
 //
 // A driver is composed of small interfaces, as Lima's is: a Lifecycle to
 // boot and end the VM, and dialers for the streams carreld needs into it.
@@ -26,6 +26,19 @@ type Spec struct {
 	Dir string
 	// CID is the guest's vsock context id; 0 means no vsock device.
 	CID uint32
+	// Workspace is the VM's workspace disk, a qcow2 file whose backing
+	// file is WorkspaceTemplate (raw); the driver attaches it as a virtio
+	// disk with serial protocol.WorkspaceSerial. "" means none: the
+	// guest's /workspace is a tmpfs.
+	Workspace         string
+	WorkspaceTemplate string
+	// Driver names the driver that runs the VM (a Set routes by it); ""
+	// means the Set's default. A VM keeps the driver it was created with.
+	Driver string
+	// GPUs are the PCI addresses of GPUs to pass through, vetted when the
+	// VM was created. The driver passes each with the other functions of
+	// its slot (supervisor/gpu.Host.Check plans them), bound to vfio-pci.
+	GPUs []string
 }
 
 // Instance is what a driver needs to find a running VM again, e.g. after
@@ -41,6 +54,16 @@ type Instance struct {
 	ConsoleSocket string `json:"console_socket"`
 	CID           uint32 `json:"cid,omitempty"`
 	Accelerator   string `json:"accelerator"`
+	// Cgroup is the cgroup v2 group the VM's QEMU runs in, if it has one.
+	Cgroup string `json:"cgroup,omitempty"`
+	// Domain and DomainUUID name the libvirt domain (libvirt driver only).
+	// A transient domain gets a new UUID at every start, so a record can
+	// never match a later domain of the same name.
+	Domain     string `json:"domain,omitempty"`
+	DomainUUID string `json:"domain_uuid,omitempty"`
+	// VFIO are the PCI devices the qemu driver moved to vfio-pci for the
+	// VM; Kill gives them back to their host drivers.
+	VFIO []string `json:"vfio,omitempty"`
 }
 
 // Lifecycle boots and ends VMs.

@@ -54,6 +54,13 @@ type Record struct {
 	// "ses_" and 16 hex digits, new at every boot. Audit records of the
 	// run carry it.
 	Session string `json:"session,omitempty"`
+	// Limits the guest applies (its kernel command line carries them); 0
+	// is no limit.
+	WorkspaceBytes uint64 `json:"workspace_bytes,omitempty"`
+	MaxProcesses   uint64 `json:"max_processes,omitempty"`
+	// GPUs are the PCI addresses of the GPUs passed through to the VM. It
+	// holds them, running or stopped, until it is deleted.
+	GPUs []string `json:"gpus,omitempty"`
 }
 
 // PolicyName is the VM's bound policy, "default" when none was recorded.

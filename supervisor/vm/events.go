@@ -26,6 +26,10 @@ const (
 	EventRemoved  EventKind = "removed"
 	EventPaused   EventKind = "paused"
 	EventResumed  EventKind = "resumed"
+	// The VM's GPUs: attached before its QEMU starts (the boot stops if
+	// that cannot be recorded), detached once a run that had them ends.
+	EventGPUAttach EventKind = "gpu-attach"
+	EventGPUDetach EventKind = "gpu-detach"
 )
 
 // Event is one step in a VM's life. Record is the VM's record as of the
@@ -49,7 +53,7 @@ func (m *Manager) event(ctx context.Context, mc *machine, kind EventKind, reason
 		return nil
 	}
 	switch kind {
-	case EventCreated, EventStarting:
+	case EventCreated, EventStarting, EventGPUAttach:
 		return fmt.Errorf("vm %q not started: %w", ev.Record.Name, err)
 	}
 	m.log.Error("vm event not recorded", "vm", ev.Record.Name, "event", kind, "err", err)

@@ -18,6 +18,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/console"
 	"github.com/carrel-os/carrel/supervisor/driver"
+	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
@@ -39,6 +40,11 @@ const (
 	MaxMemory     = 1 << 40
 	DefaultMemory = 512 << 20
 	MaxCPUs       = 64
+	// The guest refuses limits outside these (guest-agent/initsys).
+	MinWorkspace = 16 << 20
+	MaxWorkspace = 1 << 40
+	MinProcesses = 16
+	MaxProcesses = 1 << 22
 )
 
 // Config configures a Manager.
@@ -55,6 +61,9 @@ type Config struct {
 	// Vsock says whether the host has /dev/vhost-vsock; without it VMs
 	// get no vsock device and the agent is reached over virtio-serial.
 	Vsock bool
+	// QEMUImg makes the workspace disks of VMs whose image has a
+	// workspace template (default "qemu-img"; see image/workspace).
+	QEMUImg string
 	// PolicyExists, when set, vets a policy name at create and rebind.
 	PolicyExists func(name string) error
 	// AgentReady, when set, runs once a VM's agent answers and before the
@@ -71,6 +80,11 @@ type Config struct {
 	// must not block (carreld starts recording the guest's workspace
 	// activity here).
 	AgentLive func(live context.Context, rec registry.Record, link *agentlink.Link)
+	// CheckGPUs, when set, vets the GPUs a VM is created with against the
+	// host (supervisor/gpu.Host.Check); held maps every other VM to the
+	// GPUs it holds. It runs under the manager's lock, so two creates
+	// cannot claim one GPU. Without it, a create with GPUs is refused.
+	CheckGPUs func(want []string, held map[string][]string) error
 }
 
 // Manager owns every VM of one carreld.
@@ -104,10 +118,14 @@ type machine struct {
 	console   *console.Recorder
 	cancel    context.CancelFunc // ends the link's keepalive and watchers
 	paused    bool               // by PauseAll
+	// gpusOn is set from a run's recorded GPU attach until its detach. A
+	// VM found starting, running or stopping after a restart has them.
+	gpusOn bool
 }
 
 func newMachine(rec registry.Record) *machine {
-	return &machine{op: make(chan struct{}, 1), rec: rec}
+	on := len(rec.GPUs) > 0 && rec.State != registry.StateCreating && rec.State != registry.StateStopped
+	return &machine{op: make(chan struct{}, 1), rec: rec, gpusOn: on}
 }
 
 // lock takes mc's operation lock, or fails with ErrBusy once ctx ends, or
@@ -162,6 +180,12 @@ type CreateParams struct {
 	MemoryBytes uint64
 	CPUs        uint32
 	Policy      string // must exist (Config.PolicyExists); "" is "default"
+	// WorkspaceBytes sizes the guest's /workspace (0: half the memory);
+	// MaxProcesses caps its commands' processes together (0: no cap).
+	WorkspaceBytes uint64
+	MaxProcesses   uint64
+	// GPUs are PCI addresses of GPUs to pass through (Config.CheckGPUs).
+	GPUs []string
 }
 
 func (p *CreateParams) validate() error {
@@ -189,6 +213,17 @@ func (p *CreateParams) validate() error {
 	if p.CPUs > MaxCPUs {
 		return fmt.Errorf("%w: %d cpus is out of range (1 to %d)", ErrInvalid, p.CPUs, MaxCPUs)
 	}
+	if w := p.WorkspaceBytes; w != 0 && (w < MinWorkspace || w > MaxWorkspace || w%(1<<20) != 0) {
+		return fmt.Errorf("%w: workspace %d bytes: want whole MiB, %d MiB to %d GiB", ErrInvalid, w, MinWorkspace>>20, MaxWorkspace>>30)
+	}
+	if n := p.MaxProcesses; n != 0 && (n < MinProcesses || n > MaxProcesses) {
+		return fmt.Errorf("%w: %d processes is out of range (%d to %d)", ErrInvalid, n, MinProcesses, MaxProcesses)
+	}
+	gpus, err := gpu.Canonical(p.GPUs)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	p.GPUs = gpus
 	return nil
 }
 
@@ -226,6 +261,10 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		CreatedAt:   time.Now().UTC().Truncate(time.Millisecond),
 		Policy:      p.Policy,
 		Session:     newSession(), // the first run's
+
+		WorkspaceBytes: p.WorkspaceBytes,
+		MaxProcesses:   p.MaxProcesses,
+		GPUs:           p.GPUs,
 	})
 	mc.op <- struct{}{} // new, so free
 	defer mc.unlock()
@@ -233,6 +272,10 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 	if _, ok := m.vms[p.Name]; ok {
 		m.mu.Unlock()
 		return registry.Record{}, fmt.Errorf("%w: %q", ErrExists, p.Name)
+	}
+	if err := m.checkGPUsLocked(p.GPUs); err != nil {
+		m.mu.Unlock()
+		return registry.Record{}, err
 	}
 	m.vms[p.Name] = mc
 	m.mu.Unlock()
@@ -247,6 +290,7 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		err = m.boot(ctx, mc)
 	}
 	if err != nil {
+		m.gpusOff(ctx, mc, "create failed")
 		_ = m.event(ctx, mc, EventFailed, err.Error())
 		// Remove the record before the name is free again, so a new create
 		// of the same name cannot lose its files to this cleanup.
@@ -302,10 +346,17 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 		Name:        name,
 		Kernel:      img.KernelPath,
 		Initrd:      img.InitrdPath,
-		Cmdline:     img.Manifest.Cmdline,
+		Cmdline:     img.Manifest.Cmdline + limitArgs(rec),
 		MemoryBytes: rec.MemoryBytes,
 		CPUs:        rec.CPUs,
 		Dir:         m.cfg.Registry.Dir(name),
+		Driver:      rec.Driver, // a VM keeps the driver it was created with
+		GPUs:        rec.GPUs,
+	}
+	if img.WorkspacePath != "" {
+		if err := m.attachWorkspace(ctx, rec, img.WorkspacePath, &spec); err != nil {
+			return fmt.Errorf("boot vm %q: %w", name, err)
+		}
 	}
 	// A new run (Create made the first one's), recorded before QEMU
 	// starts.
@@ -315,6 +366,9 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 		}
 	}
 	if err := m.event(ctx, mc, EventStarting, ""); err != nil {
+		return err
+	}
+	if err := m.gpusOnRecord(ctx, mc); err != nil {
 		return err
 	}
 	if m.cfg.Vsock {
@@ -471,6 +525,7 @@ func (m *Manager) exitedOnItsOwn(mc *machine, inst driver.Instance) {
 func (m *Manager) markStopped(mc *machine, kind EventKind, lastErr string) {
 	mc.detach()
 	m.releaseCID(mc)
+	m.gpusOff(context.Background(), mc, string(kind))
 	if err := m.persist(mc, func(r *registry.Record) {
 		r.State = registry.StateStopped
 		r.Instance = nil

@@ -372,6 +372,11 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 	err := m.cfg.Driver.Adopt(ctx, inst)
 	if errors.Is(err, driver.ErrNotRunning) {
 		log.Warn("vm exited while carreld was down; marking it stopped")
+		// Kill ends nothing now, but the driver lets go of what the VM
+		// held (its cgroup, its GPUs).
+		if err := m.cfg.Driver.Kill(ctx, inst); err != nil {
+			log.Error("releasing what the vm held", "err", err)
+		}
 		m.markStopped(mc, EventStopped, "vm exited while carreld was down")
 		return nil
 	}

@@ -1,9 +1,10 @@
 // Command bench measures carrel against its baselines (make bench):
 //
-//   - boot to agent-ready (-boot): `carrel vm create` against bare
-//     qemu-system-x86_64 booting the same kernel and initrd on the same
-//     machine type to the agent's ready marker on the serial port,
-//     alternating, one run;
+//   - boot to agent-ready (-boot): `carrel vm create` through the qemu
+//     driver and through the libvirt driver (a second carreld; -boot-libvirt,
+//     where libvirtd can be had) against bare qemu-system-x86_64 booting the
+//     same kernel and initrd on the same machine type to the agent's ready
+//     marker on the serial port, alternating (see boot.go);
 //   - warm exec (-warm-exec): the round trip of `carrel exec VM -- true`,
 //     CLI process included, p50 and p99;
 //   - against qemu-guest-agent (-qga-exec, -qga-files), in one VM booted by
@@ -18,7 +19,12 @@
 //     no VM;
 //   - the audit log (-audit): durable append throughput and latency with
 //     group commit against an fdatasync per record, and verification
-//     speed (see audit.go); needs no VM.
+//     speed (see audit.go); needs no VM;
+//   - host memory (-overhead): QEMU's PSS per VM less its guest RAM, and
+//     carreld's RSS, with 10 VMs running (see overhead.go);
+//   - egress (-egress): a download through the guest's proxy and carreld's
+//     egress proxy against the same download directly on the host, and
+//     connection setup both ways (see egress.go).
 //
 // Every section is on by default; each prints medians and ratios.
 package main
@@ -40,6 +46,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/image/workspace"
 	"github.com/carrel-os/carrel/supervisor/client"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/tests/harness"
@@ -75,7 +82,8 @@ func (t *tb) cleanup() {
 }
 
 func main() {
-	doBoot := flag.Bool("boot", true, "boot to agent-ready: carrel against bare QEMU")
+	doBoot := flag.Bool("boot", true, "boot to agent-ready: carrel's qemu and libvirt drivers against bare QEMU")
+	bootLibvirt := flag.Bool("boot-libvirt", true, "with -boot, boot through the libvirt driver too (a second carreld; starts libvirtd if need be)")
 	doWarm := flag.Bool("warm-exec", true, "warm `carrel exec -- true` through the CLI")
 	doQGAExec := flag.Bool("qga-exec", true, "exec round trip: carrel against qemu-guest-agent")
 	doQGAFiles := flag.Bool("qga-files", true, "file throughput: carrel against qemu-guest-agent and the raw port")
@@ -88,13 +96,20 @@ func main() {
 	qgaMemory := flag.String("qga-memory", "1G", "memory of the comparison VM; its /tmp (tmpfs, half of memory) must hold -size")
 	doPolicy := flag.Bool("policy", true, "policy decision latency: prepared queries against compiling per call")
 	doAudit := flag.Bool("audit", true, "audit log: durable append throughput and latency against fsync per record, verification speed")
+	doEgress := flag.Bool("egress", true, "egress: download through the tunnel against directly on the host, connection setup")
+	doOverhead := flag.Bool("overhead", true, "host memory per VM (QEMU's PSS less guest RAM) and carreld's RSS with -overhead-vms VMs running")
+	overheadVMs := flag.Int("overhead-vms", 10, "VMs running for -overhead")
+	egressMiB := flag.Int64("egress-size", 256, "egress download size, MiB")
+	egressRounds := flag.Int("egress-rounds", 3, "rounds of the egress download, each way, alternating")
 	flag.Parse()
 	log.SetFlags(0)
 	switch {
 	case *rounds < 1 || *execs < 1 || *fileRounds < 1:
 		log.Fatal("-rounds, -execs and -file-rounds must be at least 1")
-	case *sizeMiB < 1:
-		log.Fatal("-size must be at least 1 (MiB)")
+	case *sizeMiB < 1 || *egressMiB < 1:
+		log.Fatal("-size and -egress-size must be at least 1 (MiB)")
+	case *egressRounds < 1:
+		log.Fatal("-egress-rounds must be at least 1")
 	case *chunkKiB < 1 || *chunkKiB<<10 > qga.MaxReadCount:
 		log.Fatalf("-qga-chunk must be 1..%d (KiB)", qga.MaxReadCount>>10)
 	}
@@ -109,15 +124,26 @@ func main() {
 			log.Fatalf("audit benchmark: %v", err)
 		}
 	}
-	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles {
+	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead {
 		return // no VM needed
 	}
 
+	// The benchmarks pick each carreld's driver themselves.
+	os.Unsetenv(harness.DriverEnv)
 	t := &tb{}
 	defer t.cleanup()
-	d := harness.New(t, "--machine", *machine)
+	hostsDir, err := os.MkdirTemp("", "carrel-bench-")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer os.RemoveAll(hostsDir)
+	hosts, err := egressHosts(hostsDir)
+	if err != nil {
+		log.Fatal(err)
+	}
+	d := harness.New(t, "--driver", "qemu", "--machine", *machine, "--egress-hosts", hosts)
 	d.Start()
-	d.BuildImage()
+	digest := d.BuildImage()
 	st, err := store.Open(filepath.Join(d.State, "images"))
 	if err != nil {
 		t.Fatal(err)
@@ -129,10 +155,26 @@ func main() {
 	fmt.Printf("carrel benchmarks: machine %s, 1 vCPU, accelerator %s, %d host CPUs\n", *machine, accelOf(d), runtime.NumCPU())
 
 	if *doBoot {
-		benchBoot(t, d, img, *machine, *rounds)
+		var lv *harness.Daemon
+		if *bootLibvirt {
+			var why string
+			if lv, why = libvirtDaemon(t, digest); lv == nil {
+				fmt.Printf("\nboot through libvirt: left out, %s\n", why)
+			}
+		}
+		benchBoot(t, d, lv, img, *machine, *rounds)
+		if lv != nil {
+			lv.Stop()
+		}
 	}
 	if *doWarm {
 		benchWarmExec(d, *execs)
+	}
+	if *doOverhead {
+		benchOverhead(t, d, *overheadVMs)
+	}
+	if *doEgress {
+		benchEgress(t, d, *egressMiB<<20, *egressRounds)
 	}
 	if *doQGAExec || *doQGAFiles {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Hour)
@@ -170,28 +212,6 @@ func accelOf(d *harness.Daemon) string {
 	return resp.Msg.Accelerator
 }
 
-func benchBoot(t *tb, d *harness.Daemon, img *store.Resolved, machine string, rounds int) {
-	fmt.Printf("\nboot to agent-ready, machine %s, %d rounds each, alternating:\n", machine, rounds)
-	var ours, bare []time.Duration
-	for i := 0; i < rounds; i++ {
-		name := fmt.Sprintf("bench%d", i)
-		start := time.Now()
-		d.Must("vm", "create", name, "--memory", "512M", "--cpus", "1")
-		ours = append(ours, time.Since(start))
-		d.Must("vm", "rm", "--force", name)
-
-		b, err := bareBoot(machine, img)
-		if err != nil {
-			t.Fatal(err)
-		}
-		bare = append(bare, b)
-		fmt.Printf("  round %d: carrel %v, bare qemu %v\n", i+1, ours[i].Round(time.Millisecond), b.Round(time.Millisecond))
-	}
-	mo, mb := median(ours), median(bare)
-	fmt.Printf("boot median: carrel %v, bare qemu %v, ratio carrel/bare %.3f (target <= 1.05)\n",
-		mo.Round(time.Millisecond), mb.Round(time.Millisecond), float64(mo)/float64(mb))
-}
-
 func benchWarmExec(d *harness.Daemon, execs int) {
 	d.Must("vm", "create", "warm", "--memory", "512M", "--cpus", "1")
 	d.Must("exec", "warm", "--", "true") // first call sets up the stream
@@ -207,18 +227,30 @@ func benchWarmExec(d *harness.Daemon, execs int) {
 }
 
 // bareBoot boots the image with plain QEMU and the same devices carreld
-// gives a VM, and times the start of QEMU to the agent's ready marker on
-// the serial console.
+// gives a VM (the workspace disk among them), and times the start of QEMU
+// to the agent's ready marker on the serial console.
 func bareBoot(machine string, img *store.Resolved) (time.Duration, error) {
 	dir, err := os.MkdirTemp("/tmp", "bare-")
 	if err != nil {
 		return 0, err
 	}
 	defer os.RemoveAll(dir)
-	mopt, serialDev := "microvm,accel=tcg", "virtio-serial-device"
+	mopt, serialDev, blockDev := "microvm,accel=tcg", "virtio-serial-device", "virtio-blk-device"
 	cmdline := img.Manifest.Cmdline + " reboot=t"
 	if machine == "q35" {
-		mopt, serialDev, cmdline = "q35,accel=tcg", "virtio-serial-pci", img.Manifest.Cmdline
+		mopt, serialDev, blockDev, cmdline = "q35,accel=tcg", "virtio-serial-pci", "virtio-blk-pci", img.Manifest.Cmdline
+	}
+	// The workspace disk carreld gives a 512 MiB VM: half its memory, over
+	// the image's template, which the guest mounts and grows.
+	var disk []string
+	if img.WorkspacePath != "" {
+		p := filepath.Join(dir, "workspace.qcow2")
+		if err := workspace.Create(context.Background(), "qemu-img", p, img.WorkspacePath, 256<<20); err != nil {
+			return 0, err
+		}
+		cmdline += " " + protocol.WorkspaceDiskArg
+		disk = []string{"-drive", "if=none,id=workspace,format=qcow2,discard=unmap,file=" + p,
+			"-device", blockDev + ",drive=workspace,serial=" + protocol.WorkspaceSerial}
 	}
 	args := []string{
 		"-machine", mopt, "-cpu", "max", "-m", "512M", "-smp", "1",
@@ -229,6 +261,7 @@ func bareBoot(machine string, img *store.Resolved) (time.Duration, error) {
 		"-chardev", "socket,id=agent,path=" + filepath.Join(dir, "agent.sock") + ",server=on,wait=off",
 		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + protocol.SerialPortName,
 	}
+	args = append(args, disk...)
 	cmd := exec.Command("qemu-system-x86_64", args...)
 	out, err := cmd.StdoutPipe()
 	if err != nil {

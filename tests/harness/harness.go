@@ -117,11 +117,41 @@ func (w lockedBuffer) Write(p []byte) (int, error) {
 	return w.b.Write(p)
 }
 
-// New prepares a carreld with its own state dir; extra flags are
-// appended to its command line.
+// DriverEnv is the environment variable that picks the driver new VMs
+// get in the end-to-end tests: qemu (the default) or libvirt, for which
+// New starts libvirtd if need be (StartLibvirt).
+const DriverEnv = "CARREL_TEST_DRIVER"
+
+// Driver is the driver the end-to-end tests run VMs with (DriverEnv).
+func Driver() string {
+	if v := os.Getenv(DriverEnv); v != "" {
+		return v
+	}
+	return "qemu"
+}
+
+// RequireDriver skips a test of one driver's own behaviour when the suite
+// runs with another.
+func RequireDriver(t TB, name string) {
+	t.Helper()
+	if d := Driver(); d != name {
+		t.Skip("tests the " + name + " driver; this run uses " + d + " (" + DriverEnv + ")")
+	}
+}
+
+// New prepares a carreld with its own state dir, running VMs with Driver();
+// extra flags are appended to its command line.
 func New(t TB, extra ...string) *Daemon {
 	t.Helper()
 	RequireVM(t)
+	switch drv := Driver(); drv {
+	case "qemu":
+	case "libvirt":
+		StartLibvirt(t)
+		extra = append([]string{"--driver", "libvirt", "--libvirt-uri", LibvirtURI}, extra...)
+	default:
+		t.Fatalf("%s=%q: want qemu or libvirt", DriverEnv, drv)
+	}
 	dir, err := os.MkdirTemp("/tmp", "ce2e-")
 	if err != nil {
 		t.Fatal(err)
@@ -206,6 +236,10 @@ func (d *Daemon) start(wrap []string) {
 			d.t.Fatalf("carreld never sent READY=1: %v\n%s", err, d.Logs())
 		}
 		if strings.Contains(string(buf[:n]), "READY=1") {
+			// A suite meant for libvirt must not pass on the qemu driver.
+			if Driver() == "libvirt" && !strings.Contains(d.Logs(), `msg="driver chosen" driver=libvirt`) {
+				d.t.Fatalf("%s=libvirt, but carreld did not choose the libvirt driver:\n%s", DriverEnv, d.Logs())
+			}
 			return
 		}
 	}

@@ -139,11 +139,33 @@ type activityData struct {
 }
 
 type outcomeData struct {
-	Outcome  string `json:"outcome"`
-	Reason   string `json:"reason"`
-	BytesIn  *int64 `json:"bytes_in"`
-	BytesOut *int64 `json:"bytes_out"`
-	Error    string `json:"error"`
+	Outcome        string `json:"outcome"`
+	Reason         string `json:"reason"`
+	BytesIn        *int64 `json:"bytes_in"`
+	BytesOut       *int64 `json:"bytes_out"`
+	BytesFromGuest *int64 `json:"bytes_from_guest"` // a port-forward's
+	Error          string `json:"error"`
+}
+
+// gpuData is the data of gpu.attach and gpu.detach records.
+type gpuData struct {
+	GPUs   []string `json:"gpus"`
+	Driver string   `json:"driver"`
+	Reason string   `json:"reason"`
+}
+
+// egressData is the data of a net.egress record.
+type egressData struct {
+	PID       int32  `json:"pid"`
+	Host      string `json:"host"`
+	Port      uint32 `json:"port"`
+	Protocol  string `json:"protocol"`
+	Outcome   string `json:"outcome"`
+	Rule      string `json:"rule"`
+	IP        string `json:"ip"`
+	BytesUp   int64  `json:"bytes_up"`
+	BytesDown int64  `json:"bytes_down"`
+	Error     string `json:"error"`
 }
 
 type recoveryData struct {

@@ -304,6 +304,41 @@ func summary(e *Entry) (string, bool) {
 		if d.Dropped > 0 {
 			add("(%d dropped)", d.Dropped)
 		}
+	case audit.KindGPUAttach, audit.KindGPUDetach:
+		var d gpuData
+		if !decodeData(e, &d) || len(d.GPUs) == 0 {
+			return "", false
+		}
+		for _, g := range d.GPUs {
+			add("%s", f(g))
+		}
+		if d.Driver != "" {
+			add("driver %s", f(d.Driver))
+		}
+		if d.Reason != "" {
+			add("reason: %s", f(d.Reason))
+		}
+	case audit.KindNetEgress:
+		var d egressData
+		if !decodeData(e, &d) || d.Host == "" {
+			return "", false
+		}
+		add("%s %s:%d/%s", f(d.Outcome), f(d.Host), d.Port, f(d.Protocol))
+		if d.IP != "" {
+			add("via %s", f(d.IP))
+		}
+		if d.Rule != "" {
+			add("rule %s", f(d.Rule))
+		}
+		if d.BytesUp > 0 || d.BytesDown > 0 {
+			add("up %s, down %s", bytesText(d.BytesUp), bytesText(d.BytesDown))
+		}
+		if d.PID > 0 {
+			add("pid %d", d.PID)
+		}
+		if d.Error != "" {
+			add("error: %s", f(d.Error))
+		}
 	case audit.KindOutcome:
 		var d outcomeData
 		if !decodeData(e, &d) {
@@ -314,6 +349,9 @@ func summary(e *Entry) (string, bool) {
 		}
 		if d.BytesIn != nil || d.BytesOut != nil {
 			add("in %s, out %s", bytesText(deref(d.BytesIn)), bytesText(deref(d.BytesOut)))
+		}
+		if d.BytesFromGuest != nil {
+			add("%s from the guest", bytesText(*d.BytesFromGuest))
 		}
 		if d.Error != "" {
 			add("error: %s", f(d.Error))

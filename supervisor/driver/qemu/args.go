@@ -69,18 +69,20 @@ func newLayout(dir string) (layout, error) {
 // be connected to before QEMU has even started, and the VM starts paused
 // (-S) so that nothing the guest prints or sends is missed.
 func args(spec driver.Spec, machine string, acc string, l layout) []string {
-	var machineOpt, serialDev, vsockDev string
+	var machineOpt, serialDev, vsockDev, blockDev string
 	switch machine {
 	case MachineQ35:
 		machineOpt = "q35,accel=" + acc
 		serialDev = "virtio-serial-pci,id=vser0"
 		vsockDev = "vhost-vsock-pci"
+		blockDev = "virtio-blk-pci"
 	default:
 		// Keep microvm's legacy PIT and PIC: under TCG the kernel needs the
 		// PIT to calibrate the TSC, and hangs without it.
 		machineOpt = "microvm,accel=" + acc
 		serialDev = "virtio-serial-device,id=vser0"
 		vsockDev = "vhost-vsock-device"
+		blockDev = "virtio-blk-device"
 	}
 	cmdline := spec.Cmdline
 	if machine != MachineQ35 && !hasParam(cmdline, "reboot") {
@@ -128,6 +130,13 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 	}
 	if spec.CID != 0 {
 		a = append(a, "-device", vsockDev+",guest-cid="+strconv.FormatUint(uint64(spec.CID), 10))
+	}
+	if spec.Workspace != "" {
+		// The qcow2 file names its backing file (the image's template, raw),
+		// which QEMU opens read-only.
+		a = append(a,
+			"-drive", "if=none,id=workspace,format=qcow2,discard=unmap,file="+strings.ReplaceAll(spec.Workspace, ",", ",,"),
+			"-device", blockDev+",drive=workspace,serial="+protocol.WorkspaceSerial)
 	}
 	return a
 }

@@ -14,6 +14,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -25,6 +26,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/driver"
+	"github.com/carrel-os/carrel/supervisor/gpu"
 )
 
 // Name is the driver's name in VM records.
@@ -42,11 +44,18 @@ type Config struct {
 	Logger      *slog.Logger
 	// NewMonitor opens a QMP monitor; tests replace it with qmptest.
 	NewMonitor func(socket string) (qmp.Monitor, error)
+	// Cgroups puts each QEMU in a cgroup v2 group of its own with memory,
+	// CPU and process limits, where the host allows it (see cgroup.go).
+	Cgroups bool
+	// GPUs vets and binds the GPUs VMs are given (vfio.go); nil means the
+	// host's own sysfs.
+	GPUs *gpu.Host
 }
 
 // Driver implements driver.Driver with QEMU.
 type Driver struct {
 	cfg Config
+	cg  *hostCgroup // nil: no cgroup limits
 }
 
 var _ driver.Driver = (*Driver)(nil)
@@ -63,12 +72,27 @@ func New(cfg Config) *Driver {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	if cfg.GPUs == nil {
+		cfg.GPUs = gpu.New(gpu.Config{})
+	}
 	if cfg.NewMonitor == nil {
 		cfg.NewMonitor = func(socket string) (qmp.Monitor, error) {
 			return qmp.NewSocketMonitor("unix", socket, 5*time.Second)
 		}
 	}
-	return &Driver{cfg: cfg}
+	d := &Driver{cfg: cfg}
+	if cfg.Cgroups {
+		self, err := selfCgroup()
+		if err == nil {
+			d.cg, err = openHostCgroup("/sys/fs/cgroup", self, statfsIsCgroup2)
+		}
+		if err != nil {
+			cfg.Logger.Info("no cgroup v2 limits for qemu: the vms are limited by qemu's -m and -smp alone", "reason", err)
+		} else {
+			cfg.Logger.Info("each qemu gets a cgroup v2 group with memory, cpu and pids limits", "parent", d.cg.base)
+		}
+	}
+	return d
 }
 
 // DefaultMachine picks the machine type for an accelerator. Under KVM,
@@ -91,11 +115,22 @@ func (d *Driver) Machine() string { return d.cfg.Machine }
 func (d *Driver) Name() string { return Name }
 
 // Start implements driver.Lifecycle.
-func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, error) {
+func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance, err error) {
 	l, err := newLayout(spec.Dir)
 	if err != nil {
 		return driver.Instance{}, err
 	}
+	// GPUs first, so that a host that cannot hand them over fails the
+	// start before anything runs; from here on a failure gives them back.
+	gpus, err := d.bindGPUs(spec)
+	if err != nil {
+		return driver.Instance{}, err
+	}
+	defer func() {
+		if err != nil {
+			err = errors.Join(err, d.releaseGPUs(gpu.Strings(gpus.moved)))
+		}
+	}()
 	files, err := listenAll(l.qmp, l.agent, l.console)
 	if err != nil {
 		return driver.Instance{}, err
@@ -105,7 +140,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 		closeAll(files)
 		return driver.Instance{}, fmt.Errorf("create qemu log: %w", err)
 	}
-	argv := args(spec, d.cfg.Machine, d.cfg.Accelerator, l)
+	argv := append(args(spec, gpus.machine(d.cfg.Machine), d.cfg.Accelerator, l), gpus.args...)
 	// Not CommandContext: the VM must outlive this request (and carreld).
 	cmd := exec.Command(d.cfg.Binary, argv...)
 	cmd.Stdout, cmd.Stderr = logf, logf
@@ -113,6 +148,18 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	cmd.ExtraFiles = files
 	// Its own session: no signal aimed at carreld's group reaches QEMU.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	cgroupPath := ""
+	if d.cg != nil {
+		cg, path, err := d.cg.create(vmCgroupName(spec.Dir), spec.MemoryBytes, spec.CPUs, d.cfg.Accelerator)
+		if err != nil {
+			closeAll(files)
+			logf.Close()
+			return driver.Instance{}, fmt.Errorf("qemu's cgroup: %w", err)
+		}
+		defer cg.Close()
+		cmd.SysProcAttr.UseCgroupFD, cmd.SysProcAttr.CgroupFD = true, int(cg.Fd())
+		cgroupPath = path
+	}
 	d.cfg.Logger.Debug("starting qemu", "vm", spec.Name, "argv", strings.Join(argv, " "))
 	err = cmd.Start()
 	// QEMU holds its own copies now. Dropping ours means a QEMU that dies
@@ -121,6 +168,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	logf.Close()
 	if err != nil {
 		removeSockets(l)
+		_ = removeCgroup(cgroupPath)
 		return driver.Instance{}, fmt.Errorf("start %s: %w", d.cfg.Binary, err)
 	}
 	exited := make(chan struct{})
@@ -134,6 +182,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 		_ = cmd.Process.Kill()
 		<-exited
 		removeSockets(l)
+		_ = removeCgroup(cgroupPath)
 		return driver.Instance{}, fmt.Errorf("%w: %s", err, tailFile(l.log, 10))
 	}
 	// A bad argument, a missing kernel or a busy device makes QEMU exit
@@ -154,6 +203,8 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 		ConsoleSocket: l.console,
 		CID:           spec.CID,
 		Accelerator:   d.cfg.Accelerator,
+		Cgroup:        cgroupPath,
+		VFIO:          gpu.Strings(gpus.moved),
 	}, nil
 }
 
@@ -318,7 +369,12 @@ func (d *Driver) Wait(ctx context.Context, inst driver.Instance) error {
 }
 
 // Kill implements driver.Lifecycle.
-func (d *Driver) Kill(ctx context.Context, inst driver.Instance) error {
+func (d *Driver) Kill(ctx context.Context, inst driver.Instance) (err error) {
+	defer func() {
+		if err == nil {
+			err = errors.Join(removeCgroup(inst.Cgroup), d.releaseGPUs(inst.VFIO))
+		}
+	}()
 	if !alive(inst.PID, inst.StartTime) {
 		return nil
 	}
@@ -365,7 +421,11 @@ func (d *Driver) Sweep(ctx context.Context, dir string) error {
 		return nil
 	}
 	d.cfg.Logger.Warn("killing qemu left by an interrupted start", "pid", pid, "dir", dir)
-	return d.Kill(ctx, driver.Instance{PID: pid, StartTime: start, QMPSocket: l.qmp})
+	inst := driver.Instance{PID: pid, StartTime: start, QMPSocket: l.qmp}
+	if d.cg != nil {
+		inst.Cgroup = filepath.Join(d.cg.base, vmCgroupName(dir))
+	}
+	return d.Kill(ctx, inst)
 }
 
 // AgentDialer implements driver.Streams.

@@ -82,6 +82,28 @@ func TestArgs(t *testing.T) {
 	}
 }
 
+func TestArgsWorkspaceDisk(t *testing.T) {
+	l, err := newLayout("/run/x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := testSpec("/run/x")
+	if a := strings.Join(args(spec, MachineQ35, "tcg", l), " "); strings.Contains(a, "-drive") || strings.Contains(a, "virtio-blk") {
+		t.Errorf("a disk without a workspace disk: %s", a)
+	}
+	spec.Workspace, spec.WorkspaceTemplate = "/var/lib/carrel/vms/a,b/workspace.qcow2", "/var/lib/carrel/images/blobs/sha256/t"
+	for machine, dev := range map[string]string{MachineQ35: "virtio-blk-pci", MachineMicroVM: "virtio-blk-device"} {
+		a := args(spec, machine, "tcg", l)
+		// A comma in the path is doubled, or QEMU would read an option.
+		if got := argValue(a, "-drive"); len(got) != 1 || got[0] != "if=none,id=workspace,format=qcow2,discard=unmap,file=/var/lib/carrel/vms/a,,b/workspace.qcow2" {
+			t.Errorf("%s: -drive %v", machine, got)
+		}
+		if devs := argValue(a, "-device"); !slices.Contains(devs, dev+",drive=workspace,serial=carrel-workspace") {
+			t.Errorf("%s: devices %v", machine, devs)
+		}
+	}
+}
+
 func TestLayoutRejectsLongPaths(t *testing.T) {
 	_, err := newLayout("/" + strings.Repeat("x", 120))
 	if err == nil || !strings.Contains(err.Error(), "longer than") {

@@ -170,7 +170,12 @@ type VM struct {
 	Session string `protobuf:"bytes,16,opt,name=session,proto3" json:"session,omitempty"`
 	// True while carreld holds the VM paused because its audit log cannot
 	// be written.
-	Paused        bool `protobuf:"varint,17,opt,name=paused,proto3" json:"paused,omitempty"`
+	Paused         bool   `protobuf:"varint,17,opt,name=paused,proto3" json:"paused,omitempty"`
+	WorkspaceBytes uint64 `protobuf:"varint,18,opt,name=workspace_bytes,json=workspaceBytes,proto3" json:"workspace_bytes,omitempty"`
+	MaxProcesses   uint64 `protobuf:"varint,19,opt,name=max_processes,json=maxProcesses,proto3" json:"max_processes,omitempty"`
+	// PCI addresses of the GPUs passed through to the VM (the other
+	// functions of their slots go along).
+	Gpus          []string `protobuf:"bytes,20,rep,name=gpus,proto3" json:"gpus,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -324,6 +329,27 @@ func (x *VM) GetPaused() bool {
 	return false
 }
 
+func (x *VM) GetWorkspaceBytes() uint64 {
+	if x != nil {
+		return x.WorkspaceBytes
+	}
+	return 0
+}
+
+func (x *VM) GetMaxProcesses() uint64 {
+	if x != nil {
+		return x.MaxProcesses
+	}
+	return 0
+}
+
+func (x *VM) GetGpus() []string {
+	if x != nil {
+		return x.Gpus
+	}
+	return nil
+}
+
 type CreateVMRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// 1-63 characters: lower-case letters, digits and '-', starting with a letter.
@@ -335,7 +361,17 @@ type CreateVMRequest struct {
 	// vCPUs; 0 means 1.
 	Cpus uint32 `protobuf:"varint,4,opt,name=cpus,proto3" json:"cpus,omitempty"`
 	// A policy name (see PolicyService); empty means "default".
-	Policy        string `protobuf:"bytes,5,opt,name=policy,proto3" json:"policy,omitempty"`
+	Policy string `protobuf:"bytes,5,opt,name=policy,proto3" json:"policy,omitempty"`
+	// Size of the guest's /workspace in bytes; 0 means half the memory.
+	WorkspaceBytes uint64 `protobuf:"varint,6,opt,name=workspace_bytes,json=workspaceBytes,proto3" json:"workspace_bytes,omitempty"`
+	// Processes (and threads) all commands in the guest may have together;
+	// 0 means no limit beyond the guest kernel's.
+	MaxProcesses uint64 `protobuf:"varint,7,opt,name=max_processes,json=maxProcesses,proto3" json:"max_processes,omitempty"`
+	// PCI addresses of GPUs to pass through ("0000:41:00.0", as ListGPUs
+	// gives them). Each goes with the other functions of its slot (its HDMI
+	// audio), and its whole IOMMU group must be assignable. The policy
+	// decides which VMs may have GPUs (settings.gpu).
+	Gpus          []string `protobuf:"bytes,8,rep,name=gpus,proto3" json:"gpus,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -403,6 +439,27 @@ func (x *CreateVMRequest) GetPolicy() string {
 		return x.Policy
 	}
 	return ""
+}
+
+func (x *CreateVMRequest) GetWorkspaceBytes() uint64 {
+	if x != nil {
+		return x.WorkspaceBytes
+	}
+	return 0
+}
+
+func (x *CreateVMRequest) GetMaxProcesses() uint64 {
+	if x != nil {
+		return x.MaxProcesses
+	}
+	return 0
+}
+
+func (x *CreateVMRequest) GetGpus() []string {
+	if x != nil {
+		return x.Gpus
+	}
+	return nil
 }
 
 type CreateVMResponse struct {
@@ -1504,11 +1561,326 @@ func (x *GetInfoResponse) GetVsock() bool {
 	return false
 }
 
+type ListGPUsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListGPUsRequest) Reset() {
+	*x = ListGPUsRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListGPUsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListGPUsRequest) ProtoMessage() {}
+
+func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListGPUsRequest.ProtoReflect.Descriptor instead.
+func (*ListGPUsRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
+}
+
+type ListGPUsResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// False when the host's IOMMU is off: then no GPU can be assigned.
+	Iommu         bool   `protobuf:"varint,1,opt,name=iommu,proto3" json:"iommu,omitempty"`
+	Gpus          []*GPU `protobuf:"bytes,2,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListGPUsResponse) Reset() {
+	*x = ListGPUsResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListGPUsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListGPUsResponse) ProtoMessage() {}
+
+func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListGPUsResponse.ProtoReflect.Descriptor instead.
+func (*ListGPUsResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *ListGPUsResponse) GetIommu() bool {
+	if x != nil {
+		return x.Iommu
+	}
+	return false
+}
+
+func (x *ListGPUsResponse) GetGpus() []*GPU {
+	if x != nil {
+		return x.Gpus
+	}
+	return nil
+}
+
+// GPU is a PCI display controller: VGA (class 0x0300), 3D (0x0302) or
+// other (0x0380).
+type GPU struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "0000:41:00.0".
+	Address string `protobuf:"bytes,1,opt,name=address,proto3" json:"address,omitempty"`
+	// "10de:2204".
+	Ids string `protobuf:"bytes,2,opt,name=ids,proto3" json:"ids,omitempty"`
+	// Vendor and model from pci.ids, when the host has it; else the vendor.
+	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	// "0x030000".
+	Class string `protobuf:"bytes,4,opt,name=class,proto3" json:"class,omitempty"`
+	// The bound driver ("nvidia", "vfio-pci"), "" for none.
+	Driver string `protobuf:"bytes,5,opt,name=driver,proto3" json:"driver,omitempty"`
+	// -1 when it has none (the IOMMU is off).
+	IommuGroup int32 `protobuf:"varint,6,opt,name=iommu_group,json=iommuGroup,proto3" json:"iommu_group,omitempty"`
+	// -1 when the platform does not say.
+	NumaNode int32 `protobuf:"varint,7,opt,name=numa_node,json=numaNode,proto3" json:"numa_node,omitempty"`
+	// The display the firmware booted on: assigning it takes the host's
+	// console away.
+	BootVga bool `protobuf:"varint,8,opt,name=boot_vga,json=bootVga,proto3" json:"boot_vga,omitempty"`
+	// Whether its whole IOMMU group can go to a VM, and why not.
+	Assignable bool   `protobuf:"varint,9,opt,name=assignable,proto3" json:"assignable,omitempty"`
+	Reason     string `protobuf:"bytes,10,opt,name=reason,proto3" json:"reason,omitempty"`
+	// The VM it is assigned to, "" when none.
+	Vm string `protobuf:"bytes,11,opt,name=vm,proto3" json:"vm,omitempty"`
+	// The other devices of its IOMMU group.
+	Group         []*PCIDevice `protobuf:"bytes,12,rep,name=group,proto3" json:"group,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GPU) Reset() {
+	*x = GPU{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GPU) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GPU) ProtoMessage() {}
+
+func (x *GPU) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GPU.ProtoReflect.Descriptor instead.
+func (*GPU) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *GPU) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *GPU) GetIds() string {
+	if x != nil {
+		return x.Ids
+	}
+	return ""
+}
+
+func (x *GPU) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *GPU) GetClass() string {
+	if x != nil {
+		return x.Class
+	}
+	return ""
+}
+
+func (x *GPU) GetDriver() string {
+	if x != nil {
+		return x.Driver
+	}
+	return ""
+}
+
+func (x *GPU) GetIommuGroup() int32 {
+	if x != nil {
+		return x.IommuGroup
+	}
+	return 0
+}
+
+func (x *GPU) GetNumaNode() int32 {
+	if x != nil {
+		return x.NumaNode
+	}
+	return 0
+}
+
+func (x *GPU) GetBootVga() bool {
+	if x != nil {
+		return x.BootVga
+	}
+	return false
+}
+
+func (x *GPU) GetAssignable() bool {
+	if x != nil {
+		return x.Assignable
+	}
+	return false
+}
+
+func (x *GPU) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *GPU) GetVm() string {
+	if x != nil {
+		return x.Vm
+	}
+	return ""
+}
+
+func (x *GPU) GetGroup() []*PCIDevice {
+	if x != nil {
+		return x.Group
+	}
+	return nil
+}
+
+type PCIDevice struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Address string                 `protobuf:"bytes,1,opt,name=address,proto3" json:"address,omitempty"`
+	Ids     string                 `protobuf:"bytes,2,opt,name=ids,proto3" json:"ids,omitempty"`
+	Class   string                 `protobuf:"bytes,3,opt,name=class,proto3" json:"class,omitempty"`
+	Driver  string                 `protobuf:"bytes,4,opt,name=driver,proto3" json:"driver,omitempty"`
+	// What assignment does with it: "passed" (a function of the GPU's slot;
+	// it goes to the VM too), "bridge" (stays with the host, as VFIO
+	// allows) or "blocking" (an unrelated device; the GPU cannot be
+	// assigned).
+	Role          string `protobuf:"bytes,5,opt,name=role,proto3" json:"role,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PCIDevice) Reset() {
+	*x = PCIDevice{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PCIDevice) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PCIDevice) ProtoMessage() {}
+
+func (x *PCIDevice) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PCIDevice.ProtoReflect.Descriptor instead.
+func (*PCIDevice) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *PCIDevice) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *PCIDevice) GetIds() string {
+	if x != nil {
+		return x.Ids
+	}
+	return ""
+}
+
+func (x *PCIDevice) GetClass() string {
+	if x != nil {
+		return x.Class
+	}
+	return ""
+}
+
+func (x *PCIDevice) GetDriver() string {
+	if x != nil {
+		return x.Driver
+	}
+	return ""
+}
+
+func (x *PCIDevice) GetRole() string {
+	if x != nil {
+		return x.Role
+	}
+	return ""
+}
+
 var File_carrel_api_v1_api_proto protoreflect.FileDescriptor
 
 const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
-	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\x87\x04\n" +
+	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xe9\x04\n" +
 	"\x02VM\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12,\n" +
@@ -1530,13 +1902,19 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x06policy\x18\x0e \x01(\tR\x06policy\x12'\n" +
 	"\x0fpolicy_revision\x18\x0f \x01(\tR\x0epolicyRevision\x12\x18\n" +
 	"\asession\x18\x10 \x01(\tR\asession\x12\x16\n" +
-	"\x06paused\x18\x11 \x01(\bR\x06paused\"\x8a\x01\n" +
+	"\x06paused\x18\x11 \x01(\bR\x06paused\x12'\n" +
+	"\x0fworkspace_bytes\x18\x12 \x01(\x04R\x0eworkspaceBytes\x12#\n" +
+	"\rmax_processes\x18\x13 \x01(\x04R\fmaxProcesses\x12\x12\n" +
+	"\x04gpus\x18\x14 \x03(\tR\x04gpus\"\xec\x01\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12!\n" +
 	"\fmemory_bytes\x18\x03 \x01(\x04R\vmemoryBytes\x12\x12\n" +
 	"\x04cpus\x18\x04 \x01(\rR\x04cpus\x12\x16\n" +
-	"\x06policy\x18\x05 \x01(\tR\x06policy\"5\n" +
+	"\x06policy\x18\x05 \x01(\tR\x06policy\x12'\n" +
+	"\x0fworkspace_bytes\x18\x06 \x01(\x04R\x0eworkspaceBytes\x12#\n" +
+	"\rmax_processes\x18\a \x01(\x04R\fmaxProcesses\x12\x12\n" +
+	"\x04gpus\x18\b \x03(\tR\x04gpus\"5\n" +
 	"\x10CreateVMResponse\x12!\n" +
 	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"\"\n" +
 	"\fGetVMRequest\x12\x12\n" +
@@ -1596,7 +1974,34 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\vaccelerator\x18\x02 \x01(\tR\vaccelerator\x12\x1b\n" +
 	"\tstate_dir\x18\x03 \x01(\tR\bstateDir\x12\x10\n" +
 	"\x03vms\x18\x04 \x01(\rR\x03vms\x12\x14\n" +
-	"\x05vsock\x18\x05 \x01(\bR\x05vsock*\x94\x01\n" +
+	"\x05vsock\x18\x05 \x01(\bR\x05vsock\"\x11\n" +
+	"\x0fListGPUsRequest\"P\n" +
+	"\x10ListGPUsResponse\x12\x14\n" +
+	"\x05iommu\x18\x01 \x01(\bR\x05iommu\x12&\n" +
+	"\x04gpus\x18\x02 \x03(\v2\x12.carrel.api.v1.GPUR\x04gpus\"\xc4\x02\n" +
+	"\x03GPU\x12\x18\n" +
+	"\aaddress\x18\x01 \x01(\tR\aaddress\x12\x10\n" +
+	"\x03ids\x18\x02 \x01(\tR\x03ids\x12\x12\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\x12\x14\n" +
+	"\x05class\x18\x04 \x01(\tR\x05class\x12\x16\n" +
+	"\x06driver\x18\x05 \x01(\tR\x06driver\x12\x1f\n" +
+	"\viommu_group\x18\x06 \x01(\x05R\n" +
+	"iommuGroup\x12\x1b\n" +
+	"\tnuma_node\x18\a \x01(\x05R\bnumaNode\x12\x19\n" +
+	"\bboot_vga\x18\b \x01(\bR\abootVga\x12\x1e\n" +
+	"\n" +
+	"assignable\x18\t \x01(\bR\n" +
+	"assignable\x12\x16\n" +
+	"\x06reason\x18\n" +
+	" \x01(\tR\x06reason\x12\x0e\n" +
+	"\x02vm\x18\v \x01(\tR\x02vm\x12.\n" +
+	"\x05group\x18\f \x03(\v2\x18.carrel.api.v1.PCIDeviceR\x05group\"y\n" +
+	"\tPCIDevice\x12\x18\n" +
+	"\aaddress\x18\x01 \x01(\tR\aaddress\x12\x10\n" +
+	"\x03ids\x18\x02 \x01(\tR\x03ids\x12\x14\n" +
+	"\x05class\x18\x03 \x01(\tR\x05class\x12\x16\n" +
+	"\x06driver\x18\x04 \x01(\tR\x06driver\x12\x12\n" +
+	"\x04role\x18\x05 \x01(\tR\x04role*\x94\x01\n" +
 	"\aVMState\x12\x18\n" +
 	"\x14VM_STATE_UNSPECIFIED\x10\x00\x12\x15\n" +
 	"\x11VM_STATE_CREATING\x10\x01\x12\x14\n" +
@@ -1624,7 +2029,10 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
 	"ListImages\x12 .carrel.api.v1.ListImagesRequest\x1a!.carrel.api.v1.ListImagesResponse2Y\n" +
 	"\rSystemService\x12H\n" +
-	"\aGetInfo\x12\x1d.carrel.api.v1.GetInfoRequest\x1a\x1e.carrel.api.v1.GetInfoResponseB8Z6github.com/carrel-os/carrel/supervisor/gen/apiv1;apiv1b\x06proto3"
+	"\aGetInfo\x12\x1d.carrel.api.v1.GetInfoRequest\x1a\x1e.carrel.api.v1.GetInfoResponse2Y\n" +
+	"\n" +
+	"GPUService\x12K\n" +
+	"\bListGPUs\x12\x1e.carrel.api.v1.ListGPUsRequest\x1a\x1f.carrel.api.v1.ListGPUsResponseB8Z6github.com/carrel-os/carrel/supervisor/gen/apiv1;apiv1b\x06proto3"
 
 var (
 	file_carrel_api_v1_api_proto_rawDescOnce sync.Once
@@ -1639,7 +2047,7 @@ func file_carrel_api_v1_api_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_api_v1_api_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 23)
+var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
 var file_carrel_api_v1_api_proto_goTypes = []any{
 	(VMState)(0),               // 0: carrel.api.v1.VMState
 	(AgentState)(0),            // 1: carrel.api.v1.AgentState
@@ -1666,6 +2074,10 @@ var file_carrel_api_v1_api_proto_goTypes = []any{
 	(*Image)(nil),              // 22: carrel.api.v1.Image
 	(*GetInfoRequest)(nil),     // 23: carrel.api.v1.GetInfoRequest
 	(*GetInfoResponse)(nil),    // 24: carrel.api.v1.GetInfoResponse
+	(*ListGPUsRequest)(nil),    // 25: carrel.api.v1.ListGPUsRequest
+	(*ListGPUsResponse)(nil),   // 26: carrel.api.v1.ListGPUsResponse
+	(*GPU)(nil),                // 27: carrel.api.v1.GPU
+	(*PCIDevice)(nil),          // 28: carrel.api.v1.PCIDevice
 }
 var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	0,  // 0: carrel.api.v1.VM.state:type_name -> carrel.api.v1.VMState
@@ -1678,31 +2090,35 @@ var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	17, // 7: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
 	22, // 8: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
 	22, // 9: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
-	3,  // 10: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
-	5,  // 11: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
-	7,  // 12: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
-	9,  // 13: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
-	11, // 14: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
-	13, // 15: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
-	15, // 16: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
-	18, // 17: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
-	20, // 18: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
-	23, // 19: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
-	4,  // 20: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
-	6,  // 21: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
-	8,  // 22: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
-	10, // 23: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
-	12, // 24: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
-	14, // 25: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
-	16, // 26: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
-	19, // 27: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
-	21, // 28: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
-	24, // 29: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
-	20, // [20:30] is the sub-list for method output_type
-	10, // [10:20] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	27, // 10: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
+	28, // 11: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
+	3,  // 12: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
+	5,  // 13: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
+	7,  // 14: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
+	9,  // 15: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
+	11, // 16: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
+	13, // 17: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
+	15, // 18: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
+	18, // 19: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
+	20, // 20: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
+	23, // 21: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
+	25, // 22: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
+	4,  // 23: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
+	6,  // 24: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
+	8,  // 25: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
+	10, // 26: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
+	12, // 27: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
+	14, // 28: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
+	16, // 29: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
+	19, // 30: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
+	21, // 31: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
+	24, // 32: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
+	26, // 33: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
+	23, // [23:34] is the sub-list for method output_type
+	12, // [12:23] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_carrel_api_v1_api_proto_init() }
@@ -1722,9 +2138,9 @@ func file_carrel_api_v1_api_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_api_v1_api_proto_rawDesc), len(file_carrel_api_v1_api_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   23,
+			NumMessages:   27,
 			NumExtensions: 0,
-			NumServices:   3,
+			NumServices:   4,
 		},
 		GoTypes:           file_carrel_api_v1_api_proto_goTypes,
 		DependencyIndexes: file_carrel_api_v1_api_proto_depIdxs,

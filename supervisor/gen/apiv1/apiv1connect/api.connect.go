@@ -34,6 +34,8 @@ const (
 	ImageServiceName = "carrel.api.v1.ImageService"
 	// SystemServiceName is the fully-qualified name of the SystemService service.
 	SystemServiceName = "carrel.api.v1.SystemService"
+	// GPUServiceName is the fully-qualified name of the GPUService service.
+	GPUServiceName = "carrel.api.v1.GPUService"
 )
 
 // These constants are the fully-qualified names of the RPCs defined in this package. They're
@@ -64,6 +66,8 @@ const (
 	ImageServiceListImagesProcedure = "/carrel.api.v1.ImageService/ListImages"
 	// SystemServiceGetInfoProcedure is the fully-qualified name of the SystemService's GetInfo RPC.
 	SystemServiceGetInfoProcedure = "/carrel.api.v1.SystemService/GetInfo"
+	// GPUServiceListGPUsProcedure is the fully-qualified name of the GPUService's ListGPUs RPC.
+	GPUServiceListGPUsProcedure = "/carrel.api.v1.GPUService/ListGPUs"
 )
 
 // VMServiceClient is a client for the carrel.api.v1.VMService service.
@@ -474,4 +478,76 @@ type UnimplementedSystemServiceHandler struct{}
 
 func (UnimplementedSystemServiceHandler) GetInfo(context.Context, *connect.Request[apiv1.GetInfoRequest]) (*connect.Response[apiv1.GetInfoResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.SystemService.GetInfo is not implemented"))
+}
+
+// GPUServiceClient is a client for the carrel.api.v1.GPUService service.
+type GPUServiceClient interface {
+	// ListGPUs returns the host's PCI display controllers, sorted by address.
+	ListGPUs(context.Context, *connect.Request[apiv1.ListGPUsRequest]) (*connect.Response[apiv1.ListGPUsResponse], error)
+}
+
+// NewGPUServiceClient constructs a client for the carrel.api.v1.GPUService service. By default, it
+// uses the Connect protocol with the binary Protobuf Codec, asks for gzipped responses, and sends
+// uncompressed requests. To use the gRPC or gRPC-Web protocols, supply the connect.WithGRPC() or
+// connect.WithGRPCWeb() options.
+//
+// The URL supplied here should be the base URL for the Connect or gRPC server (for example,
+// http://api.acme.com or https://acme.com/grpc).
+func NewGPUServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) GPUServiceClient {
+	baseURL = strings.TrimRight(baseURL, "/")
+	gPUServiceMethods := apiv1.File_carrel_api_v1_api_proto.Services().ByName("GPUService").Methods()
+	return &gPUServiceClient{
+		listGPUs: connect.NewClient[apiv1.ListGPUsRequest, apiv1.ListGPUsResponse](
+			httpClient,
+			baseURL+GPUServiceListGPUsProcedure,
+			connect.WithSchema(gPUServiceMethods.ByName("ListGPUs")),
+			connect.WithClientOptions(opts...),
+		),
+	}
+}
+
+// gPUServiceClient implements GPUServiceClient.
+type gPUServiceClient struct {
+	listGPUs *connect.Client[apiv1.ListGPUsRequest, apiv1.ListGPUsResponse]
+}
+
+// ListGPUs calls carrel.api.v1.GPUService.ListGPUs.
+func (c *gPUServiceClient) ListGPUs(ctx context.Context, req *connect.Request[apiv1.ListGPUsRequest]) (*connect.Response[apiv1.ListGPUsResponse], error) {
+	return c.listGPUs.CallUnary(ctx, req)
+}
+
+// GPUServiceHandler is an implementation of the carrel.api.v1.GPUService service.
+type GPUServiceHandler interface {
+	// ListGPUs returns the host's PCI display controllers, sorted by address.
+	ListGPUs(context.Context, *connect.Request[apiv1.ListGPUsRequest]) (*connect.Response[apiv1.ListGPUsResponse], error)
+}
+
+// NewGPUServiceHandler builds an HTTP handler from the service implementation. It returns the path
+// on which to mount the handler and the handler itself.
+//
+// By default, handlers support the Connect, gRPC, and gRPC-Web protocols with the binary Protobuf
+// and JSON codecs. They also support gzip compression.
+func NewGPUServiceHandler(svc GPUServiceHandler, opts ...connect.HandlerOption) (string, http.Handler) {
+	gPUServiceMethods := apiv1.File_carrel_api_v1_api_proto.Services().ByName("GPUService").Methods()
+	gPUServiceListGPUsHandler := connect.NewUnaryHandler(
+		GPUServiceListGPUsProcedure,
+		svc.ListGPUs,
+		connect.WithSchema(gPUServiceMethods.ByName("ListGPUs")),
+		connect.WithHandlerOptions(opts...),
+	)
+	return "/carrel.api.v1.GPUService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case GPUServiceListGPUsProcedure:
+			gPUServiceListGPUsHandler.ServeHTTP(w, r)
+		default:
+			http.NotFound(w, r)
+		}
+	})
+}
+
+// UnimplementedGPUServiceHandler returns CodeUnimplemented from all methods.
+type UnimplementedGPUServiceHandler struct{}
+
+func (UnimplementedGPUServiceHandler) ListGPUs(context.Context, *connect.Request[apiv1.ListGPUsRequest]) (*connect.Response[apiv1.ListGPUsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.GPUService.ListGPUs is not implemented"))
 }

@@ -1,0 +1,85 @@
+package qemu
+
+import (
+	"fmt"
+
+	"github.com/carrel-os/carrel/supervisor/driver"
+	"github.com/carrel-os/carrel/supervisor/gpu"
+)
+
+// gpuPlan is what a VM's GPUs add to its QEMU.
+type gpuPlan struct {
+	moved []gpu.Address // devices Bind moved to vfio-pci for this VM
+	args  []string
+}
+
+// machine is the machine type a VM gets: GPUs need a PCI bus, which only
+// q35 has, so a VM with GPUs gets q35 whatever the default.
+func (p gpuPlan) machine(def string) string {
+	if len(p.args) > 0 {
+		return MachineQ35
+	}
+	return def
+}
+
+// bindGPUs vets the VM's GPUs again, since the host may have changed since
+// the VM was created (rebooted without the IOMMU, a card moved), binds
+// every device that goes to the VM to vfio-pci, as libvirt does for a
+// managed hostdev, and returns QEMU's arguments for them.
+func (d *Driver) bindGPUs(spec driver.Spec) (gpuPlan, error) {
+	if len(spec.GPUs) == 0 {
+		return gpuPlan{}, nil
+	}
+	p, err := d.cfg.GPUs.Check(spec.GPUs, nil)
+	if err != nil {
+		return gpuPlan{}, fmt.Errorf("vm %q: %w", spec.Name, err)
+	}
+	devs := p.Addresses()
+	moved, err := d.cfg.GPUs.Bind(devs)
+	if err != nil {
+		return gpuPlan{}, fmt.Errorf("vm %q: %w", spec.Name, err)
+	}
+	d.cfg.Logger.Info("gpus bound to vfio-pci", "vm", spec.Name, "devices", gpu.Strings(devs), "moved", gpu.Strings(moved))
+	return gpuPlan{moved: moved, args: vfioArgs(devs)}, nil
+}
+
+// releaseGPUs gives the devices a VM's start moved to vfio-pci back to
+// their host drivers. Its QEMU must be gone.
+func (d *Driver) releaseGPUs(devs []string) error {
+	if len(devs) == 0 {
+		return nil
+	}
+	as, err := gpu.ParseAddresses(devs)
+	if err != nil {
+		return err
+	}
+	if err := d.cfg.GPUs.Release(as); err != nil {
+		return err
+	}
+	d.cfg.Logger.Info("gpus given back to the host", "devices", devs)
+	return nil
+}
+
+// vfioArgs passes devs (sorted, as a gpu.Plan has them) through to the
+// guest with vfio-pci. Each host slot gets a PCIe root port of its own,
+// and its functions keep their order on it, the first marked
+// multifunction when there are several: a GPU and its HDMI audio appear
+// to the guest as one device, as on the host.
+func vfioArgs(devs []gpu.Address) []string {
+	var a []string
+	port, fn := -1, 0
+	for i, dev := range devs {
+		if i == 0 || !dev.SameSlot(devs[i-1]) {
+			port++
+			fn = 0
+			a = append(a, "-device", fmt.Sprintf("pcie-root-port,id=carrel-rp%d,bus=pcie.0,chassis=%d", port, port+1))
+		}
+		opt := fmt.Sprintf("vfio-pci,host=%s,id=carrel-hostdev%d,bus=carrel-rp%d,addr=00.%d", dev, i, port, fn)
+		if fn == 0 && i+1 < len(devs) && devs[i+1].SameSlot(dev) {
+			opt += ",multifunction=on"
+		}
+		a = append(a, "-device", opt)
+		fn++
+	}
+	return a
+}
