@@ -24,6 +24,8 @@ import (
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
 // Mount is where the cgroup v2 hierarchy is mounted.
@@ -160,19 +162,8 @@ func (d *Dir) execIDFrom(b []byte) (string, bool) {
 	return "", false
 }
 
-// validName: 1 to 64 of [0-9A-Za-z_-], as command ids are.
-func validName(s string) bool {
-	if s == "" || len(s) > 64 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || c == '_' || c == '-') {
-			return false
-		}
-	}
-	return true
-}
+// validName: a group is named as command ids are.
+func validName(s string) bool { return protocol.ValidExecID(s) }
 
 // SetMaxProcesses caps the processes (and threads) of every command
 // together: pids.max of the Dir, with the pids controller enabled for it.

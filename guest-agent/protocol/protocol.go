@@ -53,7 +53,26 @@ const (
 
 	// BaseURL is the URL clients use; the host part is ignored by the dialer.
 	BaseURL = "http://agent"
+
+	// MaxExecID is the longest command id the agent gives out.
+	MaxExecID = 64
 )
+
+// ValidExecID reports whether s can be a command id: 1 to MaxExecID of
+// [0-9A-Za-z_-]. The agent names each command's cgroup by it, and the host
+// checks the ids the guest reports with it.
+func ValidExecID(s string) bool {
+	if s == "" || len(s) > MaxExecID {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || c == '_' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
 
 // HTTP2 returns the HTTP/2 settings shared by both ends.
 func HTTP2() *http.HTTP2Config {

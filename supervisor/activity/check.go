@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
@@ -23,8 +24,6 @@ const (
 	MaxMessageBytes = 512 << 10
 	// MaxPathBytes is the longest path an event may name.
 	MaxPathBytes = 4096
-	// maxExecID is the longest exec id.
-	maxExecID = 64
 	// maxAgeNs bounds an event's age: a day.
 	maxAgeNs = 24 * 3600 * 1e9
 )
@@ -108,7 +107,7 @@ func checkEvent(e *agentv1.ActivityEvent) (Event, string) {
 		return Event{}, fmt.Sprintf("pid %d", e.Pid)
 	case e.AgeNs < 0 || e.AgeNs > maxAgeNs:
 		return Event{}, fmt.Sprintf("age %d ns", e.AgeNs)
-	case !validExecID(e.ExecId):
+	case !protocol.ValidExecID(e.ExecId):
 		return Event{}, "an invalid exec id"
 	}
 	if why := checkPath(e.Path); why != "" {
@@ -128,20 +127,6 @@ func checkPath(p string) string {
 		return "a path that is not absolute and clean"
 	}
 	return ""
-}
-
-// validExecID: 1 to 64 of [0-9A-Za-z_-], as the agent's ids are.
-func validExecID(s string) bool {
-	if s == "" || len(s) > maxExecID {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'z' || 'A' <= c && c <= 'Z' || c == '_' || c == '-') {
-			return false
-		}
-	}
-	return true
 }
 
 // dataOverhead is the room Data takes besides its events:

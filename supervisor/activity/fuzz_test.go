@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
@@ -107,6 +108,6 @@ func validEvent(e Event) bool {
 	for _, op := range ops {
 		known = known || op == e.Op
 	}
-	return known && e.Pid > 0 && e.Ns >= 0 && validExecID(e.ExecID) && len(e.Path) <= MaxPathBytes &&
+	return known && e.Pid > 0 && e.Ns >= 0 && protocol.ValidExecID(e.ExecID) && len(e.Path) <= MaxPathBytes &&
 		utf8.ValidString(e.Path) && strings.HasPrefix(e.Path, "/") && path.Clean(e.Path) == e.Path && !strings.ContainsRune(e.Path, 0)
 }

@@ -11,13 +11,13 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
 // Caps on process listings from a guest.
 const (
 	maxProcesses   = 4096
 	maxCommandText = 4096
-	maxExecID      = 64
 )
 
 // agentRelay serves carrel.agent.v1.AgentService on carreld's socket for
@@ -194,11 +194,11 @@ func (r *agentRelay) ListProcesses(ctx context.Context, req *connect.Request[age
 	}
 	out := make([]*agentv1.ProcessInfo, 0, len(ps))
 	for _, p := range ps {
-		if p.Pid <= 0 || p.Ppid < 0 || len(p.ExecId) > maxExecID || len(p.State) > 1 {
+		if p.Pid <= 0 || p.Ppid < 0 || len(p.ExecId) > protocol.MaxExecID || len(p.State) > 1 {
 			return nil, errGuest("invalid process entry (pid %d)", p.Pid)
 		}
 		out = append(out, &agentv1.ProcessInfo{Pid: p.Pid, Ppid: p.Ppid, Uid: p.Uid, State: sanitize(p.State, 1),
-			Command: sanitize(p.Command, maxCommandText), ExecId: sanitize(p.ExecId, maxExecID), RssBytes: p.RssBytes})
+			Command: sanitize(p.Command, maxCommandText), ExecId: sanitize(p.ExecId, protocol.MaxExecID), RssBytes: p.RssBytes})
 	}
 	return connect.NewResponse(&agentv1.ListProcessesResponse{Processes: out}), nil
 }
@@ -238,10 +238,10 @@ func (c *eventCheck) check(ev *agentv1.ExecResponse) error {
 	}
 	switch e := ev.Event.(type) {
 	case *agentv1.ExecResponse_Started:
-		if c.started || c.events != 1 || e.Started.Pid <= 0 || len(e.Started.Id) > maxExecID {
+		if c.started || c.events != 1 || e.Started.Pid <= 0 || len(e.Started.Id) > protocol.MaxExecID {
 			return errGuest("an invalid start event")
 		}
-		c.started, c.id = true, sanitize(e.Started.Id, maxExecID)
+		c.started, c.id = true, sanitize(e.Started.Id, protocol.MaxExecID)
 	case *agentv1.ExecResponse_Exit:
 		c.exited, c.exit = true, e.Exit
 	case *agentv1.ExecResponse_Stdout:

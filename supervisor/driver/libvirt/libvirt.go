@@ -20,7 +20,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -29,10 +28,8 @@ import (
 	"time"
 
 	lv "github.com/digitalocean/go-libvirt"
-	"github.com/mdlayher/vsock"
 	"libvirt.org/go/libvirtxml"
 
-	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/gpu"
@@ -86,6 +83,7 @@ type Config struct {
 
 // Driver implements driver.Driver with libvirt.
 type Driver struct {
+	driver.SocketStreams
 	cfg Config
 	uri *url.URL
 	log *slog.Logger
@@ -642,28 +640,4 @@ func (d *Driver) Sweep(ctx context.Context, dir string) error {
 	}
 	d.log.Warn("destroying domain left by an interrupted start", "domain", m.Domain, "dir", dir)
 	return d.Kill(ctx, inst)
-}
-
-// AgentDialer implements driver.Streams.
-func (d *Driver) AgentDialer(inst driver.Instance) (driver.Dialer, string) {
-	if inst.CID != 0 {
-		return func(ctx context.Context) (net.Conn, error) {
-			// Dialling the VM's own CID is the host-side peer check: only
-			// that guest can answer on it.
-			return vsock.Dial(inst.CID, protocol.VsockPort, nil)
-		}, "vsock"
-	}
-	return unixDialer(inst.AgentSocket), "virtio-serial"
-}
-
-// ConsoleDialer implements driver.Streams.
-func (d *Driver) ConsoleDialer(inst driver.Instance) driver.Dialer {
-	return unixDialer(inst.ConsoleSocket)
-}
-
-func unixDialer(path string) driver.Dialer {
-	return func(ctx context.Context) (net.Conn, error) {
-		var nd net.Dialer
-		return nd.DialContext(ctx, "unix", path)
-	}
 }

@@ -22,9 +22,7 @@ import (
 
 	"github.com/digitalocean/go-qemu/qmp"
 	"github.com/digitalocean/go-qemu/qmp/raw"
-	"github.com/mdlayher/vsock"
 
-	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 )
@@ -54,6 +52,7 @@ type Config struct {
 
 // Driver implements driver.Driver with QEMU.
 type Driver struct {
+	driver.SocketStreams
 	cfg Config
 	cg  *hostCgroup // nil: no cgroup limits
 }
@@ -426,30 +425,6 @@ func (d *Driver) Sweep(ctx context.Context, dir string) error {
 		inst.Cgroup = filepath.Join(d.cg.base, vmCgroupName(dir))
 	}
 	return d.Kill(ctx, inst)
-}
-
-// AgentDialer implements driver.Streams.
-func (d *Driver) AgentDialer(inst driver.Instance) (driver.Dialer, string) {
-	if inst.CID != 0 {
-		return func(ctx context.Context) (net.Conn, error) {
-			// Dialling the VM's own CID is the host-side peer check: only
-			// that guest can answer on it.
-			return vsock.Dial(inst.CID, protocol.VsockPort, nil)
-		}, "vsock"
-	}
-	return unixDialer(inst.AgentSocket), "virtio-serial"
-}
-
-// ConsoleDialer implements driver.Streams.
-func (d *Driver) ConsoleDialer(inst driver.Instance) driver.Dialer {
-	return unixDialer(inst.ConsoleSocket)
-}
-
-func unixDialer(path string) driver.Dialer {
-	return func(ctx context.Context) (net.Conn, error) {
-		var nd net.Dialer
-		return nd.DialContext(ctx, "unix", path)
-	}
 }
 
 func lastLines(s string, n int) string {
