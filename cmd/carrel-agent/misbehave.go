@@ -5,8 +5,8 @@
 // (tests/hostile_test.go does) and never ships.
 //
 // Writing a mode to /tmp/misbehave inside the guest (with carrel exec)
-// makes the agent, within 100 ms, do that to its current connection to
-// the host, once:
+// makes the agent, a second after it notices (it looks every 100 ms), do
+// that to its current connection to the host, once:
 //
 //	garbage    write random bytes into the HTTP/2 stream
 //	oversized  announce a 16 MiB HTTP/2 frame
@@ -72,7 +72,10 @@ func (l *misbehavingListener) watch() {
 			continue
 		}
 		l.log.Warn("misbehaving on purpose", "mode", mode)
-		go c.misbehave(mode)
+		// After a second: the command that wrote the file has had its
+		// exit status sent by then, so the misbehaviour hits the link and
+		// not the reply of the call that asked for it.
+		time.AfterFunc(time.Second, func() { c.misbehave(mode) })
 	}
 }
 
