@@ -166,6 +166,25 @@ func TestListWithoutIOMMU(t *testing.T) {
 	}
 }
 
+// TestListH200InAVM is the layout TestRealHost met on a machine with an
+// H200: listed, named by its vendor (pci.ids here predates it), and not
+// assignable, because the VM it sits in has no IOMMU.
+func TestListH200InAVM(t *testing.T) {
+	h, _ := fakeHost(t, gputest.H200InAVM())
+	inv, err := h.List()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inv.IOMMU || len(inv.GPUs) != 1 {
+		t.Fatalf("inventory %+v", inv)
+	}
+	g := inv.GPUs[0]
+	if g.Address.String() != "0000:00:06.0" || g.IDs() != "10de:2335" || gpu.ClassName(g.Class) != "3D controller" ||
+		g.Driver != "nvidia" || g.Assignable || g.Reason != "the IOMMU is off" || g.IOMMUGroup != -1 || g.Name != "NVIDIA Corporation" {
+		t.Errorf("gpu %+v (%s)", g, g.Describe())
+	}
+}
+
 func TestNamesWithoutPCIIDs(t *testing.T) {
 	s := gputest.New(t, gputest.Drivers...)
 	s.Add(gputest.NVIDIAWithAudio()...)
@@ -254,24 +273,24 @@ func TestCheckPlansTheWholeGroup(t *testing.T) {
 	}
 }
 
-// TestRealHost reads this machine's sysfs, read-only. It never binds a
-// device: real passthrough needs a host with an IOMMU and a spare GPU,
-// which CI machines do not have.
+// TestRealHost reads this machine's sysfs, read-only, and lists its GPUs
+// as carreld would. It never binds a device: real passthrough needs a host
+// with an IOMMU and a spare GPU, and changes the host's driver binding.
 func TestRealHost(t *testing.T) {
 	h := gpu.New(gpu.Config{})
-	on, err := h.IOMMU()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !on {
-		t.Skip("real GPU passthrough not exercised: this host has no IOMMU groups (/sys/kernel/iommu_groups is empty or missing); the fake sysfs tests above cover the logic")
-	}
 	inv, err := h.List()
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, g := range inv.GPUs {
-		t.Logf("%s %s group %d driver %q assignable %v %s", g.Address, g.Name, g.IOMMUGroup, g.Driver, g.Assignable, g.Reason)
+		if g.Address.String() == "" || g.IDs() == "0000:0000" {
+			t.Errorf("GPU %+v: no address or ids", g.Device)
+		}
+		if !inv.IOMMU && g.Assignable {
+			t.Errorf("%s is assignable on a host without IOMMU groups", g.Address)
+		}
+		t.Logf("%s %s [%s] class %06x group %d driver %q assignable %v %s", g.Address, g.Name, g.IDs(), g.Class, g.IOMMUGroup, g.Driver, g.Assignable, g.Reason)
 	}
+	t.Logf("IOMMU groups: %v; %d GPUs", inv.IOMMU, len(inv.GPUs))
 	t.Log("real GPU passthrough not exercised: this test only lists the host's GPUs; no device is bound to vfio-pci")
 }

@@ -3,11 +3,15 @@ package main
 // Policy decision latency: the default bundle compiled once into prepared
 // queries (policy.Compile, then Policy.Evaluate per call: the rules run
 // every time), and the same through carreld's decision cache (Decide on
-// an input decided before), against the pattern OPA's documentation warns against: a fresh
-// rego.New(...).Eval per call, which parses and compiles every module
-// each time. Both run in this process, alternating round by round, on the
-// same inputs; the baseline shares one data store across calls, so the
-// ratio is the cost of compiling, not of loading data.
+// an input decided before), against the pattern OPA's documentation warns
+// against: a fresh rego.New(...).Eval per call, which parses and compiles
+// every module each time. Both run in this process, alternating round by
+// round, on the same inputs; the baseline shares one data store across
+// calls, so the ratio is the cost of compiling, not of loading data.
+//
+// The floor is a bundle whose every decision is a constant object,
+// compiled and evaluated the same way: what a decision costs here before
+// any rule does any work (input checks, digest, OPA's own evaluation).
 
 import (
 	"context"
@@ -18,6 +22,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/open-policy-agent/opa/v1/ast"
+	"github.com/open-policy-agent/opa/v1/metrics"
 	"github.com/open-policy-agent/opa/v1/rego"
 	"github.com/open-policy-agent/opa/v1/storage"
 	"github.com/open-policy-agent/opa/v1/storage/inmem"
@@ -127,13 +133,26 @@ func benchPolicy() error {
 	if err != nil {
 		return err
 	}
+	floor, err := floorPolicy(ctx)
+	if err != nil {
+		return err
+	}
+	bare, err := rego.New(rego.Query("data.floor.decision"), rego.Module("floor.rego",
+		"package floor\n\ndecision := {\"allow\": true, \"rule\": \"floor\", \"reason\": \"a constant decision\"}\n")).PrepareForEval(ctx)
+	if err != nil {
+		return err
+	}
 	inputs := policyInputs()
 	docs := make([]map[string]any, len(inputs))
+	parsed := make([]ast.Value, len(inputs))
 	for i, in := range inputs {
 		if err := in.Normalize(); err != nil {
 			return err
 		}
 		if docs[i], err = inputDocument(in); err != nil {
+			return err
+		}
+		if parsed[i], err = ast.InterfaceToValue(docs[i]); err != nil {
 			return err
 		}
 		// Both sides must decide alike, or the comparison means nothing.
@@ -153,6 +172,8 @@ func benchPolicy() error {
 	fmt.Printf("\npolicy decisions, default bundle (%s): prepared queries (policy.Compile once, %v; Evaluate per call, and Decide on a cached input) against rego.New(...).Eval per call (compiles %d modules each time, shared store), %d rounds of %d and %d calls per kind, alternating:\n",
 		b.Revision[:len("sha256:")+12], compileTime.Round(time.Millisecond), len(base.modules), policyRounds, policyCalls, policyBaseCalls)
 	ours := make([][]time.Duration, len(inputs))
+	floors := make([][]time.Duration, len(inputs))
+	var bareTimes []time.Duration
 	cached := make([][]time.Duration, len(inputs))
 	theirs := make([][]time.Duration, len(inputs))
 	for range policyRounds {
@@ -163,6 +184,22 @@ func benchPolicy() error {
 				ours[i] = append(ours[i], time.Since(t0))
 				if err != nil || d.Rule == "" || d.Cached {
 					return fmt.Errorf("%s: %v", in.Kind(), err)
+				}
+			}
+			for range policyCalls {
+				t0 := time.Now()
+				d, err := floor.Evaluate(ctx, in)
+				floors[i] = append(floors[i], time.Since(t0))
+				if err != nil || d.Rule != "floor" {
+					return fmt.Errorf("floor %s: %s, %v", in.Kind(), d.Rule, err)
+				}
+			}
+			for range policyCalls {
+				t0 := time.Now()
+				rs, err := bare.Eval(ctx, rego.EvalParsedInput(parsed[i]), rego.EvalMetrics(noMetrics))
+				bareTimes = append(bareTimes, time.Since(t0))
+				if err != nil || len(rs) != 1 {
+					return fmt.Errorf("bare OPA floor: %v", err)
 				}
 			}
 			for range policyCalls {
@@ -195,10 +232,32 @@ func benchPolicy() error {
 		fmt.Printf("  %-4s evaluated p50 %v p99 %v (%.0f allocs, %.1f KiB); compile per call p50 %v p99 %v; p50 ratio %.0fx; target p50 <= %v, p99 <= %v: %s\n",
 			in.Kind(), fmtDur(o50), fmtDur(o99), allocs, bytes/1024, fmtDur(t50), fmtDur(t99), float64(t50)/float64(o50),
 			policyTargetP50, policyTargetP99, verdict(ok))
+		fmt.Printf("  %-4s floor     p50 %v p99 %v (a constant decision, evaluated the same way)\n", "", fmtDur(percentile(floors[i], 50)), fmtDur(percentile(floors[i], 99)))
 		fmt.Printf("  %-4s cached    p50 %v p99 %v (an input decided before, same revision); target: %s\n", "", fmtDur(c50), fmtDur(c99), verdict(okCached))
 	}
+	fmt.Printf("  OPA alone, a constant rule through a prepared query, no carreld checks or digest: p50 %v p99 %v\n",
+		fmtDur(percentile(bareTimes, 50)), fmtDur(percentile(bareTimes, 99)))
 	fmt.Printf("policy decision latency target, rules evaluated on every call: %s; with the decision cache hit: %s\n", verdict(met), verdict(metCached))
 	return nil
+}
+
+var noMetrics = metrics.NoOp()
+
+// floorPolicy compiles a bundle whose every decision is the constant
+// {"allow": true, "rule": "floor", ...}.
+func floorPolicy(ctx context.Context) (*policy.Policy, error) {
+	files := map[string][]byte{}
+	for _, k := range policy.Kinds {
+		files[string(k)+".rego"] = []byte("package carrel." + string(k) + "\n\n" +
+			`decision := {"allow": true, "rule": "floor", "reason": "a constant decision"}` + "\n")
+	}
+	files["api.rego"] = append(files["api.rego"], "\nprocedures := {}\n"...)
+	files["fs.rego"] = append(files["fs.rego"], "\nsandbox := {\"read_write\": [], \"read_only\": []}\n"...)
+	b, err := policy.NewBundle(files)
+	if err != nil {
+		return nil, err
+	}
+	return policy.Compile(ctx, "floor", b)
 }
 
 // decisionAllocs is the heap allocations and bytes of one prepared

@@ -33,6 +33,15 @@ func NVIDIAWithAudio() []Dev {
 	}
 }
 
+// H200InAVM is what a cloud VM with one NVIDIA H200 passed through to it
+// shows, as read from a real one's sysfs: a 3D controller (class 0x0302)
+// on the root bus, bound to nvidia, with no NUMA node and no IOMMU groups.
+func H200InAVM() []Dev {
+	return []Dev{
+		{Addr: "0000:00:06.0", Class: 0x030200, Vendor: 0x10de, Device: 0x2335, Driver: "nvidia", Group: -1, NUMA: -1},
+	}
+}
+
 // AMDSharingNIC is an AMD card behind chipset root ports without ACS:
 // IOMMU group 8 holds both root ports, the GPU and its audio, and an
 // unrelated Intel NIC (igb) on another bus. The GPU cannot be assigned.
