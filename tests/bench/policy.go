@@ -138,7 +138,7 @@ func benchPolicy() error {
 		return err
 	}
 	bare, err := rego.New(rego.Query("data.floor.decision"), rego.Module("floor.rego",
-		"package floor\n\ndecision := {\"allow\": true, \"rule\": \"floor\", \"reason\": \"a constant decision\"}\n")).PrepareForEval(ctx)
+		"package floor\n\n"+floorDecision)).PrepareForEval(ctx)
 	if err != nil {
 		return err
 	}
@@ -243,13 +243,15 @@ func benchPolicy() error {
 
 var noMetrics = metrics.NoOp()
 
+// floorDecision is the rule of both floors: a decision that does no work.
+const floorDecision = `decision := {"allow": true, "rule": "floor", "reason": "a constant decision"}` + "\n"
+
 // floorPolicy compiles a bundle whose every decision is the constant
 // {"allow": true, "rule": "floor", ...}.
 func floorPolicy(ctx context.Context) (*policy.Policy, error) {
 	files := map[string][]byte{}
 	for _, k := range policy.Kinds {
-		files[string(k)+".rego"] = []byte("package carrel." + string(k) + "\n\n" +
-			`decision := {"allow": true, "rule": "floor", "reason": "a constant decision"}` + "\n")
+		files[string(k)+".rego"] = []byte("package carrel." + string(k) + "\n\n" + floorDecision)
 	}
 	files["api.rego"] = append(files["api.rego"], "\nprocedures := {}\n"...)
 	files["fs.rego"] = append(files["fs.rego"], "\nsandbox := {\"read_write\": [], \"read_only\": []}\n"...)
