@@ -16,8 +16,10 @@ CACHE   ?= $(CURDIR)/.cache/carrel
 # libvirtd and virsh for the libvirt driver's tests (they start libvirtd
 # themselves: nothing starts services on the build and CI machines),
 # e2fsprogs for the dev image's workspace template (qemu-utils' qemu-img
-# makes each VM's workspace disk).
-DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd systemd libvirt-daemon-system libvirt-clients e2fsprogs
+# makes each VM's workspace and state disks), erofs-utils for the images'
+# read-only roots, cryptsetup-bin for veritysetup, which the tests use as
+# an independent check of carrel's own dm-verity trees.
+DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd systemd libvirt-daemon-system libvirt-clients e2fsprogs erofs-utils cryptsetup-bin
 
 .PHONY: help
 help: ## List the targets
@@ -73,7 +75,7 @@ integration: deps build ## End-to-end tests: a real carreld boots real VMs under
 # exec, files, policy and audit in the VM, pause and resume, guest limits),
 # again with carreld --driver libvirt. The harness starts libvirtd and
 # virtlogd if they are not running (CARREL_TEST_DRIVER, tests/harness).
-LIBVIRT_TESTS := TestVMEndToEnd|TestCreateRejectsBadArguments|TestBootFailures|TestCopyFiles|TestCopyDirectories|TestPolicyInTheVM|TestAuditRecordsDecisions|TestAuditDiskFull|TestGuestLimits
+LIBVIRT_TESTS := TestVMEndToEnd|TestVerifiedRoot|TestCreateRejectsBadArguments|TestBootFailures|TestCopyFiles|TestCopyDirectories|TestPolicyInTheVM|TestAuditRecordsDecisions|TestAuditDiskFull|TestGuestLimits
 .PHONY: integration-libvirt
 integration-libvirt: deps build ## The driver's share of the end-to-end tests again, through libvirtd
 	CARREL_TEST_DRIVER=libvirt CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 15m -v -run '^($(LIBVIRT_TESTS))$$' ./tests/ 2>&1 | tee out/integration-libvirt.log; exit $${PIPESTATUS[0]}

@@ -3,6 +3,7 @@ package tests
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/carrel-os/carrel/image/store"
@@ -43,6 +44,42 @@ func brokenImage(t *testing.T, st *store.Store, tag, cmdline string, initrd []by
 		}
 		m.Initrd = part
 	}
+	digest, err := st.PutManifest(&m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Tag(tag, digest); err != nil {
+		t.Fatal(err)
+	}
+	return digest
+}
+
+// devCmdline is the dev image's kernel command line.
+func devCmdline(t *testing.T, st *store.Store) string {
+	t.Helper()
+	dev, err := st.Resolve("dev")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return dev.Manifest.Cmdline
+}
+
+// wrongRootHash stores, under tag, the dev image with another root hash,
+// in its verity record and on its command line alike: a manifest that
+// import would refuse, written straight into the store as a damaged or
+// forged store would hold it. It returns the digest.
+func wrongRootHash(t *testing.T, st *store.Store, tag string) string {
+	t.Helper()
+	dev, err := st.Resolve("dev")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := *dev.Manifest
+	v := *m.Verity
+	wrong := strings.Repeat("0", 63) + "1"
+	m.Cmdline = strings.Replace(m.Cmdline, "roothash="+v.RootHash, "roothash="+wrong, 1)
+	v.RootHash = wrong
+	m.Verity = &v
 	digest, err := st.PutManifest(&m)
 	if err != nil {
 		t.Fatal(err)

@@ -234,10 +234,12 @@ func TestBootFailures(t *testing.T) {
 	}{
 		{"initrd is garbage", "garbage", func() string { return brokenImage(t, st, "garbage", "", []byte("not a cpio archive")) }, "Kernel panic"},
 		{"init never serves", "hang", func() string {
-			// /bin/cat as init waits on the console forever: the kernel is
-			// fine, the agent never answers.
-			return brokenImage(t, st, "hang", "console=ttyS0 panic=-1 rdinit=/bin/cat", nil)
+			// /bin/cat as the verified root's init waits on the console
+			// forever: the kernel and the root are fine, the agent hands
+			// over to it and never answers.
+			return brokenImage(t, st, "hang", devCmdline(t, st)+" init=/bin/cat", nil)
 		}, "did not become ready"},
+		{"root hash is wrong", "badhash", func() string { return wrongRootHash(t, st, "badhash") }, "failed verification"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

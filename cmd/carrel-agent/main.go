@@ -93,10 +93,12 @@ func main() {
 	if pid1 {
 		if err := initsys.Setup(log); err != nil {
 			log.Error("setup", "err", err)
-			if errors.Is(err, initsys.ErrWorkspace) {
+			if errors.Is(err, initsys.ErrWorkspace) || errors.Is(err, initsys.ErrRoot) {
 				// Fail the boot (the kernel panics when PID 1 exits), with
-				// the reason on the console, rather than serve a
-				// workspace in memory that carreld did not give the VM.
+				// the reason on the console, rather than serve from a
+				// root that failed verification, or a workspace in memory
+				// that carreld did not give the VM.
+				fmt.Fprintf(os.Stderr, "%s %v\n", protocol.BootFailedMarker, err)
 				os.Exit(1)
 			}
 		}

@@ -1,19 +1,23 @@
 package main
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strings"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
+	"github.com/carrel-os/carrel/image/imagedir"
+	"github.com/carrel-os/carrel/image/manifest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 )
 
 func newImageCmd(g *globals) *cobra.Command {
-	c := &cobra.Command{Use: "image", Short: "Build and list images"}
-	c.AddCommand(newImageBuildCmd(g), newImageListCmd(g))
+	c := &cobra.Command{Use: "image", Short: "Build, import, check and list images"}
+	c.AddCommand(newImageBuildCmd(g), newImageListCmd(g), newImageInspectCmd(g), newImageCheckCmd(), newImageImportCmd(g))
 	return c
 }
 
@@ -26,7 +30,7 @@ func newImageBuildCmd(g *globals) *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if !dev {
-				return errors.New("only the development image can be built by carreld: pass --dev (production images are built with nix build .#image)")
+				return errors.New("only the development image can be built by carreld: pass --dev (production images are built with nix build .#agent-image)")
 			}
 			resp, err := g.client().Images.BuildImage(cmd.Context(), connect.NewRequest(&apiv1.BuildImageRequest{Dev: true, Tag: tag}))
 			if err != nil {
@@ -36,7 +40,7 @@ func newImageBuildCmd(g *globals) *cobra.Command {
 			return nil
 		},
 	}
-	c.Flags().BoolVar(&dev, "dev", false, "build the development image (Debian kernel + busybox + carrel-agent)")
+	c.Flags().BoolVar(&dev, "dev", false, "build the development image (Debian kernel, carrel-agent, a small verified busybox root)")
 	c.Flags().StringVar(&tag, "tag", "dev", "tag to point at the new image")
 	return c
 }
@@ -60,13 +64,120 @@ func newImageListCmd(g *globals) *cobra.Command {
 				return printJSON(cmd.OutOrStdout(), resp.Msg)
 			}
 			w := newTable()
-			fmt.Fprintln(w, "DIGEST\tTAGS\tKERNEL\tSIZE\tCREATED")
+			fmt.Fprintln(w, "NAME\tTAGS\tDIGEST\tROOT HASH\tSIZE\tPACKAGES\tKERNEL\tCREATED")
 			for _, img := range resp.Msg.Images {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%dM\t%s\n", short(img.Digest), strings.Join(img.Tags, ","), img.KernelVersion, img.Size>>20, img.CreatedAt)
+				name, root := img.Name, "-"
+				if img.RootHash != "" {
+					root = img.RootHash[:12]
+				}
+				if img.Error != "" {
+					name = "(damaged: " + img.Error + ")"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%dM\t%d\t%s\t%s\n", name, strings.Join(img.Tags, ","), short(img.Digest), root,
+					img.Size>>20, img.Packages, img.KernelVersion, img.CreatedAt)
 			}
 			return w.Flush()
 		},
 	}
 	addOutputFlag(c, &output)
+	return c
+}
+
+func newImageInspectCmd(g *globals) *cobra.Command {
+	c := &cobra.Command{
+		Use:   "inspect REF",
+		Short: "Print a stored image's manifest: its parts, root hash, verity parameters and every package",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			resp, err := g.client().Images.InspectImage(cmd.Context(), connect.NewRequest(&apiv1.InspectImageRequest{Ref: args[0]}))
+			if err != nil {
+				return err
+			}
+			return printManifest(cmd, resp.Msg.Image.Digest, resp.Msg.Image.Tags, []byte(resp.Msg.ManifestJson))
+		},
+	}
+	return c
+}
+
+// printManifest prints a manifest as indented JSON, with the digest and
+// tags it is known by.
+func printManifest(cmd *cobra.Command, digest string, tags []string, raw []byte) error {
+	var m map[string]any
+	if err := json.Unmarshal(raw, &m); err != nil {
+		return fmt.Errorf("manifest: %w", err)
+	}
+	out := map[string]any{"digest": digest, "manifest": m}
+	if tags != nil {
+		out["tags"] = tags
+	}
+	b, err := json.MarshalIndent(out, "", "  ")
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintln(cmd.OutOrStdout(), string(b))
+	return err
+}
+
+func newImageCheckCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "check DIR",
+		Short: "Check a directory in carrel's image format without importing it (hashes every part, recomputes the verity tree)",
+		Long: "Check DIR against carrel's image format (docs/image-format.md): a valid manifest, exactly the parts it " +
+			"names and nothing else, each of its stated size and digest, and a dm-verity hash tree and root hash that " +
+			"recompute from the root file system. Runs here, without carreld.",
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			d, err := imagedir.Check(args[0])
+			if err != nil {
+				return err
+			}
+			m := d.Manifest
+			root := "none (the initramfs is the root)"
+			if m.Verity != nil {
+				root = m.Verity.RootHash + " (" + m.Verity.Mount + ", verified)"
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s: ok\n  name      %s\n  digest    %s\n  root hash %s\n  parts     %s\n  packages  %d\n",
+				args[0], m.Name, d.Digest, root, partNames(m), len(m.Packages))
+			return nil
+		},
+	}
+}
+
+func partNames(m *manifest.Manifest) string {
+	var names []string
+	for _, p := range m.Parts() {
+		names = append(names, fmt.Sprintf("%s (%d bytes)", p.Name, p.Part.Size))
+	}
+	return strings.Join(names, ", ")
+}
+
+func newImageImportCmd(g *globals) *cobra.Command {
+	var tag string
+	c := &cobra.Command{
+		Use:   "import DIR",
+		Short: "Check an image directory built elsewhere (e.g. nix build .#agent-image) and store it in carreld",
+		Long: "carreld reads DIR (on its own host), hashes every part, recomputes the dm-verity tree, and only then " +
+			"stores the image and tags it (by default with the manifest's name). A failed import leaves the store " +
+			"unchanged; importing the same image again changes nothing and says so.",
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			dir, err := filepath.Abs(args[0])
+			if err != nil {
+				return err
+			}
+			resp, err := g.client().Images.ImportImage(cmd.Context(), connect.NewRequest(&apiv1.ImportImageRequest{Path: dir, Tag: tag}))
+			if err != nil {
+				return err
+			}
+			img := resp.Msg.Image
+			if resp.Msg.Already {
+				fmt.Printf("%s already imported as %s: nothing changed\n", img.Digest, strings.Join(img.Tags, ","))
+				return nil
+			}
+			fmt.Printf("%s imported as %s (root hash %s)\n", img.Digest, strings.Join(img.Tags, ","), img.RootHash)
+			return nil
+		},
+	}
+	c.Flags().StringVar(&tag, "tag", "", "tag to point at the image (default: the manifest's name)")
 	return c
 }

@@ -13,7 +13,8 @@ import (
 )
 
 func newVMCreateCmd(g *globals) *cobra.Command {
-	var image, memory, pol, workspace string
+	var image, memory, pol, workspace, disk string
+	var ephemeral bool
 	var cpus uint32
 	var procs uint64
 	var gpus []string
@@ -32,9 +33,16 @@ func newVMCreateCmd(g *globals) *cobra.Command {
 					return fmt.Errorf("--workspace: %w", err)
 				}
 			}
+			var diskBytes uint64
+			if disk != "" {
+				if diskBytes, err = parseSize(disk); err != nil {
+					return fmt.Errorf("--disk: %w", err)
+				}
+			}
 			resp, err := g.client().VMs.CreateVM(cmd.Context(), connect.NewRequest(&apiv1.CreateVMRequest{
 				Name: args[0], Image: image, MemoryBytes: mem, Cpus: cpus, Policy: pol,
 				WorkspaceBytes: ws, MaxProcesses: procs, Gpus: gpuAddresses(gpus),
+				Ephemeral: ephemeral, DiskBytes: diskBytes,
 			}))
 			if err != nil {
 				return err
@@ -52,6 +60,8 @@ func newVMCreateCmd(g *globals) *cobra.Command {
 	c.Flags().StringVar(&memory, "memory", "512M", "guest memory, e.g. 512M or 2G")
 	c.Flags().Uint32Var(&cpus, "cpus", 1, "virtual CPUs")
 	c.Flags().StringVar(&workspace, "workspace", "", "size of the guest's /workspace, e.g. 1G (default: half the memory)")
+	c.Flags().StringVar(&disk, "disk", "", "size of the disk that keeps what the VM changes outside /workspace, e.g. 20G (default 8G; sparse)")
+	c.Flags().BoolVar(&ephemeral, "ephemeral", false, "keep what the VM changes outside /workspace in memory: gone at every stop")
 	c.Flags().Uint64Var(&procs, "max-processes", 0, "processes and threads the VM's commands may have together (default: no limit)")
 	c.Flags().StringVar(&pol, "policy", "default", "the policy that decides everything done in the VM (see carrel policy ls)")
 	c.Flags().StringArrayVar(&gpus, "gpu", nil, "pass through the GPU at this PCI address, e.g. 0000:41:00.0, with the other functions of its slot (repeatable; see carrel gpu ls)")

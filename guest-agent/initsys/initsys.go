@@ -1,8 +1,10 @@
 //go:build linux
 
-// Package initsys does what PID 1 must do in the minimal guest image: mount
-// the kernel file systems (cgroup v2 among them), turn on the kernel's link protections, load the
-// transport's kernel modules, set the hostname, bring up the loopback
+// Package initsys does what PID 1 must do when carrel-agent is the
+// initramfs's init: mount the kernel file systems (cgroup v2 among them),
+// load the kernel modules, set up the image's verified root (dm-verity,
+// erofs and the VM's writable layer over it) and switch to it, turn on the
+// kernel's link protections, set the hostname, bring up the loopback
 // interface, and power the machine off.
 // Everything here refuses to run unless the process is PID 1, so that it
 // cannot harm a development host.
@@ -73,37 +75,67 @@ var devLinks = [][2]string{
 	{"pts/ptmx", "/dev/ptmx"},
 }
 
-// Setup mounts the kernel and scratch file systems, creates the usual /dev
-// links, turns on the link protections (fs.protected_hardlinks and
-// fs.protected_symlinks), sets the hostname from /etc/hostname, brings up the loopback
-// interface, and loads the modules listed in ModuleList. /workspace is a
-// tmpfs, or, when the kernel command line says so, the workspace disk,
-// mounted after the modules load (an error there wraps ErrWorkspace). A
-// mount failure is returned (after trying the rest); a module that fails
-// to load is logged and skipped, since the transport may not need it.
+// Setup mounts the kernel file systems and loads the modules listed in
+// ModuleList; a module that fails to load is logged and skipped, since
+// the transport may not need it. When the kernel command line names a
+// verified root (ParseRoot), it then sets that root up and switches to it,
+// and executes the command line's init= there if it has one; any failure
+// there wraps ErrRoot. Then it mounts the scratch file systems (those not
+// mounted yet), creates the usual /dev links, turns on the link
+// protections (fs.protected_hardlinks and fs.protected_symlinks), sets the
+// hostname from /etc/hostname and brings up the loopback interface.
+// /workspace is a tmpfs, or, when the kernel command line says so, the
+// workspace disk (an error there wraps ErrWorkspace). A mount failure is
+// returned (after trying the rest).
 func Setup(log *slog.Logger) error {
 	if os.Getpid() != 1 {
 		return ErrNotInit
 	}
 	var errs []error
+	kernelFS, scratch := mounts[:3], mounts[3:]
+	for _, m := range kernelFS {
+		if err := doMount(m); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	LoadModules(log, ModuleList)
+	cmdline, err := os.ReadFile("/proc/cmdline")
+	if err != nil {
+		return errors.Join(append(errs, fmt.Errorf("read the kernel command line: %w", err))...)
+	}
+	root, ok, err := ParseRoot(string(cmdline))
+	if err != nil {
+		return err
+	}
+	if ok {
+		if err := switchRoot(log, root); err != nil {
+			return err
+		}
+		if root.Init != "" {
+			log.Info("executing the image's init", "init", root.Init)
+			err := unix.Exec(root.Init, []string{root.Init}, os.Environ())
+			return fmt.Errorf("%w: execute init=%s: %w", ErrRoot, root.Init, err)
+		}
+	}
 	var limits Limits
 	onDisk := false
-	for _, m := range mounts {
+	for _, m := range scratch {
 		if m.target == "/workspace" {
-			// /proc is mounted by now.
 			l, err := ReadLimits()
 			if err != nil {
 				log.Warn("limits", "err", err)
 			}
 			limits = l
-			if cmdline, err := os.ReadFile("/proc/cmdline"); err == nil && WorkspaceOnDisk(string(cmdline)) {
-				// Mounted once the disk's modules are loaded, below.
+			if WorkspaceOnDisk(string(cmdline)) {
 				onDisk = true
 				continue
 			}
 			if l.WorkspaceBytes > 0 {
 				m.data += fmt.Sprintf(",size=%d", l.WorkspaceBytes)
 			}
+		}
+		if mounted(m.target) {
+			continue // /run, set up with the verified root
 		}
 		if err := doMount(m); err != nil {
 			errs = append(errs, err)
@@ -125,7 +157,6 @@ func Setup(log *slog.Logger) error {
 	if err := loopbackUp(); err != nil {
 		log.Warn("loopback", "err", err)
 	}
-	LoadModules(log, ModuleList)
 	if onDisk {
 		if err := mountWorkspaceDisk(log); err != nil {
 			errs = append(errs, err)
@@ -134,6 +165,16 @@ func Setup(log *slog.Logger) error {
 		log.Info("workspace size limited", "bytes", limits.WorkspaceBytes)
 	}
 	return errors.Join(errs...)
+}
+
+// mounted reports whether something is mounted on dir: it is on another
+// file system than its parent.
+func mounted(dir string) bool {
+	var st, parent unix.Stat_t
+	if unix.Stat(dir, &st) != nil || unix.Stat(filepath.Dir(dir), &parent) != nil {
+		return false
+	}
+	return st.Dev != parent.Dev
 }
 
 func doMount(m mount) error {

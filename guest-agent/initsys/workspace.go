@@ -62,47 +62,66 @@ func findDisk(sysBlock, serial string, timeout time.Duration) (string, error) {
 }
 
 // mountWorkspaceDisk mounts the workspace disk (ext4, see image/workspace)
-// on /workspace and grows its file system to the disk's size, which is
-// the workspace's size: carreld sizes the disk, the template is small.
+// on /workspace, grown to the disk's size, which is the workspace's size:
+// carreld sizes the disk, the template is small.
 func mountWorkspaceDisk(log *slog.Logger) error {
-	name, err := findDisk("/sys/block", protocol.WorkspaceSerial, diskTimeout)
-	if err != nil {
+	if err := mountExt4Disk(log, protocol.WorkspaceSerial, "/workspace"); err != nil {
 		return fmt.Errorf("%w: %w", ErrWorkspace, err)
-	}
-	dev := "/dev/" + name
-	if err := os.MkdirAll("/workspace", 0o755); err != nil {
-		return fmt.Errorf("%w: %w", ErrWorkspace, err)
-	}
-	// noinit_itable: the inode tables a resize adds are not zeroed in the
-	// background, which would fill the host's sparse disk file with zeros;
-	// ext4 records which inodes were never used, so it needs no zeroes.
-	if err := unix.Mount(dev, "/workspace", "ext4", nodevNosuid, "noinit_itable"); err != nil {
-		return fmt.Errorf("%w: mount %s (ext4) on /workspace: %w", ErrWorkspace, dev, err)
-	}
-	// /sys/block/NAME/size counts 512-byte sectors, whatever the device's.
-	b, err := os.ReadFile(filepath.Join("/sys/block", name, "size"))
-	if err != nil {
-		return fmt.Errorf("%w: %w", ErrWorkspace, err)
-	}
-	sectors, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
-	if err != nil {
-		return fmt.Errorf("%w: size of %s: %w", ErrWorkspace, dev, err)
-	}
-	var st unix.Statfs_t
-	if err := unix.Statfs("/workspace", &st); err != nil || st.Bsize <= 0 {
-		return fmt.Errorf("%w: statfs /workspace: %v", ErrWorkspace, err)
-	}
-	blocks := sectors * 512 / uint64(st.Bsize)
-	if err := resizeExt4("/workspace", blocks); err != nil {
-		return fmt.Errorf("%w: grow the file system on %s to %d blocks: %w", ErrWorkspace, dev, blocks, err)
 	}
 	// mke2fs's lost+found is of no use to the agent's user, who cannot
 	// open it; an e2fsck that needs it makes it again.
 	if err := os.Remove("/workspace/lost+found"); err != nil && !errors.Is(err, os.ErrNotExist) && !errors.Is(err, unix.ENOTEMPTY) {
 		log.Warn("remove /workspace/lost+found", "err", err)
 	}
-	log.Info("workspace on disk", "device", dev, "bytes", sectors*512)
 	return nil
+}
+
+// mountExt4Disk mounts the ext4 file system of the disk whose serial is
+// serial on target and grows it to the disk's size (image/workspace's
+// template is small, and carreld sizes each VM's disk).
+func mountExt4Disk(log *slog.Logger, serial, target string) error {
+	name, err := findDisk("/sys/block", serial, diskTimeout)
+	if err != nil {
+		return err
+	}
+	dev := "/dev/" + name
+	if err := os.MkdirAll(target, 0o755); err != nil {
+		return err
+	}
+	// noinit_itable: the inode tables a resize adds are not zeroed in the
+	// background, which would fill the host's sparse disk file with zeros;
+	// ext4 records which inodes were never used, so it needs no zeroes.
+	if err := unix.Mount(dev, target, "ext4", nodevNosuid, "noinit_itable"); err != nil {
+		return fmt.Errorf("mount %s (ext4) on %s: %w", dev, target, err)
+	}
+	sectors, err := diskSectors(name)
+	if err != nil {
+		return err
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(target, &st); err != nil || st.Bsize <= 0 {
+		return fmt.Errorf("statfs %s: %v", target, err)
+	}
+	blocks := sectors * 512 / uint64(st.Bsize)
+	if err := resizeExt4(target, blocks); err != nil {
+		return fmt.Errorf("grow the file system on %s to %d blocks: %w", dev, blocks, err)
+	}
+	log.Info("disk mounted", "serial", serial, "on", target, "device", dev, "bytes", sectors*512)
+	return nil
+}
+
+// diskSectors is the size of disk name (vda) in 512-byte sectors, which
+// /sys/block/NAME/size counts whatever the device's sector size.
+func diskSectors(name string) (uint64, error) {
+	b, err := os.ReadFile(filepath.Join("/sys/block", name, "size"))
+	if err != nil {
+		return 0, err
+	}
+	n, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil {
+		return 0, fmt.Errorf("size of /dev/%s: %w", name, err)
+	}
+	return n, nil
 }
 
 // resizeExt4 grows the ext4 file system mounted at dir to blocks blocks;

@@ -29,6 +29,24 @@ const (
 	// block device); the guest finds it under /sys/block/*/serial when the
 	// kernel command line has WorkspaceDiskArg.
 	WorkspaceSerial = "carrel-workspace"
+	// SystemSerial and SystemVeritySerial are the serials of an image's
+	// read-only root file system (erofs) and its dm-verity hash device;
+	// StateSerial is the VM's own disk that holds the writable layer over
+	// that root. virtio-blk serials are at most 20 bytes.
+	SystemSerial       = "carrel-system"
+	SystemVeritySerial = "carrel-system-verity"
+	StateSerial        = "carrel-state"
+	// DiskByIDPrefix is where udev would name a virtio disk by its serial;
+	// the verity words of the command line use these names (systemd's
+	// convention), and the agent, without udev, maps them back to serials.
+	DiskByIDPrefix = "/dev/disk/by-id/virtio-"
+	// StateArg on the kernel command line says where the writable layer
+	// over a verified root lives: StateDisk (the state disk) or StateMemory
+	// (a tmpfs: the VM's changes are lost at stop).
+	StateArg    = "carrel.state"
+	StateDisk   = "disk"
+	StateMemory = "memory"
+
 	// WorkspaceDiskArg on the kernel command line tells the guest that its
 	// /workspace is on the workspace disk; without it /workspace is a
 	// tmpfs.
@@ -50,6 +68,11 @@ const (
 	// supervisor never waits on it (it waits on a Health RPC); it exists for
 	// people reading the console and for the bare-QEMU benchmark baseline.
 	ReadyMarker = "carrel-agent: ready"
+
+	// BootFailedMarker starts the console line the agent prints when the
+	// guest cannot boot (its verified root or workspace cannot be set up);
+	// carreld quotes that line in the error of a failed create or start.
+	BootFailedMarker = "carrel-agent: boot failed:"
 
 	// BaseURL is the URL clients use; the host part is ignored by the dialer.
 	BaseURL = "http://agent"

@@ -17,9 +17,11 @@ import (
 	"strings"
 	"time"
 
+	"github.com/carrel-os/carrel/image/imagedir"
 	"github.com/carrel-os/carrel/image/initramfs"
 	"github.com/carrel-os/carrel/image/kmod"
 	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/image/sysroot"
 	"github.com/carrel-os/carrel/image/workspace"
 )
 
@@ -39,12 +41,17 @@ var guestDirs = []struct {
 	{"dev", 0o755}, {"proc", 0o555}, {"sys", 0o555}, {"run", 0o755},
 	{"tmp", 0o777 | fs.ModeSticky}, {"var/tmp", 0o777 | fs.ModeSticky},
 	{"etc", 0o755}, {"etc/carrel", 0o755}, {"root", 0o700}, {"home", 0o755},
+	{"lib", 0o755}, {"var", 0o755}, {"mnt", 0o755},
 }
 
 // agentDirs belong to the unprivileged user commands run as.
 var agentDirs = []string{"home/agent", "workspace"}
 
-// assemble writes the kernel, the initramfs and the manifest to o.OutDir.
+// assemble writes the kernel, the initramfs, the verified root (erofs and
+// its dm-verity hash device), the workspace template and the manifest to
+// o.OutDir, under the names of carrel's image directory (image/imagedir).
+// The initramfs holds only carrel-agent, as /init, and the modules it
+// loads to reach the root; everything else is in the root.
 func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, error) {
 	start := time.Now()
 	tree, err := kmod.Open(in.moduleRoot)
@@ -67,7 +74,11 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	a, guestMods, err := buildArchive(o, tree.Release(), mods, applets, in)
+	initrdTree, guestMods, err := buildInitrd(o, tree.Release(), mods)
+	if err != nil {
+		return nil, err
+	}
+	rootTree, err := buildRoot(o, tree.Release(), applets, in)
 	if err != nil {
 		return nil, err
 	}
@@ -75,11 +86,15 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	if err := os.MkdirAll(o.OutDir, 0o755); err != nil {
 		return nil, fmt.Errorf("create output dir: %w", err)
 	}
+	file := func(part string) string { return filepath.Join(o.OutDir, imagedir.FileName(part)) }
 	res := &Result{
-		KernelPath:   filepath.Join(o.OutDir, KernelFile),
-		InitrdPath:   filepath.Join(o.OutDir, InitrdFile),
-		ManifestPath: filepath.Join(o.OutDir, ManifestFile),
-		Modules:      guestMods,
+		KernelPath:       file(manifest.PartKernel),
+		InitrdPath:       file(manifest.PartInitrd),
+		SystemPath:       file(manifest.PartSystem),
+		SystemVerityPath: file(manifest.PartSystemVerity),
+		WorkspacePath:    file(manifest.PartWorkspace),
+		ManifestPath:     filepath.Join(o.OutDir, imagedir.ManifestFile),
+		Modules:          guestMods,
 	}
 	if in.qemuGA != nil {
 		res.QemuGA = QemuGABinary
@@ -104,7 +119,7 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	}
 	initrd, err := writeAtomic(res.InitrdPath, func(w io.Writer) error {
 		if !o.Compress {
-			_, err := a.WriteTo(w)
+			_, err := initrdTree.WriteTo(w)
 			return err
 		}
 		// A zero gzip header (no name, no mtime) keeps the output
@@ -113,7 +128,7 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 		if err != nil {
 			return err
 		}
-		if _, err := a.WriteTo(zw); err != nil {
+		if _, err := initrdTree.WriteTo(zw); err != nil {
 			return err
 		}
 		return zw.Close()
@@ -121,7 +136,10 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	if err != nil {
 		return nil, fmt.Errorf("write initramfs: %w", err)
 	}
-	res.WorkspacePath = filepath.Join(o.OutDir, WorkspaceFile)
+	sys, err := makeRoot(ctx, rootTree, o.OutDir, res)
+	if err != nil {
+		return nil, err
+	}
 	wsTemplate, err := buildWorkspaceTemplate(ctx, res.WorkspacePath)
 	if err != nil {
 		return nil, err
@@ -133,8 +151,12 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 		KernelVersion: tree.Release(),
 		Kernel:        kernel,
 		Initrd:        initrd,
-		Cmdline:       o.Cmdline,
+		Cmdline:       o.Cmdline + " " + sys.Cmdline,
 		Workspace:     &wsTemplate,
+		System:        &sys.System,
+		SystemVerity:  &sys.SystemVerity,
+		Verity:        &sys.Verity,
+		Packages:      manifest.SortPackages(in.packages),
 	}
 	b, err := res.Manifest.Marshal()
 	if err != nil {
@@ -148,9 +170,35 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	}
 	o.Logger.Info("built dev image", "dir", o.OutDir, "release", tree.Release(),
 		"modules", len(guestMods), "applets", len(applets),
-		"initrd_bytes", initrd.Size, "compressed", o.Compress,
+		"initrd_bytes", initrd.Size, "root_bytes", sys.System.Size, "root_hash", sys.Verity.RootHash,
+		"compressed", o.Compress,
 		"digest", manifest.DigestBytes(b), "assemble_time", time.Since(start).Round(time.Millisecond))
 	return res, nil
+}
+
+// makeRoot lays the root tree out in a scratch directory beside the
+// output and makes the verified root of it (image/sysroot).
+func makeRoot(ctx context.Context, root *initramfs.Archive, outDir string, res *Result) (*sysroot.Result, error) {
+	scratch, err := os.MkdirTemp(outDir, ".root-*")
+	if err != nil {
+		return nil, fmt.Errorf("lay out root: %w", err)
+	}
+	defer os.RemoveAll(scratch)
+	tree := filepath.Join(scratch, "tree")
+	if err := root.WriteDir(tree); err != nil {
+		return nil, fmt.Errorf("lay out root: %w", err)
+	}
+	sysTmp, verTmp := filepath.Join(scratch, "system"), filepath.Join(scratch, "verity")
+	sys, err := sysroot.Make(ctx, tree, sysTmp, verTmp, sysroot.Options{})
+	if err != nil {
+		return nil, err
+	}
+	for _, mv := range [][2]string{{sysTmp, res.SystemPath}, {verTmp, res.SystemVerityPath}} {
+		if err := os.Rename(mv[0], mv[1]); err != nil {
+			return nil, fmt.Errorf("write root: %w", err)
+		}
+	}
+	return sys, nil
 }
 
 // buildWorkspaceTemplate writes the workspace template (image/workspace)
@@ -212,34 +260,19 @@ func parseApplets(out string) ([]string, error) {
 	return applets, nil
 }
 
-// buildArchive lays out the initramfs and returns it with the guest paths of
-// the modules in load order.
-func buildArchive(o Options, release string, mods []*kmod.Module, applets []string, in inputs) (*initramfs.Archive, []string, error) {
+// buildInitrd lays out the initramfs: carrel-agent as /init, the modules
+// it loads before it mounts the root, and their list. It returns the
+// modules' guest paths in load order.
+func buildInitrd(o Options, release string, mods []*kmod.Module) (*initramfs.Archive, []string, error) {
 	a := initramfs.New()
 	var errs []error
-	for _, d := range guestDirs {
-		errs = append(errs, a.Dir(d.name, d.mode))
-	}
-	for _, d := range agentDirs {
-		errs = append(errs, a.Add(initramfs.Entry{Name: d, Mode: fs.ModeDir | 0o755, UID: agentUID, GID: agentUID}))
+	for _, d := range []string{"dev", "proc", "sys", "run", "etc/carrel"} {
+		errs = append(errs, a.Dir(d, 0o755))
 	}
 	// The kernel opens /dev/console for /init's stdio before anything can
 	// mount devtmpfs.
 	errs = append(errs, a.CharDev("dev/console", 0o600, 5, 1))
 	errs = append(errs, a.FileFrom("init", 0o755, o.AgentBinary))
-	errs = append(errs, a.FileFrom("bin/busybox", 0o755, in.busybox))
-	if in.qemuGA != nil {
-		// qemu-ga keeps its state in /var/run unless told otherwise; Debian
-		// links it to /run, a tmpfs the agent mounts.
-		errs = append(errs, a.Symlink("var/run", "/run"))
-		errs = append(errs, addDynamic(a.FileFrom, QemuGABinary, in.qemuGA)...)
-	}
-	for _, ap := range applets {
-		if !a.Has(ap) {
-			errs = append(errs, a.Symlink(ap, "/bin/busybox"))
-		}
-	}
-
 	var guestMods []string
 	modRoot := path.Join("lib/modules", release)
 	for _, m := range mods {
@@ -256,7 +289,36 @@ func buildArchive(o Options, release string, mods []*kmod.Module, applets []stri
 		list.WriteString(p + "\n")
 	}
 	errs = append(errs, a.File(guestModuleList, 0o644, []byte(list.String())))
+	if err := errors.Join(errs...); err != nil {
+		return nil, nil, fmt.Errorf("lay out initramfs: %w", err)
+	}
+	return a, guestMods, nil
+}
 
+// buildRoot lays out the root file system: busybox and its applets, the
+// accounts, and qemu-ga in its variant.
+func buildRoot(o Options, release string, applets []string, in inputs) (*initramfs.Archive, error) {
+	a := initramfs.New()
+	var errs []error
+	for _, d := range guestDirs {
+		errs = append(errs, a.Dir(d.name, d.mode))
+	}
+	for _, d := range agentDirs {
+		errs = append(errs, a.Add(initramfs.Entry{Name: d, Mode: fs.ModeDir | 0o755, UID: agentUID, GID: agentUID}))
+	}
+	errs = append(errs, a.FileFrom("bin/busybox", 0o755, in.busybox))
+	errs = append(errs, a.File(CanaryPath[1:], 0o644, Canary()))
+	if in.qemuGA != nil {
+		// qemu-ga keeps its state in /var/run unless told otherwise; Debian
+		// links it to /run, a tmpfs the agent mounts.
+		errs = append(errs, a.Symlink("var/run", "/run"))
+		errs = append(errs, addDynamic(a.FileFrom, QemuGABinary, in.qemuGA)...)
+	}
+	for _, ap := range applets {
+		if !a.Has(ap) {
+			errs = append(errs, a.Symlink(ap, "/bin/busybox"))
+		}
+	}
 	errs = append(errs,
 		a.File("etc/passwd", 0o644, []byte(fmt.Sprintf(
 			"root:x:0:0:root:/root:/bin/sh\nagent:x:%d:%d:agent:/home/agent:/bin/sh\n", agentUID, agentUID))),
@@ -265,9 +327,26 @@ func buildArchive(o Options, release string, mods []*kmod.Module, applets []stri
 		a.File("etc/os-release", 0o644, []byte(osRelease(o.Name, release))),
 	)
 	if err := errors.Join(errs...); err != nil {
-		return nil, nil, fmt.Errorf("lay out initramfs: %w", err)
+		return nil, fmt.Errorf("lay out root: %w", err)
 	}
-	return a, guestMods, nil
+	return a, nil
+}
+
+// CanaryPath is a file of the dev image's root whose content (Canary) is
+// found nowhere else in it, so that a test can find its blocks in the
+// uncompressed root file system, damage one, and see the guest refuse to
+// read it.
+const CanaryPath = "/usr/share/carrel/verity-canary"
+
+// Canary is CanaryPath's content: 64 KiB, a SHA-256 chain.
+func Canary() []byte {
+	b := make([]byte, 0, 64<<10)
+	sum := sha256.Sum256([]byte("carrel verity canary"))
+	for len(b) < cap(b) {
+		b = append(b, sum[:]...)
+		sum = sha256.Sum256(sum[:])
+	}
+	return b
 }
 
 func osRelease(name, release string) string {

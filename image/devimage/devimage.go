@@ -1,8 +1,11 @@
-// Package devimage builds the development image: Debian's stock kernel plus
-// an initramfs whose /init is carrel-agent, with busybox for a shell and the
-// virtio, vsock and ext4 modules the agent loads at boot, and the template
-// of the VMs' workspace disks (image/workspace). Production images are
-// built with Nix instead (see nix/).
+// Package devimage builds the development image in carrel's image format
+// (image/imagedir): Debian's stock kernel; an initramfs whose /init is
+// carrel-agent, with the virtio, vsock, ext4, dm-verity, erofs and overlay
+// modules it loads at boot; a small verified root (erofs under dm-verity,
+// image/sysroot) with busybox for a shell; and the template of the VMs'
+// workspace disks (image/workspace). The agent mounts the root, with the
+// VM's writable layer over it, and switches to it. Userland images are
+// built by image/debian and the NixOS flake (see nix/).
 //
 // Options.WithQemuGA builds a variant that also holds Debian's qemu-ga
 // (qemu-guest-agent) with its shared libraries, which the benchmarks
@@ -40,14 +43,6 @@ const (
 	// BusyboxPackage provides the image's shell and core utilities.
 	BusyboxPackage = "busybox-static"
 
-	// KernelFile, InitrdFile, ManifestFile and WorkspaceFile (the
-	// workspace template, see image/workspace) are the names Build writes
-	// in Options.OutDir.
-	KernelFile    = "vmlinuz"
-	InitrdFile    = "initrd.img"
-	ManifestFile  = "manifest.json"
-	WorkspaceFile = "workspace.img"
-
 	arch = "amd64"
 )
 
@@ -65,6 +60,11 @@ var DefaultModules = []string{
 	"ext4",
 	"vsock",
 	"vmw_vsock_virtio_transport",
+	// The verified root: dm-verity over the system disk, erofs on it, and
+	// the VM's writable layer over that.
+	"dm_verity",
+	"erofs",
+	"overlay",
 }
 
 // Options configures Build. CacheDir, OutDir and AgentBinary are required.
@@ -72,7 +72,7 @@ type Options struct {
 	// CacheDir keeps downloaded packages and their unpacked trees between
 	// builds; a package is downloaded only when the cache lacks it.
 	CacheDir string
-	// OutDir receives KernelFile, InitrdFile and ManifestFile; it is created
+	// OutDir receives the image directory (image/imagedir); it is created
 	// if needed and existing files are replaced atomically.
 	OutDir string
 	// AgentBinary is the static carrel-agent executable, installed as /init.
@@ -108,6 +108,10 @@ type Result struct {
 	KernelPath   string
 	InitrdPath   string
 	ManifestPath string
+	// SystemPath and SystemVerityPath are the verified root and its hash
+	// device.
+	SystemPath       string
+	SystemVerityPath string
 	// WorkspacePath is the workspace template.
 	WorkspacePath string
 	// Manifest records the digests and sizes of the kernel, the initrd and
@@ -196,6 +200,9 @@ type inputs struct {
 	moduleRoot string // lib/modules/<release>
 	busybox    string // static busybox executable
 	qemuGA     *dynamicBinary
+	// packages are the Debian packages the image is made of, for its
+	// manifest.
+	packages []manifest.Package
 }
 
 func fetchInputs(ctx context.Context, f *fetcher, o Options) (inputs, error) {
@@ -215,6 +222,9 @@ func fetchInputs(ctx context.Context, f *fetcher, o Options) (inputs, error) {
 	}
 	release := filepath.Base(kernels[0])[len("vmlinuz-"):]
 	in := inputs{kernel: kernels[0]}
+	for _, f := range pkgs {
+		in.packages = append(in.packages, manifest.Package{Name: f.pkg.Name, Version: f.pkg.Version, Arch: f.pkg.Arch})
+	}
 	for _, dir := range []string{"lib/modules", "usr/lib/modules"} {
 		p := filepath.Join(ktree, dir, release)
 		if fi, err := os.Stat(p); err == nil && fi.IsDir() {

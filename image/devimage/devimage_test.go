@@ -13,10 +13,13 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/carrel-os/carrel/image/imagedir"
 	"github.com/carrel-os/carrel/image/initramfs"
 	"github.com/carrel-os/carrel/image/kmod/kmodtest"
 	"github.com/carrel-os/carrel/image/manifest"
@@ -73,6 +76,11 @@ func syntheticInputs(t *testing.T) (inputs, string) {
 		kmodtest.Module{Rel: "kernel/net/vmw_vsock/vsock.ko"},
 		kmodtest.Module{Rel: "kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko", Depends: []string{"vsock"}},
 		kmodtest.Module{Rel: "kernel/net/vmw_vsock/vmw_vsock_virtio_transport.ko", Depends: []string{"virtio", "vmw_vsock_virtio_transport_common", "virtio_ring", "vsock"}},
+		kmodtest.Module{Rel: "kernel/drivers/md/dm-mod.ko"},
+		kmodtest.Module{Rel: "kernel/drivers/md/dm-bufio.ko"},
+		kmodtest.Module{Rel: "kernel/drivers/md/dm-verity.ko", Depends: []string{"dm-bufio", "dm-mod"}},
+		kmodtest.Module{Rel: "kernel/fs/erofs/erofs.ko"},
+		kmodtest.Module{Rel: "kernel/fs/overlayfs/overlay.ko"},
 		kmodtest.Module{Rel: "kernel/net/can/can.ko"},
 	)
 	if err != nil {
@@ -96,8 +104,25 @@ func syntheticInputs(t *testing.T) (inputs, string) {
 	return inputs{kernel: kernel, moduleRoot: root, busybox: busybox}, fakeAgent(t, dir)
 }
 
+// needAssembleTools skips a test that assembles an image where the host
+// cannot: the root file system is made with mkfs.erofs and the workspace
+// template with mkfs.ext4, and laying the root out with its owners takes
+// root.
+func needAssembleTools(t *testing.T) {
+	t.Helper()
+	for _, tool := range []string{"mkfs.erofs", "mkfs.ext4"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s not found (erofs-utils, e2fsprogs): run `make deps`", tool)
+		}
+	}
+	if os.Getuid() != 0 {
+		t.Skip("not root: the image's root file system holds files of other owners")
+	}
+}
+
 func testOptions(t *testing.T, agent string) Options {
 	t.Helper()
+	needAssembleTools(t)
 	o, err := (&Options{CacheDir: t.TempDir(), OutDir: t.TempDir(), AgentBinary: agent, Logger: quietLogger()}).withDefaults()
 	if err != nil {
 		t.Fatal(err)
@@ -131,6 +156,54 @@ func readInitrd(t *testing.T, path string, compressed bool) map[string]initramfs
 	return m
 }
 
+// extractRoot unpacks the image's root file system with fsck.erofs, which
+// also checks it, keeping owners and modes, and returns the directory.
+func extractRoot(t *testing.T, res *Result) string {
+	t.Helper()
+	fsck, err := exec.LookPath("fsck.erofs")
+	if err != nil {
+		t.Skip("fsck.erofs not found (erofs-utils): cannot look inside the root file system")
+	}
+	dir := filepath.Join(t.TempDir(), "root")
+	if out, err := exec.Command(fsck, "--extract="+dir, "--preserve", res.SystemPath).CombinedOutput(); err != nil {
+		t.Fatalf("fsck.erofs --extract: %v\n%s", err, out)
+	}
+	return dir
+}
+
+// rootFile is one file of an extracted root.
+type rootFile struct {
+	mode     fs.FileMode
+	uid, gid uint32
+	data     []byte
+	link     string
+}
+
+func statRoot(t *testing.T, root, name string) (rootFile, bool) {
+	t.Helper()
+	p := filepath.Join(root, filepath.FromSlash(name))
+	fi, err := os.Lstat(p)
+	if errors.Is(err, fs.ErrNotExist) {
+		return rootFile{}, false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	f := rootFile{mode: fi.Mode(), uid: st.Uid, gid: st.Gid}
+	switch {
+	case fi.Mode().IsRegular():
+		if f.data, err = os.ReadFile(p); err != nil {
+			t.Fatal(err)
+		}
+	case fi.Mode()&fs.ModeSymlink != 0:
+		if f.link, err = os.Readlink(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return f, true
+}
+
 func TestAssembleLayout(t *testing.T) {
 	in, agent := syntheticInputs(t)
 	o := testOptions(t, agent)
@@ -139,8 +212,14 @@ func TestAssembleLayout(t *testing.T) {
 		t.Fatal(err)
 	}
 	m := res.Manifest
-	if m.Name != DefaultName || m.KernelVersion != testRelease || m.Cmdline != DefaultCmdline || m.Arch != "amd64" {
+	if m.Name != DefaultName || m.KernelVersion != testRelease || m.Arch != "amd64" {
 		t.Errorf("manifest %+v", m)
+	}
+	if m.System == nil || m.SystemVerity == nil || m.Verity == nil {
+		t.Fatalf("no verified root in the manifest %+v", m)
+	}
+	if want := DefaultCmdline + " roothash=" + m.Verity.RootHash + " "; !strings.HasPrefix(m.Cmdline, want) {
+		t.Errorf("cmdline %q, want it to start %q", m.Cmdline, want)
 	}
 	if m.Kernel.Digest != manifest.DigestBytes([]byte("fake bzImage")) {
 		t.Errorf("kernel digest %s", m.Kernel.Digest)
@@ -152,56 +231,34 @@ func TestAssembleLayout(t *testing.T) {
 	if d, _ := m.Digest(); manifest.DigestBytes(onDisk) != d {
 		t.Error("manifest.json is not the canonical encoding")
 	}
-	initrd, err := os.ReadFile(res.InitrdPath)
+	// The output is exactly an image directory, every part as the manifest
+	// says, the root's hash tree included; nothing else is left in it.
+	d, err := imagedir.Check(o.OutDir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if manifest.DigestBytes(initrd) != m.Initrd.Digest || int64(len(initrd)) != m.Initrd.Size {
-		t.Error("initrd does not match its manifest part")
+	for part, p := range map[string]string{
+		manifest.PartKernel: res.KernelPath, manifest.PartInitrd: res.InitrdPath, manifest.PartWorkspace: res.WorkspacePath,
+		manifest.PartSystem: res.SystemPath, manifest.PartSystemVerity: res.SystemVerityPath,
+	} {
+		if f, ok := d.File(part); !ok || f.Path != p {
+			t.Errorf("Result names %s for the %s, the image directory %+v", p, part, f)
+		}
 	}
-	// The workspace template (its content: image/workspace's tests).
-	ws, err := os.ReadFile(res.WorkspacePath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m.Workspace == nil || manifest.DigestBytes(ws) != m.Workspace.Digest || int64(len(ws)) != m.Workspace.Size || m.Workspace.Size != workspace.TemplateSize {
-		t.Errorf("workspace template does not match its manifest part %+v", m.Workspace)
+	if m.Workspace.Size != workspace.TemplateSize {
+		t.Errorf("workspace template %+v (its content: image/workspace's tests)", m.Workspace)
 	}
 
+	// The initramfs: the agent as /init, the console, the modules and
+	// their list, and nothing else.
 	files := readInitrd(t, res.InitrdPath, false)
 	agentBytes, _ := os.ReadFile(agent)
-	if e := files["init"]; !bytes.Equal(e.Data, agentBytes) || e.Mode != 0o755 {
-		t.Errorf("init: mode %v, %d bytes", e.Mode, len(e.Data))
-	}
-	if e := files["bin/busybox"]; e.Mode != 0o755 || !strings.HasPrefix(string(e.Data), "#!/bin/sh") {
-		t.Errorf("bin/busybox: %v", e.Mode)
-	}
-	for _, ap := range []string{"bin/sh", "sbin/init", "usr/bin/head", "usr/bin/[", "usr/sbin/chroot"} {
-		if e := files[ap]; e.Linkname != "/bin/busybox" {
-			t.Errorf("%s -> %q", ap, e.Linkname)
-		}
-	}
-	if _, ok := files["linuxrc"]; ok {
-		t.Error("linuxrc applet installed")
-	}
-	for _, d := range []string{"proc", "sys", "dev", "tmp", "run", "workspace", "etc", "root", "home/agent", "usr/bin", "usr/sbin", "sbin", "bin", "var/tmp"} {
-		if e, ok := files[d]; !ok || !e.Mode.IsDir() {
-			t.Errorf("dir %s missing", d)
-		}
-	}
-	if files["tmp"].Mode != fs.ModeDir|fs.ModeSticky|0o777 || files["home/agent"].UID != 1000 {
-		t.Errorf("tmp %v, home/agent uid %d", files["tmp"].Mode, files["home/agent"].UID)
+	if e := files["init"]; !bytes.Equal(e.Data, agentBytes) || e.Mode != 0o755 || e.UID != 0 {
+		t.Errorf("init: mode %v, uid %d, %d bytes", e.Mode, e.UID, len(e.Data))
 	}
 	if c := files["dev/console"]; c.Mode.Type() != fs.ModeDevice|fs.ModeCharDevice || c.Major != 5 || c.Minor != 1 {
 		t.Errorf("dev/console %+v", c)
 	}
-	if !strings.Contains(string(files["etc/passwd"].Data), "agent:x:1000:1000:agent:/home/agent:/bin/sh\n") ||
-		string(files["etc/hostname"].Data) != "carrel\n" ||
-		!strings.Contains(string(files["etc/os-release"].Data), "ID=carrel") ||
-		!strings.Contains(string(files["etc/group"].Data), "agent:x:1000:") {
-		t.Error("etc files wrong")
-	}
-
 	wantOrder := []string{
 		"kernel/drivers/virtio/virtio_ring.ko",
 		"kernel/drivers/virtio/virtio.ko",
@@ -219,16 +276,21 @@ func TestAssembleLayout(t *testing.T) {
 		"kernel/net/vmw_vsock/vsock.ko",
 		"kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko",
 		"kernel/net/vmw_vsock/vmw_vsock_virtio_transport.ko",
+		"kernel/drivers/md/dm-bufio.ko",
+		"kernel/drivers/md/dm-mod.ko",
+		"kernel/drivers/md/dm-verity.ko",
+		"kernel/fs/erofs/erofs.ko",
+		"kernel/fs/overlayfs/overlay.ko",
 	}
 	var want strings.Builder
 	for _, p := range wantOrder {
 		want.WriteString("/lib/modules/" + testRelease + "/" + p + "\n")
-		if _, ok := files["lib/modules/"+testRelease+"/"+p]; !ok {
-			t.Errorf("module %s missing", p)
+		if e, ok := files["lib/modules/"+testRelease+"/"+p]; !ok || e.Mode != 0o644 {
+			t.Errorf("module %s: %+v", p, e)
 		}
 	}
-	if got := string(files["etc/carrel/modules"].Data); got != want.String() {
-		t.Errorf("etc/carrel/modules:\n%s\nwant:\n%s", got, want.String())
+	if e := files["etc/carrel/modules"]; string(e.Data) != want.String() || e.Mode != 0o644 {
+		t.Errorf("etc/carrel/modules (%v):\n%s\nwant:\n%s", e.Mode, e.Data, want.String())
 	}
 	if _, ok := files["lib/modules/"+testRelease+"/kernel/net/can/can.ko"]; ok {
 		t.Error("unrequested module installed")
@@ -236,13 +298,79 @@ func TestAssembleLayout(t *testing.T) {
 	if len(res.Modules) != len(wantOrder) {
 		t.Errorf("Result.Modules %v", res.Modules)
 	}
+	initrdOnly := map[string]bool{"init": true, "dev": true, "dev/console": true, "proc": true, "sys": true, "run": true,
+		"etc": true, "etc/carrel": true, "etc/carrel/modules": true, "lib": true, "lib/modules": true}
+	for name := range files {
+		if !initrdOnly[name] && !strings.HasPrefix(name, "lib/modules/"+testRelease) {
+			t.Errorf("the initramfs holds %s, which belongs in the root", name)
+		}
+	}
+
+	// The root file system: busybox and its applets, the accounts, the
+	// directories with their modes and owners, the canary.
+	root := extractRoot(t, res)
+	file := func(name string) rootFile {
+		t.Helper()
+		f, ok := statRoot(t, root, name)
+		if !ok {
+			t.Errorf("%s is not in the root", name)
+		}
+		return f
+	}
+	if f := file("bin/busybox"); f.mode != 0o755 || f.uid != 0 || !strings.HasPrefix(string(f.data), "#!/bin/sh") {
+		t.Errorf("bin/busybox: %v, uid %d", f.mode, f.uid)
+	}
+	for _, ap := range []string{"bin/sh", "sbin/init", "usr/bin/head", "usr/bin/[", "usr/sbin/chroot"} {
+		if f := file(ap); f.mode.Type() != fs.ModeSymlink || f.link != "/bin/busybox" {
+			t.Errorf("%s: %v -> %q", ap, f.mode, f.link)
+		}
+	}
+	for _, absent := range []string{"linuxrc", "init", "var/run", "usr/sbin/qemu-ga"} {
+		if _, ok := statRoot(t, root, absent); ok {
+			t.Errorf("%s is in the root", absent)
+		}
+	}
+	for _, d := range guestDirs {
+		if f := file(d.name); f.mode != fs.ModeDir|d.mode || f.uid != 0 || f.gid != 0 {
+			t.Errorf("%s: %v %d:%d, want %v root's", d.name, f.mode, f.uid, f.gid, fs.ModeDir|d.mode)
+		}
+	}
+	for _, d := range []string{"home/agent", "workspace"} {
+		if f := file(d); f.mode != fs.ModeDir|0o755 || f.uid != 1000 || f.gid != 1000 {
+			t.Errorf("%s: %v %d:%d, want the agent's", d, f.mode, f.uid, f.gid)
+		}
+	}
+	if f := file("tmp"); f.mode != fs.ModeDir|fs.ModeSticky|0o777 {
+		t.Errorf("tmp: %v", f.mode)
+	}
+	etc := map[string]string{
+		"etc/passwd":     "agent:x:1000:1000:agent:/home/agent:/bin/sh\n",
+		"etc/group":      "agent:x:1000:\n",
+		"etc/hostname":   "carrel\n",
+		"etc/os-release": "ID=carrel\n",
+	}
+	for name, line := range etc {
+		if f := file(name); f.mode != 0o644 || f.uid != 0 || !strings.Contains(string(f.data), line) {
+			t.Errorf("%s (%v, uid %d): %q, want a line %q", name, f.mode, f.uid, f.data, line)
+		}
+	}
+	if f := file(CanaryPath); !bytes.Equal(f.data, Canary()) || f.mode != 0o644 {
+		t.Errorf("%s: %v, %d bytes, not the canary", CanaryPath, f.mode, len(f.data))
+	}
 }
 
+// TestAssembleReproducible assembles twice from the same inputs into
+// different output directories, a moment apart: every file must be the
+// same, byte for byte, and so the manifest digest.
 func TestAssembleReproducible(t *testing.T) {
 	in, agent := syntheticInputs(t)
+	names := []string{imagedir.ManifestFile}
+	for _, part := range []string{manifest.PartKernel, manifest.PartInitrd, manifest.PartWorkspace, manifest.PartSystem, manifest.PartSystemVerity} {
+		names = append(names, imagedir.FileName(part))
+	}
 	for _, compress := range []bool{false, true} {
 		var digests []string
-		var initrds [][]byte
+		var outs []string
 		for range 2 {
 			o := testOptions(t, agent)
 			o.Compress = compress
@@ -254,19 +382,33 @@ func TestAssembleReproducible(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			b, err := os.ReadFile(res.InitrdPath)
-			if err != nil {
-				t.Fatal(err)
-			}
 			digests = append(digests, d)
-			initrds = append(initrds, b)
+			outs = append(outs, o.OutDir)
 			if compress {
 				readInitrd(t, res.InitrdPath, true)
 			}
-			time.Sleep(10 * time.Millisecond) // let clocks move; nothing may depend on them
+			if len(outs) == 1 {
+				time.Sleep(1100 * time.Millisecond) // let clocks pass a second; nothing may depend on them
+			}
 		}
-		if digests[0] != digests[1] || !bytes.Equal(initrds[0], initrds[1]) {
-			t.Errorf("compress=%v: builds differ: %s vs %s", compress, digests[0], digests[1])
+		if outs[0] == outs[1] {
+			t.Fatal("both builds went to one directory")
+		}
+		if digests[0] != digests[1] {
+			t.Errorf("compress=%v: manifest digests differ: %s vs %s", compress, digests[0], digests[1])
+		}
+		for _, name := range names {
+			a, err := os.ReadFile(filepath.Join(outs[0], name))
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := os.ReadFile(filepath.Join(outs[1], name))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(a, b) {
+				t.Errorf("compress=%v: %s differs between the builds", compress, name)
+			}
 		}
 	}
 }
@@ -344,9 +486,13 @@ func TestBuildValidatesOptions(t *testing.T) {
 	}
 }
 
-func TestStoreResult(t *testing.T) {
+// TestImportAssembled imports an assembled image with store.Import, as
+// `carrel image build-dev` does, and then a copy whose kernel was changed
+// after the build: that import must fail and leave the store as it was.
+func TestImportAssembled(t *testing.T) {
 	in, agent := syntheticInputs(t)
-	res, err := assemble(context.Background(), in, testOptions(t, agent), execRun)
+	o := testOptions(t, agent)
+	res, err := assemble(context.Background(), in, o, execRun)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -354,34 +500,98 @@ func TestStoreResult(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := StoreResult(st, res, "Bad Tag"); !errors.Is(err, store.ErrInvalidRef) {
-		t.Errorf("bad tag: %v", err)
-	}
-	d, err := StoreResult(st, res, "dev")
+	imp, err := st.Import(o.OutDir, "dev")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want, _ := res.Manifest.Digest(); d != want {
-		t.Errorf("digest %s want %s", d, want)
+	if want, _ := res.Manifest.Digest(); imp.Digest != want || imp.Already {
+		t.Errorf("Import = %+v, want digest %s", imp, want)
 	}
 	r, err := st.Verify("dev")
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r.Manifest.Initrd != res.Manifest.Initrd || r.WorkspacePath == "" || *r.Manifest.Workspace != *res.Manifest.Workspace {
-		t.Errorf("stored manifest %+v, workspace %q", r.Manifest, r.WorkspacePath)
+	if !reflect.DeepEqual(r.Manifest, res.Manifest) || r.WorkspacePath == "" || r.SystemPath == "" || r.SystemVerityPath == "" {
+		t.Errorf("stored %+v", r)
+	}
+	if err := imagedir.VerifySystem(r.Manifest, r.SystemPath, r.SystemVerityPath); err != nil {
+		t.Errorf("stored root: %v", err)
 	}
 
-	if err := os.WriteFile(res.KernelPath, []byte("tampered"), 0o644); err != nil {
+	kernel, err := os.ReadFile(res.KernelPath)
+	if err != nil {
 		t.Fatal(err)
 	}
-	res.Manifest.Name = "other"
-	if _, err := StoreResult(st, res, "other"); err == nil || !strings.Contains(err.Error(), "changed since it was built") {
-		t.Errorf("tampered kernel: %v", err)
+	for name, tampered := range map[string][]byte{
+		"same size":  append([]byte("X"), kernel[1:]...),
+		"other size": []byte("tampered"),
+	} {
+		t.Run(name, func(t *testing.T) {
+			// A copy of the image, under another name so that it is a
+			// new image to the store, with its kernel rewritten.
+			dir := t.TempDir()
+			for _, n := range []string{"vmlinuz", "initrd.img", "workspace.img", "system.erofs", "system.verity"} {
+				copyFile(t, filepath.Join(o.OutDir, n), filepath.Join(dir, n))
+			}
+			m := *res.Manifest
+			m.Name = "tampered"
+			b, err := m.Marshal()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, imagedir.ManifestFile), b, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, imagedir.FileName(manifest.PartKernel)), tampered, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			before, err := st.List()
+			if err != nil {
+				t.Fatal(err)
+			}
+			blobs := readDirNames(t, filepath.Join(st.Dir(), "blobs/sha256"))
+			_, err = st.Import(dir, "tampered")
+			if !errors.Is(err, imagedir.ErrInvalid) || !strings.Contains(err.Error(), "vmlinuz") {
+				t.Fatalf("Import of a changed kernel: %v", err)
+			}
+			if after, err := st.List(); err != nil || !reflect.DeepEqual(after, before) {
+				t.Errorf("List changed: %+v, %v; was %+v", after, err, before)
+			}
+			if _, err := st.Resolve("tampered"); !errors.Is(err, store.ErrNotFound) {
+				t.Errorf("tag created for a tampered image: %v", err)
+			}
+			if got := readDirNames(t, filepath.Join(st.Dir(), "blobs/sha256")); !reflect.DeepEqual(got, blobs) {
+				t.Errorf("blobs %v, were %v", got, blobs)
+			}
+			if tmp := readDirNames(t, filepath.Join(st.Dir(), "tmp")); len(tmp) != 0 {
+				t.Errorf("tmp holds %v", tmp)
+			}
+		})
 	}
-	if _, err := st.Resolve("other"); !errors.Is(err, store.ErrNotFound) {
-		t.Errorf("tag created for tampered image: %v", err)
+}
+
+func copyFile(t *testing.T, src, dst string) {
+	t.Helper()
+	b, err := os.ReadFile(src)
+	if err != nil {
+		t.Fatal(err)
 	}
+	if err := os.WriteFile(dst, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func readDirNames(t *testing.T, dir string) []string {
+	t.Helper()
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	names := []string{}
+	for _, de := range des {
+		names = append(names, de.Name())
+	}
+	return names
 }
 
 // TestBuildDebian does the real download, unpack and build. It needs a
@@ -393,6 +603,7 @@ func TestBuildDebian(t *testing.T) {
 	if _, err := exec.LookPath("apt-get"); err != nil {
 		t.Skip("apt-get not found; the dev image builder needs a Debian host")
 	}
+	needAssembleTools(t)
 	dir := t.TempDir()
 	src := filepath.Join(dir, "main.go")
 	if err := os.WriteFile(src, []byte("package main\nfunc main() { println(\"hello from init\") }\n"), 0o644); err != nil {
@@ -410,9 +621,13 @@ func TestBuildDebian(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
-	res, err := Build(ctx, Options{CacheDir: cache, OutDir: filepath.Join(dir, "out"), AgentBinary: agent,
+	out := filepath.Join(dir, "out")
+	res, err := Build(ctx, Options{CacheDir: cache, OutDir: out, AgentBinary: agent,
 		Logger: slog.New(slog.NewTextHandler(testWriter{t}, nil))})
 	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := imagedir.Check(out); err != nil {
 		t.Fatal(err)
 	}
 	files := readInitrd(t, res.InitrdPath, false)
@@ -421,10 +636,18 @@ func TestBuildDebian(t *testing.T) {
 			t.Errorf("module %s missing", p)
 		}
 	}
-	if len(res.Modules) < len(DefaultModules) || files["bin/sh"].Linkname != "/bin/busybox" {
+	if len(res.Modules) < len(DefaultModules) {
 		t.Errorf("modules %v", res.Modules)
 	}
-	t.Logf("kernel %s, initrd %d bytes, modules:\n%s", res.Manifest.KernelVersion, res.Manifest.Initrd.Size, files["etc/carrel/modules"].Data)
+	root := extractRoot(t, res)
+	if f, ok := statRoot(t, root, "bin/sh"); !ok || f.link != "/bin/busybox" {
+		t.Errorf("bin/sh: %+v", f)
+	}
+	if len(res.Manifest.Packages) < 2 {
+		t.Errorf("packages %v", res.Manifest.Packages)
+	}
+	t.Logf("kernel %s, initrd %d bytes, root %d bytes, modules:\n%s", res.Manifest.KernelVersion,
+		res.Manifest.Initrd.Size, res.Manifest.System.Size, files["etc/carrel/modules"].Data)
 }
 
 // TestBuildDebianQemuGA builds the qemu-guest-agent variant for real and
@@ -437,6 +660,7 @@ func TestBuildDebianQemuGA(t *testing.T) {
 	if _, err := exec.LookPath("apt-get"); err != nil {
 		t.Skip("apt-get not found; the dev image builder needs a Debian host")
 	}
+	needAssembleTools(t)
 	dir := t.TempDir()
 	agent := fakeAgent(t, dir)
 	cache := os.Getenv("CARREL_IMAGE_CACHE")
@@ -453,27 +677,19 @@ func TestBuildDebianQemuGA(t *testing.T) {
 	if res.QemuGA != QemuGABinary || res.Manifest.Name != QemuGAName {
 		t.Fatalf("QemuGA %q, name %q", res.QemuGA, res.Manifest.Name)
 	}
-	files := readInitrd(t, res.InitrdPath, false)
-	root := filepath.Join(dir, "root")
+	root := extractRoot(t, res)
 	var loader string
 	for _, p := range append([]string{res.QemuGA}, res.QemuGALibs...) {
-		e, ok := files[strings.TrimPrefix(p, "/")]
-		if !ok || !e.Mode.IsRegular() {
-			t.Fatalf("%s missing from the initramfs", p)
-		}
-		dst := filepath.Join(root, p)
-		if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(dst, e.Data, 0o755); err != nil {
-			t.Fatal(err)
+		f, ok := statRoot(t, root, p)
+		if !ok || !f.mode.IsRegular() {
+			t.Fatalf("%s missing from the root", p)
 		}
 		if strings.Contains(p, "ld-linux") {
-			loader = dst
+			loader = filepath.Join(root, p)
 		}
 	}
-	if files["var/run"].Linkname != "/run" {
-		t.Errorf("var/run: %+v", files["var/run"])
+	if f, _ := statRoot(t, root, "var/run"); f.link != "/run" {
+		t.Errorf("var/run: %+v", f)
 	}
 	// The image's loader with only the image's libraries must run it.
 	out, err := exec.Command(loader, "--inhibit-cache", "--library-path", filepath.Join(root, guestLibDir),
@@ -533,8 +749,9 @@ func TestResolveDynamic(t *testing.T) {
 
 // TestAssembleQemuGA lays out the qemu-guest-agent variant from synthetic
 // inputs: qemu-ga, its loader at the PT_INTERP path, its libraries in the
-// loader's default directory, and /var/run.
+// loader's default directory, and /var/run, all in the root file system.
 func TestAssembleQemuGA(t *testing.T) {
+	needAssembleTools(t)
 	in, agent := syntheticInputs(t)
 	dir := t.TempDir()
 	write := func(name, content string) string {
@@ -569,28 +786,38 @@ func TestAssembleQemuGA(t *testing.T) {
 		"usr/lib/x86_64-linux-gnu/libglib-2.0.so.0": "glib",
 		"usr/lib/x86_64-linux-gnu/libc.so.6":        "libc",
 	}
-	files := readInitrd(t, res.InitrdPath, false)
+	root := extractRoot(t, res)
 	for p, content := range want {
-		if e := files[p]; string(e.Data) != content || e.Mode.Perm()&0o444 != 0o444 {
-			t.Errorf("%s: %q, mode %v", p, e.Data, e.Mode)
+		if f, ok := statRoot(t, root, p); !ok || string(f.data) != content || f.mode.Perm()&0o444 != 0o444 || f.uid != 0 {
+			t.Errorf("%s: %q, mode %v, uid %d", p, f.data, f.mode, f.uid)
 		}
 	}
-	if files["usr/sbin/qemu-ga"].Mode != 0o755 || files["var/run"].Linkname != "/run" {
-		t.Errorf("qemu-ga mode %v, var/run %+v", files["usr/sbin/qemu-ga"].Mode, files["var/run"])
+	qga, _ := statRoot(t, root, "usr/sbin/qemu-ga")
+	run, _ := statRoot(t, root, "var/run")
+	if qga.mode != 0o755 || run.link != "/run" {
+		t.Errorf("qemu-ga mode %v, var/run %+v", qga.mode, run)
 	}
 	if len(res.QemuGALibs) != 3 || res.QemuGALibs[0] != "/lib64/ld-linux-x86-64.so.2" {
 		t.Errorf("QemuGALibs %v", res.QemuGALibs)
+	}
+	// None of it is in the initramfs.
+	for name := range readInitrd(t, res.InitrdPath, false) {
+		if _, ok := want[name]; ok || name == "var/run" {
+			t.Errorf("%s in the initramfs", name)
+		}
 	}
 	// The plain image has none of it.
 	plain, err := assemble(context.Background(), inputs{kernel: in.kernel, moduleRoot: in.moduleRoot, busybox: in.busybox}, testOptions(t, agent), execRun)
 	if err != nil {
 		t.Fatal(err)
 	}
-	files = readInitrd(t, plain.InitrdPath, false)
-	if _, ok := files["usr/sbin/qemu-ga"]; ok || plain.QemuGA != "" {
-		t.Error("qemu-ga in the plain image")
+	root = extractRoot(t, plain)
+	for _, p := range append([]string{"usr/sbin/qemu-ga", "var/run", "lib64"}, guestLibDir+"/libc.so.6") {
+		if _, ok := statRoot(t, root, p); ok {
+			t.Errorf("%s in the plain image", p)
+		}
 	}
-	if _, ok := files["var/run"]; ok {
-		t.Error("var/run in the plain image")
+	if plain.QemuGA != "" || len(plain.QemuGALibs) != 0 {
+		t.Errorf("plain image: QemuGA %q, libs %v", plain.QemuGA, plain.QemuGALibs)
 	}
 }

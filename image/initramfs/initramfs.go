@@ -1,5 +1,7 @@
 // Package initramfs builds Linux initramfs archives: cpio in the "newc"
-// (070701) format the kernel unpacks at boot.
+// (070701) format the kernel unpacks at boot. The same tree of entries can
+// be laid out as a directory instead (WriteDir), for mkfs.erofs to make an
+// image's read-only root of.
 //
 // Output is deterministic: entries are written in sorted path order with
 // inode numbers assigned in that order, modification times of zero and only

@@ -1,8 +1,11 @@
 // Package manifest defines the image manifest: the content digests of the
-// parts a VM boots from, plus the kernel command line they were built for.
+// parts a VM boots from, the kernel command line they were built for, the
+// dm-verity parameters of the read-only root, and the packages in it.
 //
 // A manifest names its parts only by digest and carries no timestamps, so the
-// same inputs always give the same manifest digest.
+// same inputs always give the same manifest digest, and that digest is the
+// image's identity: it covers every part, the verity root hash and the
+// package list. docs/image-format.md describes the format.
 package manifest
 
 import (
@@ -17,11 +20,18 @@ import (
 	"strings"
 )
 
-// SchemaVersion is the only manifest schema this package reads and writes.
-const SchemaVersion = 1
+// SchemaVersion is the manifest schema this package writes. Version 2 adds
+// the verified root (System, SystemVerity, Verity) and the package list;
+// Parse still reads version 1 (an initramfs-only image), which has neither.
+const SchemaVersion = 2
 
-// MaxSize bounds an encoded manifest; Parse rejects anything larger.
-const MaxSize = 64 << 10
+// MaxSize bounds an encoded manifest; Parse rejects anything larger. The
+// package list of a full userland takes most of it.
+const MaxSize = 4 << 20
+
+// MaxPartSize bounds one part: no kernel, initrd or root file system of a
+// guest image comes near it, and a manifest that claims more is hostile.
+const MaxPartSize = 64 << 30
 
 // MaxCmdline bounds the kernel command line (x86's COMMAND_LINE_SIZE).
 const MaxCmdline = 2048
@@ -56,14 +66,40 @@ type Manifest struct {
 	// its backing file (see image/workspace). Without it, VMs of the image
 	// keep their workspace in memory (tmpfs).
 	Workspace *Part `json:"workspace,omitempty"`
+	// System is the read-only root file system (erofs) and SystemVerity
+	// its dm-verity hash device (a superblock, then the hash tree); Verity
+	// holds the parameters that tie them to the root hash on Cmdline. All
+	// three are set, or none (an image whose root is its initramfs).
+	System       *Part   `json:"system,omitempty"`
+	SystemVerity *Part   `json:"system_verity,omitempty"`
+	Verity       *Verity `json:"verity,omitempty"`
+	// Packages are every package in the image with its version, sorted
+	// by name (the image's SBOM).
+	Packages []Package `json:"packages,omitempty"`
 }
 
+// Part names, as Parts gives them and as an image directory's files are
+// named after them (see File).
+const (
+	PartKernel       = "kernel"
+	PartInitrd       = "initrd"
+	PartWorkspace    = "workspace"
+	PartSystem       = "system"
+	PartSystemVerity = "system_verity"
+)
+
 // Parts are the image's files, named, in a fixed order: kernel, initrd,
-// and the workspace template if the image has one.
+// then those of the workspace template, root file system and hash device
+// that the image has.
 func (m *Manifest) Parts() []NamedPart {
-	ps := []NamedPart{{"kernel", m.Kernel}, {"initrd", m.Initrd}}
-	if m.Workspace != nil {
-		ps = append(ps, NamedPart{"workspace", *m.Workspace})
+	ps := []NamedPart{{PartKernel, m.Kernel}, {PartInitrd, m.Initrd}}
+	for _, p := range []struct {
+		name string
+		part *Part
+	}{{PartWorkspace, m.Workspace}, {PartSystem, m.System}, {PartSystemVerity, m.SystemVerity}} {
+		if p.part != nil {
+			ps = append(ps, NamedPart{p.name, *p.part})
+		}
 	}
 	return ps
 }
@@ -112,8 +148,8 @@ func DigestBytes(b []byte) string {
 
 // Validate returns an error wrapping ErrInvalid naming the first bad field.
 func (m *Manifest) Validate() error {
-	if m.SchemaVersion != SchemaVersion {
-		return fmt.Errorf("%w: unsupported schema_version %d (want %d)", ErrInvalid, m.SchemaVersion, SchemaVersion)
+	if m.SchemaVersion != 1 && m.SchemaVersion != SchemaVersion {
+		return fmt.Errorf("%w: unsupported schema_version %d (want 1 or %d)", ErrInvalid, m.SchemaVersion, SchemaVersion)
 	}
 	if !ValidName(m.Name) {
 		return fmt.Errorf("%w: name %q: want [a-z0-9][a-z0-9._-]{0,62}", ErrInvalid, m.Name)
@@ -135,6 +171,9 @@ func (m *Manifest) Validate() error {
 			return fmt.Errorf("workspace: %w", err)
 		}
 	}
+	if err := m.validateSystem(); err != nil {
+		return err
+	}
 	if len(m.Cmdline) > MaxCmdline {
 		return fmt.Errorf("%w: cmdline is %d bytes, limit %d", ErrInvalid, len(m.Cmdline), MaxCmdline)
 	}
@@ -150,8 +189,8 @@ func (p Part) validate() error {
 	if err := ValidateDigest(p.Digest); err != nil {
 		return err
 	}
-	if p.Size <= 0 {
-		return fmt.Errorf("%w: size %d: want > 0", ErrInvalid, p.Size)
+	if p.Size <= 0 || p.Size > MaxPartSize {
+		return fmt.Errorf("%w: size %d: want 1 to %d bytes", ErrInvalid, p.Size, int64(MaxPartSize))
 	}
 	return nil
 }

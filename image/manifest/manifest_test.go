@@ -2,6 +2,7 @@ package manifest
 
 import (
 	"errors"
+	"reflect"
 	"strings"
 	"testing"
 )
@@ -38,14 +39,14 @@ func TestRoundTripAndDigestStable(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if *got != *m {
+	if !reflect.DeepEqual(got, m) {
 		t.Fatalf("round trip: got %+v want %+v", got, m)
 	}
 	d2, err := got.Digest()
 	if err != nil || d2 != d1 {
 		t.Fatalf("digest after round trip = %s, %v; want %s", d2, err, d1)
 	}
-	want := `{"schema_version":1,"name":"carrel-dev","arch":"amd64","kernel_version":"6.1.0-56-amd64",` +
+	want := `{"schema_version":2,"name":"carrel-dev","arch":"amd64","kernel_version":"6.1.0-56-amd64",` +
 		`"kernel":{"digest":"` + m.Kernel.Digest + `","size":6},"initrd":{"digest":"` + m.Initrd.Digest + `","size":6},` +
 		`"cmdline":"console=ttyS0 quiet panic=-1"}`
 	if string(b) != want {
@@ -77,7 +78,7 @@ func TestValidateDigest(t *testing.T) {
 
 func TestValidateRejects(t *testing.T) {
 	cases := map[string]func(m *Manifest){
-		"schema":         func(m *Manifest) { m.SchemaVersion = 2 },
+		"schema":         func(m *Manifest) { m.SchemaVersion = 3 },
 		"empty name":     func(m *Manifest) { m.Name = "" },
 		"upper name":     func(m *Manifest) { m.Name = "Dev" },
 		"slash name":     func(m *Manifest) { m.Name = "a/b" },
@@ -119,7 +120,7 @@ func TestParseRejects(t *testing.T) {
 		"bad digest":     strings.Replace(s, "sha256:", "sha1:", 1),
 		"wrong type":     strings.Replace(s, `"size":6`, `"size":"6"`, 1),
 		"oversize":       s[:len(s)-1] + `,"cmdline":"` + strings.Repeat(" ", MaxSize) + `"}`,
-		"schema 0":       strings.Replace(s, `"schema_version":1`, `"schema_version":0`, 1),
+		"schema 0":       strings.Replace(s, `"schema_version":2`, `"schema_version":0`, 1),
 	}
 	for name, in := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -133,6 +134,8 @@ func TestParseRejects(t *testing.T) {
 func FuzzParse(f *testing.F) {
 	b, _ := valid().Marshal()
 	f.Add(b)
+	sys, _ := validSystem(f).Marshal()
+	f.Add(sys)
 	f.Add([]byte(`{}`))
 	f.Fuzz(func(t *testing.T, in []byte) {
 		m, err := Parse(in)

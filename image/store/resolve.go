@@ -25,6 +25,10 @@ type Resolved struct {
 	// WorkspacePath is the workspace template's blob; "" when the image
 	// has none.
 	WorkspacePath string
+	// SystemPath and SystemVerityPath are the verified root file system
+	// and its hash device; "" when the image has none.
+	SystemPath       string
+	SystemVerityPath string
 }
 
 // Resolve looks up ref, a tag name or a manifest digest ("sha256:<hex>").
@@ -90,7 +94,30 @@ func (s *Store) resolveDigest(digest string) (*Resolved, error) {
 	if m.Workspace != nil {
 		r.WorkspacePath = s.blobPath(m.Workspace.Digest)
 	}
+	if m.System != nil {
+		r.SystemPath = s.blobPath(m.System.Digest)
+		r.SystemVerityPath = s.blobPath(m.SystemVerity.Digest)
+	}
 	return r, nil
+}
+
+// ManifestBytes returns the stored manifest of digest as stored: its
+// canonical encoding, whose sha256 is digest.
+func (s *Store) ManifestBytes(digest string) ([]byte, error) {
+	if err := manifest.ValidateDigest(digest); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidRef, err)
+	}
+	b, err := readLimited(s.manifestPath(digest), manifest.MaxSize)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("manifest %s: %w", digest, ErrNotFound)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("manifest %s: %w", digest, err)
+	}
+	if got := manifest.DigestBytes(b); got != digest {
+		return nil, fmt.Errorf("manifest %s hashes to %s: %w", digest, got, ErrCorrupt)
+	}
+	return b, nil
 }
 
 // Verify resolves ref and then hashes every part in full; a part whose

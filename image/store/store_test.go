@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -74,7 +75,7 @@ func TestPutResolveByTagAndDigest(t *testing.T) {
 		if err != nil {
 			t.Fatalf("Resolve(%q): %v", ref, err)
 		}
-		if r.Digest != d || *r.Manifest != *m {
+		if r.Digest != d || !reflect.DeepEqual(r.Manifest, m) {
 			t.Fatalf("Resolve(%q) = %+v", ref, r)
 		}
 		if b, err := os.ReadFile(r.KernelPath); err != nil || string(b) != "kernel bytes" {
@@ -341,7 +342,7 @@ func TestList(t *testing.T) {
 	if strings.Join(e1.Tags, ",") != "a,b" || len(e2.Tags) != 0 {
 		t.Errorf("tags: %v %v", e1.Tags, e2.Tags)
 	}
-	if e1.Size != 4 || e2.Size != 5 || e1.Created.IsZero() || *e1.Manifest != *m1 || e1.Error != "" {
+	if e1.Size != 4 || e2.Size != 5 || e1.Created.IsZero() || !reflect.DeepEqual(e1.Manifest, m1) || e1.Error != "" {
 		t.Errorf("entries: %+v %+v", e1, e2)
 	}
 }

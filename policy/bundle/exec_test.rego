@@ -95,7 +95,7 @@ test_no_command_denied if {
 }
 
 test_cwd_must_be_readable if {
-	every cwd in ["/var", "/home/agent", "/", "/workspacex"] {
+	every cwd in ["/var", "/home/other", "/", "/workspacex"] {
 		d := decide(["ls"], "agent", cwd)
 		denied_by(d, "carrel.exec.cwd_denied")
 		contains(d.reason, "carrel.fs.default_deny")
@@ -125,8 +125,9 @@ test_cwd_checked_for_root_too if {
 }
 
 test_cwd_follows_fs_vm_override if {
-	overrides := {"demo": {"fs": {"read_write": ["/workspace", "/tmp", "/home/agent"]}}}
-	allowed_by(decide(["ls"], "agent", "/home/agent"), "carrel.exec.user") with data.settings.vms as overrides
+	overrides := {"demo": {"fs": {"read_write": ["/workspace", "/tmp", "/srv/build"]}}}
+	allowed_by(decide(["ls"], "agent", "/srv/build"), "carrel.exec.user") with data.settings.vms as overrides
+	denied_by(decide(["ls"], "agent", "/srv/build"), "carrel.exec.cwd_denied")
 }
 
 test_vm_override_allows_root_on_one_vm if {

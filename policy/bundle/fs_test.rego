@@ -170,7 +170,7 @@ test_non_recursive_listing_of_secret_parent_allowed if {
 # Everything else is denied.
 
 test_outside_every_root_denied if {
-	every path in ["/", "/home/agent/notes.txt", "/var/log/syslog", "/run/user/1000", "/srv", "/mnt/disk"] {
+	every path in ["/", "/home/other/notes.txt", "/var/log/syslog", "/run/user/1000", "/srv", "/mnt/disk"] {
 		d := decide("read", path)
 		denied_by(d, "carrel.fs.default_deny")
 		d.reason == concat("", ["read ", path, ": not under any read-write or read-only root"])
@@ -220,13 +220,13 @@ test_recursive_flag_fails_closed if {
 # Per-VM overrides.
 
 test_vm_override_adds_read_write_root if {
-	overrides := {"build": {"fs": {"read_write": ["/workspace", "/tmp", "/home/agent"]}}}
-	build := fs.decision with input as object.union(fs_input("write", "/home/agent/.cache/go"), {"vm": "build"})
+	overrides := {"build": {"fs": {"read_write": ["/workspace", "/tmp", "/home/agent", "/srv/cache"]}}}
+	build := fs.decision with input as object.union(fs_input("write", "/srv/cache/go"), {"vm": "build"})
 		with data.settings.vms as overrides
 	allowed_by(build, "carrel.fs.read_write_root")
 
 	# Other VMs keep the defaults.
-	demo := fs.decision with input as fs_input("write", "/home/agent/.cache/go")
+	demo := fs.decision with input as fs_input("write", "/srv/cache/go")
 		with data.settings.vms as overrides
 	denied_by(demo, "carrel.fs.default_deny")
 
@@ -328,17 +328,17 @@ test_shortcut_names_the_deepest_root if {
 
 test_sandbox_default if {
 	s := fs.sandbox with input as {"version": 1, "vm": "demo"}
-	s.read_write == ["/workspace", "/tmp"]
+	s.read_write == ["/workspace", "/home/agent", "/tmp"]
 	s.read_only == ["/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/opt", "/nix", "/proc", "/sys", "/dev"]
 	s.denied == ["/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/ssh", "/root", "/proc/kcore", "/run/secrets"]
 }
 
 test_sandbox_follows_vm_override if {
-	overrides := {"build": {"fs": {"read_write": ["/workspace", "/home/agent"]}}}
+	overrides := {"build": {"fs": {"read_write": ["/workspace", "/srv/build"]}}}
 	s := fs.sandbox with input as {"version": 1, "vm": "build"} with data.settings.vms as overrides
-	s.read_write == ["/workspace", "/home/agent"]
+	s.read_write == ["/workspace", "/srv/build"]
 	t := fs.sandbox with input as {"version": 1, "vm": "demo"} with data.settings.vms as overrides
-	t.read_write == ["/workspace", "/tmp"]
+	t.read_write == ["/workspace", "/home/agent", "/tmp"]
 }
 
 test_sandbox_roots_are_absolute_and_clean if {

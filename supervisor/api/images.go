@@ -3,18 +3,24 @@ package api
 import (
 	"context"
 	"errors"
+	"fmt"
+	"path/filepath"
+	"syscall"
 	"time"
 
 	"connectrpc.com/connect"
 
+	"github.com/carrel-os/carrel/image/imagedir"
 	"github.com/carrel-os/carrel/image/store"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 )
 
-// ImageLister lists stored images.
+// ImageLister lists, resolves and imports stored images.
 type ImageLister interface {
 	List() ([]store.Entry, error)
 	Resolve(ref string) (*store.Resolved, error)
+	ManifestBytes(digest string) ([]byte, error)
+	Import(dir, tag string) (store.Imported, error)
 }
 
 type imageService struct {
@@ -71,10 +77,70 @@ func (s *imageService) ListImages(ctx context.Context, req *connect.Request[apiv
 	return connect.NewResponse(resp), nil
 }
 
+func (s *imageService) InspectImage(ctx context.Context, req *connect.Request[apiv1.InspectImageRequest]) (*connect.Response[apiv1.InspectImageResponse], error) {
+	r, err := s.cfg.Images.Resolve(req.Msg.Ref)
+	if err != nil {
+		return nil, imageError(err)
+	}
+	b, err := s.cfg.Images.ManifestBytes(r.Digest)
+	if err != nil {
+		return nil, imageError(err)
+	}
+	img, err := s.find(r.Digest)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&apiv1.InspectImageResponse{Image: img, ManifestJson: string(b)}), nil
+}
+
+func (s *imageService) ImportImage(ctx context.Context, req *connect.Request[apiv1.ImportImageRequest]) (*connect.Response[apiv1.ImportImageResponse], error) {
+	if !filepath.IsAbs(req.Msg.Path) {
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("import: path %q: want an absolute path on carreld's host", req.Msg.Path))
+	}
+	tag := req.Msg.Tag
+	if tag != "" && !store.ValidTagName(tag) {
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("invalid tag name %q", tag))
+	}
+	if tag == "" {
+		d, err := imagedir.Read(req.Msg.Path)
+		if err != nil {
+			return nil, imageError(err)
+		}
+		tag = d.Manifest.Name
+	}
+	out, err := s.cfg.Images.Import(req.Msg.Path, tag)
+	if err != nil {
+		return nil, imageError(err)
+	}
+	img, err := s.find(out.Digest)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(&apiv1.ImportImageResponse{Image: img, Already: out.Already}), nil
+}
+
+// imageError maps store and image-directory errors to connect codes.
+func imageError(err error) error {
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		return connect.NewError(connect.CodeNotFound, err)
+	case errors.Is(err, store.ErrInvalidRef), errors.Is(err, imagedir.ErrInvalid):
+		return connect.NewError(connect.CodeInvalidArgument, err)
+	case errors.Is(err, syscall.ENOSPC):
+		return connect.NewError(connect.CodeResourceExhausted, err)
+	}
+	return connect.NewError(connect.CodeInternal, err)
+}
+
 func imageProto(e store.Entry) *apiv1.Image {
-	img := &apiv1.Image{Digest: e.Digest, Tags: e.Tags, Size: uint64(e.Size), CreatedAt: e.Created.UTC().Format(time.RFC3339)}
-	if e.Manifest != nil {
-		img.KernelVersion = e.Manifest.KernelVersion
+	img := &apiv1.Image{Digest: e.Digest, Tags: e.Tags, Size: uint64(e.Size), CreatedAt: e.Created.UTC().Format(time.RFC3339), Error: e.Error}
+	if m := e.Manifest; m != nil {
+		img.KernelVersion = m.KernelVersion
+		img.Name = m.Name
+		img.Packages = uint32(len(m.Packages))
+		if m.Verity != nil {
+			img.RootHash = m.Verity.RootHash
+		}
 	}
 	return img
 }

@@ -31,7 +31,8 @@ var _ apiv1connect.VMServiceHandler = (*vmService)(nil)
 func (s *vmService) CreateVM(ctx context.Context, req *connect.Request[apiv1.CreateVMRequest]) (*connect.Response[apiv1.CreateVMResponse], error) {
 	m := req.Msg
 	rec, err := s.cfg.Manager.Create(ctx, vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus, Policy: m.Policy,
-		WorkspaceBytes: m.WorkspaceBytes, MaxProcesses: m.MaxProcesses, GPUs: m.Gpus})
+		WorkspaceBytes: m.WorkspaceBytes, MaxProcesses: m.MaxProcesses, GPUs: m.Gpus,
+		Ephemeral: m.Ephemeral, DiskBytes: m.DiskBytes})
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -67,6 +68,17 @@ func (s *vmService) StartVM(ctx context.Context, req *connect.Request[apiv1.Star
 		return nil, toConnect(err)
 	}
 	return connect.NewResponse(&apiv1.StartVMResponse{Vm: toProto(st)}), nil
+}
+
+func (s *vmService) ResetVM(ctx context.Context, req *connect.Request[apiv1.ResetVMRequest]) (*connect.Response[apiv1.ResetVMResponse], error) {
+	if _, err := s.cfg.Manager.Reset(ctx, req.Msg.Name, req.Msg.Workspace); err != nil {
+		return nil, toConnect(err)
+	}
+	st, err := s.cfg.Manager.Get(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.ResetVMResponse{Vm: toProto(st)}), nil
 }
 
 func (s *vmService) StopVM(ctx context.Context, req *connect.Request[apiv1.StopVMRequest]) (*connect.Response[apiv1.StopVMResponse], error) {
@@ -181,6 +193,9 @@ func toProto(st vm.Status) *apiv1.VM {
 		WorkspaceBytes: st.WorkspaceBytes,
 		MaxProcesses:   st.MaxProcesses,
 		Gpus:           st.GPUs,
+		Ephemeral:      st.Ephemeral,
+		DiskBytes:      st.DiskBytes,
+		RootHash:       st.RootHash,
 	}
 	switch st.State {
 	case registry.StateCreating:

@@ -116,6 +116,28 @@ func (r *Recorder) Tail(n int) string {
 	return lastLines(s, n)
 }
 
+// maxLine bounds a line LastLineWith returns: the guest prints it.
+const maxLine = 512
+
+// LastLineWith returns the last line of the console's tail that contains
+// marker, with non-printable bytes replaced and cut at maxLine bytes; ""
+// if there is none.
+func (r *Recorder) LastLineWith(marker string) string {
+	r.mu.Lock()
+	s := string(r.tail)
+	r.mu.Unlock()
+	lines := strings.Split(lastLines(s, tailBytes), "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if l := strings.TrimSpace(lines[i]); strings.Contains(l, marker) {
+			if len(l) > maxLine {
+				l = strings.ToValidUTF8(l[:maxLine], "") + "..."
+			}
+			return l
+		}
+	}
+	return ""
+}
+
 // Done is closed when the console stream has ended.
 func (r *Recorder) Done() <-chan struct{} { return r.done }
 

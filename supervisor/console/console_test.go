@@ -54,3 +54,28 @@ func TestCancelStopsRecording(t *testing.T) {
 	cancel()
 	<-r.Done()
 }
+
+// TestLastLineWith finds the guest's own account of a failed boot among
+// later lines, and bounds and cleans it: the guest writes it.
+func TestLastLineWith(t *testing.T) {
+	host, guest := net.Pipe()
+	r, err := Record(context.Background(), func(context.Context) (net.Conn, error) { return host, nil }, filepath.Join(t.TempDir(), "c.log"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() {
+		guest.Write([]byte("MARK: first\n[ 1.0] booting\nMARK: second \x1b[1m" + strings.Repeat("y", 2*maxLine) + "\n"))
+		for i := 0; i < 40; i++ {
+			guest.Write([]byte("[ 3.1] panic trace line\n"))
+		}
+		guest.Close()
+	}()
+	<-r.Done()
+	got := r.LastLineWith("MARK:")
+	if !strings.HasPrefix(got, "MARK: second [1myyy") || len(got) > maxLine+3 || strings.ContainsRune(got, 0x1b) {
+		t.Errorf("LastLineWith = %q (%d bytes)", got, len(got))
+	}
+	if got := r.LastLineWith("absent"); got != "" {
+		t.Errorf("LastLineWith(absent) = %q", got)
+	}
+}

@@ -129,6 +129,7 @@ func Run(ctx context.Context, cfg Config) error {
 	mgr = vm.New(vm.Config{
 		Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock,
 		QEMUImg:      workspace.QEMUImg(cfg.QEMUBinary),
+		DiskTemplate: filepath.Join(cfg.StateDir, "disk-template.img"),
 		PolicyExists: func(name string) error { _, err := pols.Get(name); return err },
 		AgentReady:   pols.GiveSandbox,
 		OnEvent:      auditrec.Lifecycle(auditLog, pols),
@@ -258,19 +259,20 @@ func (b *builder) build(ctx context.Context, tag string) (string, error) {
 		return "", fmt.Errorf("build dir: %w", err)
 	}
 	defer os.RemoveAll(tmp)
-	res, err := devimage.Build(ctx, devimage.Options{
+	if _, err := devimage.Build(ctx, devimage.Options{
 		CacheDir:    b.cfg.CacheDir,
 		OutDir:      tmp,
 		AgentBinary: b.cfg.AgentBinary,
 		Logger:      b.log,
-	})
+	}); err != nil {
+		return "", err
+	}
+	// The same import as for an image built elsewhere: every part is
+	// hashed again and the verity tree recomputed before it is stored.
+	out, err := b.images.Import(tmp, tag)
 	if err != nil {
 		return "", err
 	}
-	digest, err := devimage.StoreResult(b.images, res, tag)
-	if err != nil {
-		return "", err
-	}
-	b.log.Info("image built", "digest", digest, "tag", tag)
-	return digest, nil
+	b.log.Info("image built", "digest", out.Digest, "tag", tag, "unchanged", out.Already)
+	return out.Digest, nil
 }

@@ -26,12 +26,11 @@ type Spec struct {
 	Dir string
 	// CID is the guest's vsock context id; 0 means no vsock device.
 	CID uint32
-	// Workspace is the VM's workspace disk, a qcow2 file whose backing
-	// file is WorkspaceTemplate (raw); the driver attaches it as a virtio
-	// disk with serial protocol.WorkspaceSerial. "" means none: the
-	// guest's /workspace is a tmpfs.
-	Workspace         string
-	WorkspaceTemplate string
+	// Disks are attached as virtio disks, in order; the guest finds each
+	// by its serial. carreld gives a VM its image's verified root and hash
+	// device (read-only, shared by every VM of the image), its writable
+	// layer and its workspace (qcow2 over a template).
+	Disks []Disk
 	// Driver names the driver that runs the VM (a Set routes by it); ""
 	// means the Set's default. A VM keeps the driver it was created with.
 	Driver string
@@ -39,6 +38,28 @@ type Spec struct {
 	// VM was created. The driver passes each with the other functions of
 	// its slot (supervisor/gpu.Host.Check plans them), bound to vfio-pci.
 	GPUs []string
+}
+
+// Disk formats.
+const (
+	FormatRaw   = "raw"
+	FormatQCOW2 = "qcow2"
+)
+
+// Disk is one virtio disk of a VM.
+type Disk struct {
+	// Path is the disk's file, in Format.
+	Path   string
+	Format string
+	// Backing is a qcow2 disk's backing file, raw and opened read-only;
+	// the qcow2 file records it with its format, and the libvirt driver
+	// spells the chain out too, so that no format is ever probed.
+	Backing string
+	// ReadOnly disks are attached read-only; one file may then serve
+	// many VMs at once.
+	ReadOnly bool
+	// Serial is the disk's virtio serial (at most 20 bytes).
+	Serial string
 }
 
 // Instance is what a driver needs to find a running VM again, e.g. after

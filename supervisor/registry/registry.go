@@ -35,9 +35,12 @@ var ErrNotFound = errors.New("no such vm")
 
 // Record is everything carreld keeps about one VM.
 type Record struct {
-	Name        string    `json:"name"`
-	ID          string    `json:"id"`
-	ImageDigest string    `json:"image_digest"`
+	Name        string `json:"name"`
+	ID          string `json:"id"`
+	ImageDigest string `json:"image_digest"`
+	// RootHash is the dm-verity root hash of the image's root file system
+	// (hex), "" for an image without one.
+	RootHash    string    `json:"root_hash,omitempty"`
 	MemoryBytes uint64    `json:"memory_bytes"`
 	CPUs        uint32    `json:"cpus"`
 	Driver      string    `json:"driver"`
@@ -61,6 +64,10 @@ type Record struct {
 	// GPUs are the PCI addresses of the GPUs passed through to the VM. It
 	// holds them, running or stopped, until it is deleted.
 	GPUs []string `json:"gpus,omitempty"`
+	// Ephemeral VMs keep their writable layer in memory; DiskBytes sizes
+	// it on disk otherwise (0: the default).
+	Ephemeral bool   `json:"ephemeral,omitempty"`
+	DiskBytes uint64 `json:"disk_bytes,omitempty"`
 }
 
 // PolicyName is the VM's bound policy, "default" when none was recorded.

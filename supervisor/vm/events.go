@@ -26,6 +26,9 @@ const (
 	EventRemoved  EventKind = "removed"
 	EventPaused   EventKind = "paused"
 	EventResumed  EventKind = "resumed"
+	// EventReset: the VM's writable layer (and, if the reason says so, its
+	// workspace) was discarded; its next boot is the verified image.
+	EventReset EventKind = "reset"
 	// The VM's GPUs: attached before its QEMU starts (the boot stops if
 	// that cannot be recorded), detached once a run that had them ends.
 	EventGPUAttach EventKind = "gpu-attach"

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/image/store"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/console"
@@ -45,6 +46,9 @@ const (
 	MaxWorkspace = 1 << 40
 	MinProcesses = 16
 	MaxProcesses = 1 << 22
+	// The writable layer's disk (image/workspace's template bounds it).
+	MinDisk = 64 << 20
+	MaxDisk = 1 << 40
 )
 
 // Config configures a Manager.
@@ -61,9 +65,13 @@ type Config struct {
 	// Vsock says whether the host has /dev/vhost-vsock; without it VMs
 	// get no vsock device and the agent is reached over virtio-serial.
 	Vsock bool
-	// QEMUImg makes the workspace disks of VMs whose image has a
-	// workspace template (default "qemu-img"; see image/workspace).
+	// QEMUImg makes the VMs' own disks: workspace and writable layer
+	// (default "qemu-img"; see image/workspace).
 	QEMUImg string
+	// DiskTemplate is where carreld keeps the template of the writable-
+	// layer disks of VMs whose image brings none (image/workspace); it is
+	// made when first needed.
+	DiskTemplate string
 	// PolicyExists, when set, vets a policy name at create and rebind.
 	PolicyExists func(name string) error
 	// AgentReady, when set, runs once a VM's agent answers and before the
@@ -91,6 +99,8 @@ type Config struct {
 type Manager struct {
 	cfg Config
 	log *slog.Logger
+
+	templateMu sync.Mutex // makes DiskTemplate
 
 	mu      sync.Mutex
 	vms     map[string]*machine
@@ -186,6 +196,11 @@ type CreateParams struct {
 	MaxProcesses   uint64
 	// GPUs are PCI addresses of GPUs to pass through (Config.CheckGPUs).
 	GPUs []string
+	// Ephemeral keeps the VM's writable layer in memory: what it changes
+	// outside /workspace is gone when it stops. DiskBytes caps the layer
+	// otherwise (0: DefaultStateBytes).
+	Ephemeral bool
+	DiskBytes uint64
 }
 
 func (p *CreateParams) validate() error {
@@ -215,6 +230,12 @@ func (p *CreateParams) validate() error {
 	}
 	if w := p.WorkspaceBytes; w != 0 && (w < MinWorkspace || w > MaxWorkspace || w%(1<<20) != 0) {
 		return fmt.Errorf("%w: workspace %d bytes: want whole MiB, %d MiB to %d GiB", ErrInvalid, w, MinWorkspace>>20, MaxWorkspace>>30)
+	}
+	if d := p.DiskBytes; d != 0 && (d < MinDisk || d > MaxDisk || d%(1<<20) != 0) {
+		return fmt.Errorf("%w: disk %d bytes: want whole MiB, %d MiB to %d GiB", ErrInvalid, d, MinDisk>>20, MaxDisk>>30)
+	}
+	if p.Ephemeral && p.DiskBytes != 0 {
+		return fmt.Errorf("%w: an ephemeral VM keeps its changes in memory: it has no disk to size", ErrInvalid)
 	}
 	if n := p.MaxProcesses; n != 0 && (n < MinProcesses || n > MaxProcesses) {
 		return fmt.Errorf("%w: %d processes is out of range (%d to %d)", ErrInvalid, n, MinProcesses, MaxProcesses)
@@ -254,6 +275,7 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		Name:        p.Name,
 		ID:          newID(),
 		ImageDigest: img.Digest,
+		RootHash:    rootHash(img),
 		MemoryBytes: p.MemoryBytes,
 		CPUs:        p.CPUs,
 		Driver:      m.cfg.Driver.Name(),
@@ -265,6 +287,8 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		WorkspaceBytes: p.WorkspaceBytes,
 		MaxProcesses:   p.MaxProcesses,
 		GPUs:           p.GPUs,
+		Ephemeral:      p.Ephemeral,
+		DiskBytes:      p.DiskBytes,
 	})
 	mc.op <- struct{}{} // new, so free
 	defer mc.unlock()
@@ -303,6 +327,13 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 	rec := mc.snapshot()
 	m.log.Info("vm created", "vm", p.Name, "image", img.Digest, "pid", rec.Instance.PID)
 	return rec, nil
+}
+
+func rootHash(img *store.Resolved) string {
+	if v := img.Manifest.Verity; v != nil {
+		return v.RootHash
+	}
+	return ""
 }
 
 func (m *Manager) forget(name string) {
@@ -353,10 +384,8 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 		Driver:      rec.Driver, // a VM keeps the driver it was created with
 		GPUs:        rec.GPUs,
 	}
-	if img.WorkspacePath != "" {
-		if err := m.attachWorkspace(ctx, rec, img.WorkspacePath, &spec); err != nil {
-			return fmt.Errorf("boot vm %q: %w", name, err)
-		}
+	if err := m.attachDisks(ctx, rec, img, &spec); err != nil {
+		return fmt.Errorf("boot vm %q: %w", name, err)
 	}
 	// A new run (Create made the first one's), recorded before QEMU
 	// starts.
@@ -393,6 +422,9 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 			<-waitOrTimeout(rc.Done(), 2*time.Second)
 			if tail := rc.Tail(20); tail != "" {
 				msg = "\n--- last lines of the serial console ---\n" + tail
+			}
+			if l := rc.LastLineWith(protocol.BootFailedMarker); l != "" {
+				msg = "\nthe guest says: " + l + msg
 			}
 		}
 		cancelLive()

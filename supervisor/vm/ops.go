@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -197,6 +199,47 @@ func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) error
 	m.markStopped(mc, EventStopped, "")
 	log.Info("vm stopped", "force", force)
 	return nil
+}
+
+// Reset discards what the VM changed outside /workspace (its writable
+// layer over the verified image) and, with workspace, its /workspace too,
+// so that its next boot is the image as built. A running VM is stopped
+// first and booted again after, in a new session; a stopped VM stays
+// stopped.
+func (m *Manager) Reset(ctx context.Context, name string, workspace bool) (registry.Record, error) {
+	var rec registry.Record
+	err := m.locked(ctx, name, func(mc *machine) error {
+		wasRunning := mc.snapshot().State != registry.StateStopped
+		if err := m.stopLocked(ctx, mc, false); err != nil {
+			return err
+		}
+		disks := []string{StateDiskName}
+		what := "writable layer"
+		if workspace {
+			disks = append(disks, WorkspaceDiskName)
+			what = "writable layer and workspace"
+		}
+		dir := m.cfg.Registry.Dir(name)
+		for _, d := range disks {
+			if err := os.Remove(filepath.Join(dir, d)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return fmt.Errorf("reset vm %q: %w", name, err)
+			}
+		}
+		_ = m.event(ctx, mc, EventReset, what+" discarded")
+		m.log.Info("vm reset", "vm", name, "discarded", what)
+		if wasRunning {
+			if err := m.persist(mc, func(r *registry.Record) { r.State = registry.StateStarting }); err != nil {
+				return err
+			}
+			if err := m.boot(ctx, mc); err != nil {
+				m.markStopped(mc, EventFailed, err.Error())
+				return err
+			}
+		}
+		rec = mc.snapshot()
+		return nil
+	})
+	return rec, err
 }
 
 // Delete removes a VM and all its state. A running VM must be stopped

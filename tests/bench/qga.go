@@ -89,7 +89,7 @@ func setupQGA(ctx context.Context, d *harness.Daemon, c *client.Client, memory s
 	if err != nil {
 		return b, err
 	}
-	if _, err := devimage.StoreResult(st, res, qgaImageTag); err != nil {
+	if _, err := st.Import(filepath.Dir(res.ManifestPath), qgaImageTag); err != nil {
 		return b, err
 	}
 	if dev, err := st.Resolve("dev"); err == nil && dev.Manifest.Kernel != res.Manifest.Kernel {

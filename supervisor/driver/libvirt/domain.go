@@ -92,7 +92,7 @@ type domainConfig struct {
 }
 
 // domainXML builds the domain: direct kernel boot, a host limit on CPU
-// time, no NIC, the workspace disk if the spec has one, the
+// time, no NIC, the spec's disks, the
 // agent's virtio-serial port and the serial console as unix sockets that
 // libvirtd creates (it binds them itself and hands QEMU the descriptors,
 // so QEMU needs no access to the VM's directory), a vsock device with a
@@ -167,8 +167,8 @@ func domainXML(c domainConfig) (string, error) {
 	if c.Spec.CID != 0 {
 		d.Devices.VSock = &libvirtxml.DomainVSock{Model: "virtio", CID: &libvirtxml.DomainVSockCID{Auto: "yes"}}
 	}
-	if c.Spec.Workspace != "" {
-		d.Devices.Disks = []libvirtxml.DomainDisk{workspaceDisk(c.Spec)}
+	for i, disk := range c.Spec.Disks {
+		d.Devices.Disks = append(d.Devices.Disks, domainDisk(disk, i))
 	}
 	d.Devices.Hostdevs = c.Hostdevs
 	s, err := d.Marshal()
@@ -178,23 +178,31 @@ func domainXML(c domainConfig) (string, error) {
 	return s, nil
 }
 
-// workspaceDisk is the VM's workspace disk: its qcow2 file, over the
-// image's template (raw), the whole chain spelled out so that libvirt
-// probes no formats. The guest finds it by its serial.
-func workspaceDisk(spec driver.Spec) libvirtxml.DomainDisk {
-	return libvirtxml.DomainDisk{
+// domainDisk is the i-th disk of the VM. A qcow2 disk's chain is spelled
+// out (its raw backing file, then nothing), so that libvirt probes no
+// formats. The guest finds each disk by its serial.
+func domainDisk(disk driver.Disk, i int) libvirtxml.DomainDisk {
+	d := libvirtxml.DomainDisk{
 		Device: "disk",
-		Driver: &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "qcow2", Discard: "unmap"},
-		Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: spec.Workspace}},
-		BackingStore: &libvirtxml.DomainDiskBackingStore{
-			Format: &libvirtxml.DomainDiskFormat{Type: "raw"},
-			Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: spec.WorkspaceTemplate}},
-			// An empty element ends the chain: the template has no backing.
-			BackingStore: &libvirtxml.DomainDiskBackingStore{},
-		},
-		Target: &libvirtxml.DomainDiskTarget{Dev: "vda", Bus: "virtio"},
-		Serial: protocol.WorkspaceSerial,
+		Driver: &libvirtxml.DomainDiskDriver{Name: "qemu", Type: disk.Format},
+		Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: disk.Path}},
+		Target: &libvirtxml.DomainDiskTarget{Dev: "vd" + string(rune('a'+i)), Bus: "virtio"},
+		Serial: disk.Serial,
 	}
+	if disk.ReadOnly {
+		d.ReadOnly = &libvirtxml.DomainDiskReadOnly{}
+	} else {
+		d.Driver.Discard = "unmap"
+	}
+	if disk.Backing != "" {
+		d.BackingStore = &libvirtxml.DomainDiskBackingStore{
+			Format: &libvirtxml.DomainDiskFormat{Type: "raw"},
+			Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: disk.Backing}},
+			// An empty element ends the chain: the backing file has none.
+			BackingStore: &libvirtxml.DomainDiskBackingStore{},
+		}
+	}
+	return d
 }
 
 // memoryLimit is the host's limit on the memory of a domain's QEMU, the

@@ -185,23 +185,30 @@ func TestDomainXMLLimitsFollowTheSize(t *testing.T) {
 	checkLimits(t, c, parse(t, c), (2<<20)+(1536<<10), 500000)
 }
 
-func TestDomainXMLWorkspaceDisk(t *testing.T) {
+func TestDomainXMLDisks(t *testing.T) {
 	c := testConfig()
-	c.Spec.Workspace = "/var/lib/carrel/vms/demo/workspace.qcow2"
-	c.Spec.WorkspaceTemplate = "/var/lib/carrel/images/blobs/sha256/t"
+	c.Spec.Disks = []driver.Disk{
+		{Path: "/var/lib/carrel/images/blobs/sha256/s", Format: driver.FormatRaw, ReadOnly: true, Serial: protocol.SystemSerial},
+		{Path: "/var/lib/carrel/vms/demo/workspace.qcow2", Format: driver.FormatQCOW2, Backing: "/var/lib/carrel/images/blobs/sha256/t", Serial: protocol.WorkspaceSerial},
+	}
 	d := parse(t, c)
-	if len(d.Devices.Disks) != 1 {
+	if len(d.Devices.Disks) != 2 {
 		t.Fatalf("disks: %+v", d.Devices.Disks)
 	}
-	k := d.Devices.Disks[0]
+	r := d.Devices.Disks[0]
+	if r.Driver == nil || r.Driver.Type != "raw" || r.Driver.Discard != "" || r.ReadOnly == nil || r.BackingStore != nil ||
+		r.Target == nil || r.Target.Dev != "vda" || r.Serial != protocol.SystemSerial {
+		t.Errorf("read-only disk: %+v", r)
+	}
+	k := d.Devices.Disks[1]
 	if k.Device != "disk" || k.Driver == nil || k.Driver.Type != "qcow2" || k.Driver.Discard != "unmap" ||
-		k.Source == nil || k.Source.File == nil || k.Source.File.File != c.Spec.Workspace ||
-		k.Target == nil || k.Target.Bus != "virtio" || k.Serial != protocol.WorkspaceSerial || k.ReadOnly != nil {
+		k.Source == nil || k.Source.File == nil || k.Source.File.File != c.Spec.Disks[1].Path ||
+		k.Target == nil || k.Target.Bus != "virtio" || k.Target.Dev != "vdb" || k.Serial != protocol.WorkspaceSerial || k.ReadOnly != nil {
 		t.Errorf("disk: %+v", k)
 	}
 	b := k.BackingStore
 	if b == nil || b.Format == nil || b.Format.Type != "raw" || b.Source == nil || b.Source.File == nil ||
-		b.Source.File.File != c.Spec.WorkspaceTemplate || b.BackingStore == nil || b.BackingStore.Format != nil ||
+		b.Source.File.File != c.Spec.Disks[1].Backing || b.BackingStore == nil || b.BackingStore.Format != nil ||
 		(b.BackingStore.Source != nil && b.BackingStore.Source.File != nil) {
 		t.Errorf("backing chain: %+v", b)
 	}

@@ -303,8 +303,16 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 		return driver.Instance{}, err
 	}
 	readOnly := []string{spec.Kernel, spec.Initrd}
-	if spec.Workspace != "" {
-		readOnly = append(readOnly, spec.WorkspaceTemplate)
+	var readWrite []string
+	for _, disk := range spec.Disks {
+		if disk.Backing != "" {
+			readOnly = append(readOnly, disk.Backing)
+		}
+		if disk.ReadOnly {
+			readOnly = append(readOnly, disk.Path)
+		} else {
+			readWrite = append(readWrite, disk.Path)
+		}
 	}
 	for _, p := range readOnly {
 		changed, err := grantRead(p, uid)
@@ -315,13 +323,13 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 			return driver.Instance{}, fmt.Errorf("let qemu (uid %d) read %s: %w", uid, p, err)
 		}
 	}
-	if spec.Workspace != "" {
-		changed, err := grantReadWrite(spec.Workspace, uid)
+	for _, p := range readWrite {
+		changed, err := grantReadWrite(p, uid)
 		if len(changed) > 0 {
 			d.log.Info("granted qemu's user read-write access through acls", "uid", uid, "paths", changed)
 		}
 		if err != nil {
-			return driver.Instance{}, fmt.Errorf("let qemu (uid %d) write %s: %w", uid, spec.Workspace, err)
+			return driver.Instance{}, fmt.Errorf("let qemu (uid %d) write %s: %w", uid, p, err)
 		}
 	}
 	// libvirtd binds the sockets itself; stale ones from a domain that

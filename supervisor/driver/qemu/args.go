@@ -131,12 +131,17 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 	if spec.CID != 0 {
 		a = append(a, "-device", vsockDev+",guest-cid="+strconv.FormatUint(uint64(spec.CID), 10))
 	}
-	if spec.Workspace != "" {
-		// The qcow2 file names its backing file (the image's template, raw),
-		// which QEMU opens read-only.
-		a = append(a,
-			"-drive", "if=none,id=workspace,format=qcow2,discard=unmap,file="+strings.ReplaceAll(spec.Workspace, ",", ",,"),
-			"-device", blockDev+",drive=workspace,serial="+protocol.WorkspaceSerial)
+	for i, d := range spec.Disks {
+		id := "disk" + strconv.Itoa(i)
+		drive := "if=none,id=" + id + ",format=" + d.Format + ",file=" + strings.ReplaceAll(d.Path, ",", ",,")
+		// A qcow2 disk names its backing file and that file's format
+		// (image/workspace.Create), which QEMU opens read-only.
+		if d.ReadOnly {
+			drive += ",readonly=on"
+		} else {
+			drive += ",discard=unmap"
+		}
+		a = append(a, "-drive", drive, "-device", blockDev+",drive="+id+",serial="+d.Serial)
 	}
 	return a
 }

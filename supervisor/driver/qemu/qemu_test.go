@@ -82,23 +82,32 @@ func TestArgs(t *testing.T) {
 	}
 }
 
-func TestArgsWorkspaceDisk(t *testing.T) {
+func TestArgsDisks(t *testing.T) {
 	l, err := newLayout("/run/x")
 	if err != nil {
 		t.Fatal(err)
 	}
 	spec := testSpec("/run/x")
 	if a := strings.Join(args(spec, MachineQ35, "tcg", l), " "); strings.Contains(a, "-drive") || strings.Contains(a, "virtio-blk") {
-		t.Errorf("a disk without a workspace disk: %s", a)
+		t.Errorf("a disk without disks: %s", a)
 	}
-	spec.Workspace, spec.WorkspaceTemplate = "/var/lib/carrel/vms/a,b/workspace.qcow2", "/var/lib/carrel/images/blobs/sha256/t"
+	spec.Disks = []driver.Disk{
+		{Path: "/var/lib/carrel/images/blobs/sha256/s", Format: driver.FormatRaw, ReadOnly: true, Serial: "carrel-system"},
+		{Path: "/var/lib/carrel/vms/a,b/workspace.qcow2", Format: driver.FormatQCOW2, Backing: "/var/lib/carrel/images/blobs/sha256/t", Serial: "carrel-workspace"},
+	}
 	for machine, dev := range map[string]string{MachineQ35: "virtio-blk-pci", MachineMicroVM: "virtio-blk-device"} {
 		a := args(spec, machine, "tcg", l)
-		// A comma in the path is doubled, or QEMU would read an option.
-		if got := argValue(a, "-drive"); len(got) != 1 || got[0] != "if=none,id=workspace,format=qcow2,discard=unmap,file=/var/lib/carrel/vms/a,,b/workspace.qcow2" {
+		// A comma in the path is doubled, or QEMU would read an option; a
+		// read-only disk is opened read-only, a writable one passes discards.
+		want := []string{
+			"if=none,id=disk0,format=raw,file=/var/lib/carrel/images/blobs/sha256/s,readonly=on",
+			"if=none,id=disk1,format=qcow2,file=/var/lib/carrel/vms/a,,b/workspace.qcow2,discard=unmap",
+		}
+		if got := argValue(a, "-drive"); !slices.Equal(got, want) {
 			t.Errorf("%s: -drive %v", machine, got)
 		}
-		if devs := argValue(a, "-device"); !slices.Contains(devs, dev+",drive=workspace,serial=carrel-workspace") {
+		devs := argValue(a, "-device")
+		if !slices.Contains(devs, dev+",drive=disk0,serial=carrel-system") || !slices.Contains(devs, dev+",drive=disk1,serial=carrel-workspace") {
 			t.Errorf("%s: devices %v", machine, devs)
 		}
 	}

@@ -175,7 +175,14 @@ type VM struct {
 	MaxProcesses   uint64 `protobuf:"varint,19,opt,name=max_processes,json=maxProcesses,proto3" json:"max_processes,omitempty"`
 	// PCI addresses of the GPUs passed through to the VM (the other
 	// functions of their slots go along).
-	Gpus          []string `protobuf:"bytes,20,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	Gpus []string `protobuf:"bytes,20,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	// The VM's writable layer over its image is in memory, and lost at
+	// stop; else it is on a disk of disk_bytes.
+	Ephemeral bool   `protobuf:"varint,21,opt,name=ephemeral,proto3" json:"ephemeral,omitempty"`
+	DiskBytes uint64 `protobuf:"varint,22,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	// The dm-verity root hash of the image's root file system (hex); empty
+	// for an image without a verified root.
+	RootHash      string `protobuf:"bytes,23,opt,name=root_hash,json=rootHash,proto3" json:"root_hash,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -350,6 +357,27 @@ func (x *VM) GetGpus() []string {
 	return nil
 }
 
+func (x *VM) GetEphemeral() bool {
+	if x != nil {
+		return x.Ephemeral
+	}
+	return false
+}
+
+func (x *VM) GetDiskBytes() uint64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
+func (x *VM) GetRootHash() string {
+	if x != nil {
+		return x.RootHash
+	}
+	return ""
+}
+
 type CreateVMRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// 1-63 characters: lower-case letters, digits and '-', starting with a letter.
@@ -371,7 +399,12 @@ type CreateVMRequest struct {
 	// gives them). Each goes with the other functions of its slot (its HDMI
 	// audio), and its whole IOMMU group must be assignable. The policy
 	// decides which VMs may have GPUs (settings.gpu).
-	Gpus          []string `protobuf:"bytes,8,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	Gpus []string `protobuf:"bytes,8,rep,name=gpus,proto3" json:"gpus,omitempty"`
+	// Keep the VM's writable layer (what it changes outside /workspace) in
+	// memory: lost at every stop.
+	Ephemeral bool `protobuf:"varint,9,opt,name=ephemeral,proto3" json:"ephemeral,omitempty"`
+	// Size of the disk that holds the writable layer; 0 means 8 GiB.
+	DiskBytes     uint64 `protobuf:"varint,10,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -460,6 +493,20 @@ func (x *CreateVMRequest) GetGpus() []string {
 		return x.Gpus
 	}
 	return nil
+}
+
+func (x *CreateVMRequest) GetEphemeral() bool {
+	if x != nil {
+		return x.Ephemeral
+	}
+	return false
+}
+
+func (x *CreateVMRequest) GetDiskBytes() uint64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
 }
 
 type CreateVMResponse struct {
@@ -948,6 +995,103 @@ func (*DeleteVMResponse) Descriptor() ([]byte, []int) {
 	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{12}
 }
 
+type ResetVMRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Discard /workspace too.
+	Workspace     bool `protobuf:"varint,2,opt,name=workspace,proto3" json:"workspace,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResetVMRequest) Reset() {
+	*x = ResetVMRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResetVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResetVMRequest) ProtoMessage() {}
+
+func (x *ResetVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResetVMRequest.ProtoReflect.Descriptor instead.
+func (*ResetVMRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *ResetVMRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ResetVMRequest) GetWorkspace() bool {
+	if x != nil {
+		return x.Workspace
+	}
+	return false
+}
+
+type ResetVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResetVMResponse) Reset() {
+	*x = ResetVMResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResetVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResetVMResponse) ProtoMessage() {}
+
+func (x *ResetVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResetVMResponse.ProtoReflect.Descriptor instead.
+func (*ResetVMResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *ResetVMResponse) GetVm() *VM {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
 type ExecRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// VM name.
@@ -964,7 +1108,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -976,7 +1120,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -989,7 +1133,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{13}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ExecRequest) GetVm() string {
@@ -1042,7 +1186,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1054,7 +1198,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1067,7 +1211,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{14}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ExecResponse) GetEvent() isExecResponse_Event {
@@ -1151,7 +1295,7 @@ type ExitStatus struct {
 
 func (x *ExitStatus) Reset() {
 	*x = ExitStatus{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1163,7 +1307,7 @@ func (x *ExitStatus) String() string {
 func (*ExitStatus) ProtoMessage() {}
 
 func (x *ExitStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1176,7 +1320,7 @@ func (x *ExitStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExitStatus.ProtoReflect.Descriptor instead.
 func (*ExitStatus) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{15}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ExitStatus) GetCode() int32 {
@@ -1205,7 +1349,7 @@ type BuildImageRequest struct {
 
 func (x *BuildImageRequest) Reset() {
 	*x = BuildImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1217,7 +1361,7 @@ func (x *BuildImageRequest) String() string {
 func (*BuildImageRequest) ProtoMessage() {}
 
 func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1230,7 +1374,7 @@ func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageRequest.ProtoReflect.Descriptor instead.
 func (*BuildImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{16}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *BuildImageRequest) GetDev() bool {
@@ -1256,7 +1400,7 @@ type BuildImageResponse struct {
 
 func (x *BuildImageResponse) Reset() {
 	*x = BuildImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1268,7 +1412,7 @@ func (x *BuildImageResponse) String() string {
 func (*BuildImageResponse) ProtoMessage() {}
 
 func (x *BuildImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1281,7 +1425,7 @@ func (x *BuildImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageResponse.ProtoReflect.Descriptor instead.
 func (*BuildImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{17}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *BuildImageResponse) GetImage() *Image {
@@ -1299,7 +1443,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1311,7 +1455,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1324,7 +1468,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{18}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{20}
 }
 
 type ListImagesResponse struct {
@@ -1336,7 +1480,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1348,7 +1492,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1361,7 +1505,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{19}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -1378,15 +1522,24 @@ type Image struct {
 	Tags          []string `protobuf:"bytes,2,rep,name=tags,proto3" json:"tags,omitempty"`
 	KernelVersion string   `protobuf:"bytes,3,opt,name=kernel_version,json=kernelVersion,proto3" json:"kernel_version,omitempty"`
 	// Total bytes of the image's parts.
-	Size          uint64 `protobuf:"varint,4,opt,name=size,proto3" json:"size,omitempty"`
-	CreatedAt     string `protobuf:"bytes,5,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	Size      uint64 `protobuf:"varint,4,opt,name=size,proto3" json:"size,omitempty"`
+	CreatedAt string `protobuf:"bytes,5,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	// The manifest's image name.
+	Name string `protobuf:"bytes,6,opt,name=name,proto3" json:"name,omitempty"`
+	// The dm-verity root hash of its root file system (hex); empty for an
+	// image without a verified root.
+	RootHash string `protobuf:"bytes,7,opt,name=root_hash,json=rootHash,proto3" json:"root_hash,omitempty"`
+	// How many packages the image holds (InspectImage lists them).
+	Packages uint32 `protobuf:"varint,8,opt,name=packages,proto3" json:"packages,omitempty"`
+	// Why the stored entry cannot be used, when it cannot.
+	Error         string `protobuf:"bytes,9,opt,name=error,proto3" json:"error,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1398,7 +1551,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1411,7 +1564,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{20}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Image) GetDigest() string {
@@ -1449,6 +1602,240 @@ func (x *Image) GetCreatedAt() string {
 	return ""
 }
 
+func (x *Image) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Image) GetRootHash() string {
+	if x != nil {
+		return x.RootHash
+	}
+	return ""
+}
+
+func (x *Image) GetPackages() uint32 {
+	if x != nil {
+		return x.Packages
+	}
+	return 0
+}
+
+func (x *Image) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+type InspectImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A tag or "sha256:..." digest.
+	Ref           string `protobuf:"bytes,1,opt,name=ref,proto3" json:"ref,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InspectImageRequest) Reset() {
+	*x = InspectImageRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InspectImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InspectImageRequest) ProtoMessage() {}
+
+func (x *InspectImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InspectImageRequest.ProtoReflect.Descriptor instead.
+func (*InspectImageRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *InspectImageRequest) GetRef() string {
+	if x != nil {
+		return x.Ref
+	}
+	return ""
+}
+
+type InspectImageResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Image *Image                 `protobuf:"bytes,1,opt,name=image,proto3" json:"image,omitempty"`
+	// The manifest, as stored (canonical JSON: its sha256 is the digest).
+	ManifestJson  string `protobuf:"bytes,2,opt,name=manifest_json,json=manifestJson,proto3" json:"manifest_json,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InspectImageResponse) Reset() {
+	*x = InspectImageResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InspectImageResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InspectImageResponse) ProtoMessage() {}
+
+func (x *InspectImageResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InspectImageResponse.ProtoReflect.Descriptor instead.
+func (*InspectImageResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *InspectImageResponse) GetImage() *Image {
+	if x != nil {
+		return x.Image
+	}
+	return nil
+}
+
+func (x *InspectImageResponse) GetManifestJson() string {
+	if x != nil {
+		return x.ManifestJson
+	}
+	return ""
+}
+
+type ImportImageRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// An image directory on carreld's host (e.g. a nix build's ./result).
+	Path string `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
+	// Tag to point at it; empty means the manifest's name.
+	Tag           string `protobuf:"bytes,2,opt,name=tag,proto3" json:"tag,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImportImageRequest) Reset() {
+	*x = ImportImageRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImportImageRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImportImageRequest) ProtoMessage() {}
+
+func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
+func (*ImportImageRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *ImportImageRequest) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
+func (x *ImportImageRequest) GetTag() string {
+	if x != nil {
+		return x.Tag
+	}
+	return ""
+}
+
+type ImportImageResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Image *Image                 `protobuf:"bytes,1,opt,name=image,proto3" json:"image,omitempty"`
+	// True when the store already held the image under the tag: nothing
+	// was written.
+	Already       bool `protobuf:"varint,2,opt,name=already,proto3" json:"already,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ImportImageResponse) Reset() {
+	*x = ImportImageResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ImportImageResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ImportImageResponse) ProtoMessage() {}
+
+func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
+func (*ImportImageResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *ImportImageResponse) GetImage() *Image {
+	if x != nil {
+		return x.Image
+	}
+	return nil
+}
+
+func (x *ImportImageResponse) GetAlready() bool {
+	if x != nil {
+		return x.Already
+	}
+	return false
+}
+
 type GetInfoRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1457,7 +1844,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1469,7 +1856,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1482,7 +1869,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{21}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{27}
 }
 
 type GetInfoResponse struct {
@@ -1498,7 +1885,7 @@ type GetInfoResponse struct {
 
 func (x *GetInfoResponse) Reset() {
 	*x = GetInfoResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1510,7 +1897,7 @@ func (x *GetInfoResponse) String() string {
 func (*GetInfoResponse) ProtoMessage() {}
 
 func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1523,7 +1910,7 @@ func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetInfoResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{22}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *GetInfoResponse) GetVersion() string {
@@ -1569,7 +1956,7 @@ type ListGPUsRequest struct {
 
 func (x *ListGPUsRequest) Reset() {
 	*x = ListGPUsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1581,7 +1968,7 @@ func (x *ListGPUsRequest) String() string {
 func (*ListGPUsRequest) ProtoMessage() {}
 
 func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1594,7 +1981,7 @@ func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsRequest.ProtoReflect.Descriptor instead.
 func (*ListGPUsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{29}
 }
 
 type ListGPUsResponse struct {
@@ -1608,7 +1995,7 @@ type ListGPUsResponse struct {
 
 func (x *ListGPUsResponse) Reset() {
 	*x = ListGPUsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1620,7 +2007,7 @@ func (x *ListGPUsResponse) String() string {
 func (*ListGPUsResponse) ProtoMessage() {}
 
 func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1633,7 +2020,7 @@ func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsResponse.ProtoReflect.Descriptor instead.
 func (*ListGPUsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ListGPUsResponse) GetIommu() bool {
@@ -1684,7 +2071,7 @@ type GPU struct {
 
 func (x *GPU) Reset() {
 	*x = GPU{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1696,7 +2083,7 @@ func (x *GPU) String() string {
 func (*GPU) ProtoMessage() {}
 
 func (x *GPU) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1709,7 +2096,7 @@ func (x *GPU) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GPU.ProtoReflect.Descriptor instead.
 func (*GPU) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *GPU) GetAddress() string {
@@ -1813,7 +2200,7 @@ type PCIDevice struct {
 
 func (x *PCIDevice) Reset() {
 	*x = PCIDevice{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1825,7 +2212,7 @@ func (x *PCIDevice) String() string {
 func (*PCIDevice) ProtoMessage() {}
 
 func (x *PCIDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1838,7 +2225,7 @@ func (x *PCIDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PCIDevice.ProtoReflect.Descriptor instead.
 func (*PCIDevice) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *PCIDevice) GetAddress() string {
@@ -1880,7 +2267,7 @@ var File_carrel_api_v1_api_proto protoreflect.FileDescriptor
 
 const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
-	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xe9\x04\n" +
+	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xc3\x05\n" +
 	"\x02VM\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12,\n" +
@@ -1905,7 +2292,11 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x06paused\x18\x11 \x01(\bR\x06paused\x12'\n" +
 	"\x0fworkspace_bytes\x18\x12 \x01(\x04R\x0eworkspaceBytes\x12#\n" +
 	"\rmax_processes\x18\x13 \x01(\x04R\fmaxProcesses\x12\x12\n" +
-	"\x04gpus\x18\x14 \x03(\tR\x04gpus\"\xec\x01\n" +
+	"\x04gpus\x18\x14 \x03(\tR\x04gpus\x12\x1c\n" +
+	"\tephemeral\x18\x15 \x01(\bR\tephemeral\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\x16 \x01(\x04R\tdiskBytes\x12\x1b\n" +
+	"\troot_hash\x18\x17 \x01(\tR\brootHash\"\xa9\x02\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12!\n" +
@@ -1914,7 +2305,11 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x06policy\x18\x05 \x01(\tR\x06policy\x12'\n" +
 	"\x0fworkspace_bytes\x18\x06 \x01(\x04R\x0eworkspaceBytes\x12#\n" +
 	"\rmax_processes\x18\a \x01(\x04R\fmaxProcesses\x12\x12\n" +
-	"\x04gpus\x18\b \x03(\tR\x04gpus\"5\n" +
+	"\x04gpus\x18\b \x03(\tR\x04gpus\x12\x1c\n" +
+	"\tephemeral\x18\t \x01(\bR\tephemeral\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\n" +
+	" \x01(\x04R\tdiskBytes\"5\n" +
 	"\x10CreateVMResponse\x12!\n" +
 	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"\"\n" +
 	"\fGetVMRequest\x12\x12\n" +
@@ -1936,7 +2331,12 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x0fDeleteVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05force\x18\x02 \x01(\bR\x05force\"\x12\n" +
-	"\x10DeleteVMResponse\"~\n" +
+	"\x10DeleteVMResponse\"B\n" +
+	"\x0eResetVMRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1c\n" +
+	"\tworkspace\x18\x02 \x01(\bR\tworkspace\"4\n" +
+	"\x0fResetVMResponse\x12!\n" +
+	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"~\n" +
 	"\vExecRequest\x12\x0e\n" +
 	"\x02vm\x18\x01 \x01(\tR\x02vm\x12\x12\n" +
 	"\x04argv\x18\x02 \x03(\tR\x04argv\x12\x10\n" +
@@ -1960,14 +2360,29 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x05image\x18\x01 \x01(\v2\x14.carrel.api.v1.ImageR\x05image\"\x13\n" +
 	"\x11ListImagesRequest\"B\n" +
 	"\x12ListImagesResponse\x12,\n" +
-	"\x06images\x18\x01 \x03(\v2\x14.carrel.api.v1.ImageR\x06images\"\x8d\x01\n" +
+	"\x06images\x18\x01 \x03(\v2\x14.carrel.api.v1.ImageR\x06images\"\xf0\x01\n" +
 	"\x05Image\x12\x16\n" +
 	"\x06digest\x18\x01 \x01(\tR\x06digest\x12\x12\n" +
 	"\x04tags\x18\x02 \x03(\tR\x04tags\x12%\n" +
 	"\x0ekernel_version\x18\x03 \x01(\tR\rkernelVersion\x12\x12\n" +
 	"\x04size\x18\x04 \x01(\x04R\x04size\x12\x1d\n" +
 	"\n" +
-	"created_at\x18\x05 \x01(\tR\tcreatedAt\"\x10\n" +
+	"created_at\x18\x05 \x01(\tR\tcreatedAt\x12\x12\n" +
+	"\x04name\x18\x06 \x01(\tR\x04name\x12\x1b\n" +
+	"\troot_hash\x18\a \x01(\tR\brootHash\x12\x1a\n" +
+	"\bpackages\x18\b \x01(\rR\bpackages\x12\x14\n" +
+	"\x05error\x18\t \x01(\tR\x05error\"'\n" +
+	"\x13InspectImageRequest\x12\x10\n" +
+	"\x03ref\x18\x01 \x01(\tR\x03ref\"g\n" +
+	"\x14InspectImageResponse\x12*\n" +
+	"\x05image\x18\x01 \x01(\v2\x14.carrel.api.v1.ImageR\x05image\x12#\n" +
+	"\rmanifest_json\x18\x02 \x01(\tR\fmanifestJson\":\n" +
+	"\x12ImportImageRequest\x12\x12\n" +
+	"\x04path\x18\x01 \x01(\tR\x04path\x12\x10\n" +
+	"\x03tag\x18\x02 \x01(\tR\x03tag\"[\n" +
+	"\x13ImportImageResponse\x12*\n" +
+	"\x05image\x18\x01 \x01(\v2\x14.carrel.api.v1.ImageR\x05image\x12\x18\n" +
+	"\aalready\x18\x02 \x01(\bR\aalready\"\x10\n" +
 	"\x0eGetInfoRequest\"\x92\x01\n" +
 	"\x0fGetInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12 \n" +
@@ -2014,20 +2429,23 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x17AGENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13AGENT_STATE_UNKNOWN\x10\x01\x12\x15\n" +
 	"\x11AGENT_STATE_READY\x10\x02\x12\x19\n" +
-	"\x15AGENT_STATE_UNHEALTHY\x10\x032\x87\x04\n" +
+	"\x15AGENT_STATE_UNHEALTHY\x10\x032\xd1\x04\n" +
 	"\tVMService\x12K\n" +
 	"\bCreateVM\x12\x1e.carrel.api.v1.CreateVMRequest\x1a\x1f.carrel.api.v1.CreateVMResponse\x12B\n" +
 	"\x05GetVM\x12\x1b.carrel.api.v1.GetVMRequest\x1a\x1c.carrel.api.v1.GetVMResponse\x12H\n" +
 	"\aListVMs\x12\x1d.carrel.api.v1.ListVMsRequest\x1a\x1e.carrel.api.v1.ListVMsResponse\x12H\n" +
 	"\aStartVM\x12\x1d.carrel.api.v1.StartVMRequest\x1a\x1e.carrel.api.v1.StartVMResponse\x12E\n" +
 	"\x06StopVM\x12\x1c.carrel.api.v1.StopVMRequest\x1a\x1d.carrel.api.v1.StopVMResponse\x12K\n" +
-	"\bDeleteVM\x12\x1e.carrel.api.v1.DeleteVMRequest\x1a\x1f.carrel.api.v1.DeleteVMResponse\x12A\n" +
-	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x012\xb4\x01\n" +
+	"\bDeleteVM\x12\x1e.carrel.api.v1.DeleteVMRequest\x1a\x1f.carrel.api.v1.DeleteVMResponse\x12H\n" +
+	"\aResetVM\x12\x1d.carrel.api.v1.ResetVMRequest\x1a\x1e.carrel.api.v1.ResetVMResponse\x12A\n" +
+	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x012\xe3\x02\n" +
 	"\fImageService\x12Q\n" +
 	"\n" +
 	"BuildImage\x12 .carrel.api.v1.BuildImageRequest\x1a!.carrel.api.v1.BuildImageResponse\x12Q\n" +
 	"\n" +
-	"ListImages\x12 .carrel.api.v1.ListImagesRequest\x1a!.carrel.api.v1.ListImagesResponse2Y\n" +
+	"ListImages\x12 .carrel.api.v1.ListImagesRequest\x1a!.carrel.api.v1.ListImagesResponse\x12W\n" +
+	"\fInspectImage\x12\".carrel.api.v1.InspectImageRequest\x1a#.carrel.api.v1.InspectImageResponse\x12T\n" +
+	"\vImportImage\x12!.carrel.api.v1.ImportImageRequest\x1a\".carrel.api.v1.ImportImageResponse2Y\n" +
 	"\rSystemService\x12H\n" +
 	"\aGetInfo\x12\x1d.carrel.api.v1.GetInfoRequest\x1a\x1e.carrel.api.v1.GetInfoResponse2Y\n" +
 	"\n" +
@@ -2047,37 +2465,43 @@ func file_carrel_api_v1_api_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_api_v1_api_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 27)
+var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
 var file_carrel_api_v1_api_proto_goTypes = []any{
-	(VMState)(0),               // 0: carrel.api.v1.VMState
-	(AgentState)(0),            // 1: carrel.api.v1.AgentState
-	(*VM)(nil),                 // 2: carrel.api.v1.VM
-	(*CreateVMRequest)(nil),    // 3: carrel.api.v1.CreateVMRequest
-	(*CreateVMResponse)(nil),   // 4: carrel.api.v1.CreateVMResponse
-	(*GetVMRequest)(nil),       // 5: carrel.api.v1.GetVMRequest
-	(*GetVMResponse)(nil),      // 6: carrel.api.v1.GetVMResponse
-	(*ListVMsRequest)(nil),     // 7: carrel.api.v1.ListVMsRequest
-	(*ListVMsResponse)(nil),    // 8: carrel.api.v1.ListVMsResponse
-	(*StartVMRequest)(nil),     // 9: carrel.api.v1.StartVMRequest
-	(*StartVMResponse)(nil),    // 10: carrel.api.v1.StartVMResponse
-	(*StopVMRequest)(nil),      // 11: carrel.api.v1.StopVMRequest
-	(*StopVMResponse)(nil),     // 12: carrel.api.v1.StopVMResponse
-	(*DeleteVMRequest)(nil),    // 13: carrel.api.v1.DeleteVMRequest
-	(*DeleteVMResponse)(nil),   // 14: carrel.api.v1.DeleteVMResponse
-	(*ExecRequest)(nil),        // 15: carrel.api.v1.ExecRequest
-	(*ExecResponse)(nil),       // 16: carrel.api.v1.ExecResponse
-	(*ExitStatus)(nil),         // 17: carrel.api.v1.ExitStatus
-	(*BuildImageRequest)(nil),  // 18: carrel.api.v1.BuildImageRequest
-	(*BuildImageResponse)(nil), // 19: carrel.api.v1.BuildImageResponse
-	(*ListImagesRequest)(nil),  // 20: carrel.api.v1.ListImagesRequest
-	(*ListImagesResponse)(nil), // 21: carrel.api.v1.ListImagesResponse
-	(*Image)(nil),              // 22: carrel.api.v1.Image
-	(*GetInfoRequest)(nil),     // 23: carrel.api.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),    // 24: carrel.api.v1.GetInfoResponse
-	(*ListGPUsRequest)(nil),    // 25: carrel.api.v1.ListGPUsRequest
-	(*ListGPUsResponse)(nil),   // 26: carrel.api.v1.ListGPUsResponse
-	(*GPU)(nil),                // 27: carrel.api.v1.GPU
-	(*PCIDevice)(nil),          // 28: carrel.api.v1.PCIDevice
+	(VMState)(0),                 // 0: carrel.api.v1.VMState
+	(AgentState)(0),              // 1: carrel.api.v1.AgentState
+	(*VM)(nil),                   // 2: carrel.api.v1.VM
+	(*CreateVMRequest)(nil),      // 3: carrel.api.v1.CreateVMRequest
+	(*CreateVMResponse)(nil),     // 4: carrel.api.v1.CreateVMResponse
+	(*GetVMRequest)(nil),         // 5: carrel.api.v1.GetVMRequest
+	(*GetVMResponse)(nil),        // 6: carrel.api.v1.GetVMResponse
+	(*ListVMsRequest)(nil),       // 7: carrel.api.v1.ListVMsRequest
+	(*ListVMsResponse)(nil),      // 8: carrel.api.v1.ListVMsResponse
+	(*StartVMRequest)(nil),       // 9: carrel.api.v1.StartVMRequest
+	(*StartVMResponse)(nil),      // 10: carrel.api.v1.StartVMResponse
+	(*StopVMRequest)(nil),        // 11: carrel.api.v1.StopVMRequest
+	(*StopVMResponse)(nil),       // 12: carrel.api.v1.StopVMResponse
+	(*DeleteVMRequest)(nil),      // 13: carrel.api.v1.DeleteVMRequest
+	(*DeleteVMResponse)(nil),     // 14: carrel.api.v1.DeleteVMResponse
+	(*ResetVMRequest)(nil),       // 15: carrel.api.v1.ResetVMRequest
+	(*ResetVMResponse)(nil),      // 16: carrel.api.v1.ResetVMResponse
+	(*ExecRequest)(nil),          // 17: carrel.api.v1.ExecRequest
+	(*ExecResponse)(nil),         // 18: carrel.api.v1.ExecResponse
+	(*ExitStatus)(nil),           // 19: carrel.api.v1.ExitStatus
+	(*BuildImageRequest)(nil),    // 20: carrel.api.v1.BuildImageRequest
+	(*BuildImageResponse)(nil),   // 21: carrel.api.v1.BuildImageResponse
+	(*ListImagesRequest)(nil),    // 22: carrel.api.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),   // 23: carrel.api.v1.ListImagesResponse
+	(*Image)(nil),                // 24: carrel.api.v1.Image
+	(*InspectImageRequest)(nil),  // 25: carrel.api.v1.InspectImageRequest
+	(*InspectImageResponse)(nil), // 26: carrel.api.v1.InspectImageResponse
+	(*ImportImageRequest)(nil),   // 27: carrel.api.v1.ImportImageRequest
+	(*ImportImageResponse)(nil),  // 28: carrel.api.v1.ImportImageResponse
+	(*GetInfoRequest)(nil),       // 29: carrel.api.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),      // 30: carrel.api.v1.GetInfoResponse
+	(*ListGPUsRequest)(nil),      // 31: carrel.api.v1.ListGPUsRequest
+	(*ListGPUsResponse)(nil),     // 32: carrel.api.v1.ListGPUsResponse
+	(*GPU)(nil),                  // 33: carrel.api.v1.GPU
+	(*PCIDevice)(nil),            // 34: carrel.api.v1.PCIDevice
 }
 var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	0,  // 0: carrel.api.v1.VM.state:type_name -> carrel.api.v1.VMState
@@ -2087,38 +2511,47 @@ var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	2,  // 4: carrel.api.v1.ListVMsResponse.vms:type_name -> carrel.api.v1.VM
 	2,  // 5: carrel.api.v1.StartVMResponse.vm:type_name -> carrel.api.v1.VM
 	2,  // 6: carrel.api.v1.StopVMResponse.vm:type_name -> carrel.api.v1.VM
-	17, // 7: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
-	22, // 8: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
-	22, // 9: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
-	27, // 10: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
-	28, // 11: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
-	3,  // 12: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
-	5,  // 13: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
-	7,  // 14: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
-	9,  // 15: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
-	11, // 16: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
-	13, // 17: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
-	15, // 18: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
-	18, // 19: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
-	20, // 20: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
-	23, // 21: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
-	25, // 22: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
-	4,  // 23: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
-	6,  // 24: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
-	8,  // 25: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
-	10, // 26: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
-	12, // 27: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
-	14, // 28: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
-	16, // 29: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
-	19, // 30: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
-	21, // 31: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
-	24, // 32: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
-	26, // 33: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
-	23, // [23:34] is the sub-list for method output_type
-	12, // [12:23] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	2,  // 7: carrel.api.v1.ResetVMResponse.vm:type_name -> carrel.api.v1.VM
+	19, // 8: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
+	24, // 9: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
+	24, // 10: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
+	24, // 11: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
+	24, // 12: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
+	33, // 13: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
+	34, // 14: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
+	3,  // 15: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
+	5,  // 16: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
+	7,  // 17: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
+	9,  // 18: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
+	11, // 19: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
+	13, // 20: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
+	15, // 21: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
+	17, // 22: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
+	20, // 23: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
+	22, // 24: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
+	25, // 25: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
+	27, // 26: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
+	29, // 27: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
+	31, // 28: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
+	4,  // 29: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
+	6,  // 30: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
+	8,  // 31: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
+	10, // 32: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
+	12, // 33: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
+	14, // 34: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
+	16, // 35: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
+	18, // 36: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
+	21, // 37: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
+	23, // 38: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
+	26, // 39: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
+	28, // 40: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
+	30, // 41: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
+	32, // 42: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
+	29, // [29:43] is the sub-list for method output_type
+	15, // [15:29] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_carrel_api_v1_api_proto_init() }
@@ -2126,7 +2559,7 @@ func file_carrel_api_v1_api_proto_init() {
 	if File_carrel_api_v1_api_proto != nil {
 		return
 	}
-	file_carrel_api_v1_api_proto_msgTypes[14].OneofWrappers = []any{
+	file_carrel_api_v1_api_proto_msgTypes[16].OneofWrappers = []any{
 		(*ExecResponse_Pid)(nil),
 		(*ExecResponse_Stdout)(nil),
 		(*ExecResponse_Stderr)(nil),
@@ -2138,7 +2571,7 @@ func file_carrel_api_v1_api_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_api_v1_api_proto_rawDesc), len(file_carrel_api_v1_api_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   27,
+			NumMessages:   33,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

@@ -58,12 +58,20 @@ const (
 	VMServiceStopVMProcedure = "/carrel.api.v1.VMService/StopVM"
 	// VMServiceDeleteVMProcedure is the fully-qualified name of the VMService's DeleteVM RPC.
 	VMServiceDeleteVMProcedure = "/carrel.api.v1.VMService/DeleteVM"
+	// VMServiceResetVMProcedure is the fully-qualified name of the VMService's ResetVM RPC.
+	VMServiceResetVMProcedure = "/carrel.api.v1.VMService/ResetVM"
 	// VMServiceExecProcedure is the fully-qualified name of the VMService's Exec RPC.
 	VMServiceExecProcedure = "/carrel.api.v1.VMService/Exec"
 	// ImageServiceBuildImageProcedure is the fully-qualified name of the ImageService's BuildImage RPC.
 	ImageServiceBuildImageProcedure = "/carrel.api.v1.ImageService/BuildImage"
 	// ImageServiceListImagesProcedure is the fully-qualified name of the ImageService's ListImages RPC.
 	ImageServiceListImagesProcedure = "/carrel.api.v1.ImageService/ListImages"
+	// ImageServiceInspectImageProcedure is the fully-qualified name of the ImageService's InspectImage
+	// RPC.
+	ImageServiceInspectImageProcedure = "/carrel.api.v1.ImageService/InspectImage"
+	// ImageServiceImportImageProcedure is the fully-qualified name of the ImageService's ImportImage
+	// RPC.
+	ImageServiceImportImageProcedure = "/carrel.api.v1.ImageService/ImportImage"
 	// SystemServiceGetInfoProcedure is the fully-qualified name of the SystemService's GetInfo RPC.
 	SystemServiceGetInfoProcedure = "/carrel.api.v1.SystemService/GetInfo"
 	// GPUServiceListGPUsProcedure is the fully-qualified name of the GPUService's ListGPUs RPC.
@@ -84,6 +92,10 @@ type VMServiceClient interface {
 	StopVM(context.Context, *connect.Request[apiv1.StopVMRequest]) (*connect.Response[apiv1.StopVMResponse], error)
 	// DeleteVM removes a stopped VM and its state.
 	DeleteVM(context.Context, *connect.Request[apiv1.DeleteVMRequest]) (*connect.Response[apiv1.DeleteVMResponse], error)
+	// ResetVM discards what the VM changed outside /workspace (and, if
+	// asked, /workspace too), so that it boots its verified image as built.
+	// A running VM is stopped and booted again.
+	ResetVM(context.Context, *connect.Request[apiv1.ResetVMRequest]) (*connect.Response[apiv1.ResetVMResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error)
 }
@@ -135,6 +147,12 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("DeleteVM")),
 			connect.WithClientOptions(opts...),
 		),
+		resetVM: connect.NewClient[apiv1.ResetVMRequest, apiv1.ResetVMResponse](
+			httpClient,
+			baseURL+VMServiceResetVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("ResetVM")),
+			connect.WithClientOptions(opts...),
+		),
 		exec: connect.NewClient[apiv1.ExecRequest, apiv1.ExecResponse](
 			httpClient,
 			baseURL+VMServiceExecProcedure,
@@ -152,6 +170,7 @@ type vMServiceClient struct {
 	startVM  *connect.Client[apiv1.StartVMRequest, apiv1.StartVMResponse]
 	stopVM   *connect.Client[apiv1.StopVMRequest, apiv1.StopVMResponse]
 	deleteVM *connect.Client[apiv1.DeleteVMRequest, apiv1.DeleteVMResponse]
+	resetVM  *connect.Client[apiv1.ResetVMRequest, apiv1.ResetVMResponse]
 	exec     *connect.Client[apiv1.ExecRequest, apiv1.ExecResponse]
 }
 
@@ -185,6 +204,11 @@ func (c *vMServiceClient) DeleteVM(ctx context.Context, req *connect.Request[api
 	return c.deleteVM.CallUnary(ctx, req)
 }
 
+// ResetVM calls carrel.api.v1.VMService.ResetVM.
+func (c *vMServiceClient) ResetVM(ctx context.Context, req *connect.Request[apiv1.ResetVMRequest]) (*connect.Response[apiv1.ResetVMResponse], error) {
+	return c.resetVM.CallUnary(ctx, req)
+}
+
 // Exec calls carrel.api.v1.VMService.Exec.
 func (c *vMServiceClient) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error) {
 	return c.exec.CallServerStream(ctx, req)
@@ -204,6 +228,10 @@ type VMServiceHandler interface {
 	StopVM(context.Context, *connect.Request[apiv1.StopVMRequest]) (*connect.Response[apiv1.StopVMResponse], error)
 	// DeleteVM removes a stopped VM and its state.
 	DeleteVM(context.Context, *connect.Request[apiv1.DeleteVMRequest]) (*connect.Response[apiv1.DeleteVMResponse], error)
+	// ResetVM discards what the VM changed outside /workspace (and, if
+	// asked, /workspace too), so that it boots its verified image as built.
+	// A running VM is stopped and booted again.
+	ResetVM(context.Context, *connect.Request[apiv1.ResetVMRequest]) (*connect.Response[apiv1.ResetVMResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error
 }
@@ -251,6 +279,12 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("DeleteVM")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServiceResetVMHandler := connect.NewUnaryHandler(
+		VMServiceResetVMProcedure,
+		svc.ResetVM,
+		connect.WithSchema(vMServiceMethods.ByName("ResetVM")),
+		connect.WithHandlerOptions(opts...),
+	)
 	vMServiceExecHandler := connect.NewServerStreamHandler(
 		VMServiceExecProcedure,
 		svc.Exec,
@@ -271,6 +305,8 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServiceStopVMHandler.ServeHTTP(w, r)
 		case VMServiceDeleteVMProcedure:
 			vMServiceDeleteVMHandler.ServeHTTP(w, r)
+		case VMServiceResetVMProcedure:
+			vMServiceResetVMHandler.ServeHTTP(w, r)
 		case VMServiceExecProcedure:
 			vMServiceExecHandler.ServeHTTP(w, r)
 		default:
@@ -306,6 +342,10 @@ func (UnimplementedVMServiceHandler) DeleteVM(context.Context, *connect.Request[
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.DeleteVM is not implemented"))
 }
 
+func (UnimplementedVMServiceHandler) ResetVM(context.Context, *connect.Request[apiv1.ResetVMRequest]) (*connect.Response[apiv1.ResetVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.ResetVM is not implemented"))
+}
+
 func (UnimplementedVMServiceHandler) Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.Exec is not implemented"))
 }
@@ -316,6 +356,12 @@ type ImageServiceClient interface {
 	BuildImage(context.Context, *connect.Request[apiv1.BuildImageRequest]) (*connect.Response[apiv1.BuildImageResponse], error)
 	// ListImages returns the stored images and their tags.
 	ListImages(context.Context, *connect.Request[apiv1.ListImagesRequest]) (*connect.Response[apiv1.ListImagesResponse], error)
+	// InspectImage returns one stored image with its whole manifest.
+	InspectImage(context.Context, *connect.Request[apiv1.InspectImageRequest]) (*connect.Response[apiv1.InspectImageResponse], error)
+	// ImportImage checks an image directory on carreld's host (carrel's
+	// image format: docs/image-format.md), recomputes its dm-verity tree,
+	// and stores and tags it. On any failure the store is unchanged.
+	ImportImage(context.Context, *connect.Request[apiv1.ImportImageRequest]) (*connect.Response[apiv1.ImportImageResponse], error)
 }
 
 // NewImageServiceClient constructs a client for the carrel.api.v1.ImageService service. By default,
@@ -341,13 +387,27 @@ func NewImageServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(imageServiceMethods.ByName("ListImages")),
 			connect.WithClientOptions(opts...),
 		),
+		inspectImage: connect.NewClient[apiv1.InspectImageRequest, apiv1.InspectImageResponse](
+			httpClient,
+			baseURL+ImageServiceInspectImageProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("InspectImage")),
+			connect.WithClientOptions(opts...),
+		),
+		importImage: connect.NewClient[apiv1.ImportImageRequest, apiv1.ImportImageResponse](
+			httpClient,
+			baseURL+ImageServiceImportImageProcedure,
+			connect.WithSchema(imageServiceMethods.ByName("ImportImage")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // imageServiceClient implements ImageServiceClient.
 type imageServiceClient struct {
-	buildImage *connect.Client[apiv1.BuildImageRequest, apiv1.BuildImageResponse]
-	listImages *connect.Client[apiv1.ListImagesRequest, apiv1.ListImagesResponse]
+	buildImage   *connect.Client[apiv1.BuildImageRequest, apiv1.BuildImageResponse]
+	listImages   *connect.Client[apiv1.ListImagesRequest, apiv1.ListImagesResponse]
+	inspectImage *connect.Client[apiv1.InspectImageRequest, apiv1.InspectImageResponse]
+	importImage  *connect.Client[apiv1.ImportImageRequest, apiv1.ImportImageResponse]
 }
 
 // BuildImage calls carrel.api.v1.ImageService.BuildImage.
@@ -360,12 +420,28 @@ func (c *imageServiceClient) ListImages(ctx context.Context, req *connect.Reques
 	return c.listImages.CallUnary(ctx, req)
 }
 
+// InspectImage calls carrel.api.v1.ImageService.InspectImage.
+func (c *imageServiceClient) InspectImage(ctx context.Context, req *connect.Request[apiv1.InspectImageRequest]) (*connect.Response[apiv1.InspectImageResponse], error) {
+	return c.inspectImage.CallUnary(ctx, req)
+}
+
+// ImportImage calls carrel.api.v1.ImageService.ImportImage.
+func (c *imageServiceClient) ImportImage(ctx context.Context, req *connect.Request[apiv1.ImportImageRequest]) (*connect.Response[apiv1.ImportImageResponse], error) {
+	return c.importImage.CallUnary(ctx, req)
+}
+
 // ImageServiceHandler is an implementation of the carrel.api.v1.ImageService service.
 type ImageServiceHandler interface {
 	// BuildImage builds an image and stores it; it returns the stored manifest.
 	BuildImage(context.Context, *connect.Request[apiv1.BuildImageRequest]) (*connect.Response[apiv1.BuildImageResponse], error)
 	// ListImages returns the stored images and their tags.
 	ListImages(context.Context, *connect.Request[apiv1.ListImagesRequest]) (*connect.Response[apiv1.ListImagesResponse], error)
+	// InspectImage returns one stored image with its whole manifest.
+	InspectImage(context.Context, *connect.Request[apiv1.InspectImageRequest]) (*connect.Response[apiv1.InspectImageResponse], error)
+	// ImportImage checks an image directory on carreld's host (carrel's
+	// image format: docs/image-format.md), recomputes its dm-verity tree,
+	// and stores and tags it. On any failure the store is unchanged.
+	ImportImage(context.Context, *connect.Request[apiv1.ImportImageRequest]) (*connect.Response[apiv1.ImportImageResponse], error)
 }
 
 // NewImageServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -387,12 +463,28 @@ func NewImageServiceHandler(svc ImageServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(imageServiceMethods.ByName("ListImages")),
 		connect.WithHandlerOptions(opts...),
 	)
+	imageServiceInspectImageHandler := connect.NewUnaryHandler(
+		ImageServiceInspectImageProcedure,
+		svc.InspectImage,
+		connect.WithSchema(imageServiceMethods.ByName("InspectImage")),
+		connect.WithHandlerOptions(opts...),
+	)
+	imageServiceImportImageHandler := connect.NewUnaryHandler(
+		ImageServiceImportImageProcedure,
+		svc.ImportImage,
+		connect.WithSchema(imageServiceMethods.ByName("ImportImage")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.api.v1.ImageService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case ImageServiceBuildImageProcedure:
 			imageServiceBuildImageHandler.ServeHTTP(w, r)
 		case ImageServiceListImagesProcedure:
 			imageServiceListImagesHandler.ServeHTTP(w, r)
+		case ImageServiceInspectImageProcedure:
+			imageServiceInspectImageHandler.ServeHTTP(w, r)
+		case ImageServiceImportImageProcedure:
+			imageServiceImportImageHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -408,6 +500,14 @@ func (UnimplementedImageServiceHandler) BuildImage(context.Context, *connect.Req
 
 func (UnimplementedImageServiceHandler) ListImages(context.Context, *connect.Request[apiv1.ListImagesRequest]) (*connect.Response[apiv1.ListImagesResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.ImageService.ListImages is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) InspectImage(context.Context, *connect.Request[apiv1.InspectImageRequest]) (*connect.Response[apiv1.InspectImageResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.ImageService.InspectImage is not implemented"))
+}
+
+func (UnimplementedImageServiceHandler) ImportImage(context.Context, *connect.Request[apiv1.ImportImageRequest]) (*connect.Response[apiv1.ImportImageResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.ImageService.ImportImage is not implemented"))
 }
 
 // SystemServiceClient is a client for the carrel.api.v1.SystemService service.

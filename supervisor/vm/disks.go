@@ -1,0 +1,130 @@
+package vm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/image/workspace"
+	"github.com/carrel-os/carrel/supervisor/driver"
+	"github.com/carrel-os/carrel/supervisor/registry"
+)
+
+// Disk files in a VM's directory.
+const (
+	// WorkspaceDiskName is the VM's /workspace.
+	WorkspaceDiskName = "workspace.qcow2"
+	// StateDiskName holds the VM's writable layer over its image's
+	// verified root: everything it changed outside /workspace.
+	StateDiskName = "state.qcow2"
+)
+
+// DefaultStateBytes is the size of a VM's writable layer when its create
+// named none. The disk is sparse: it takes only what the VM writes.
+const DefaultStateBytes = 8 << 30
+
+// workspaceSize is the size of rec's workspace: as created with, else half
+// its memory, as the guest sizes a tmpfs workspace.
+func workspaceSize(rec registry.Record) uint64 {
+	if rec.WorkspaceBytes > 0 {
+		return rec.WorkspaceBytes
+	}
+	return max(rec.MemoryBytes/2&^(1<<20-1), workspace.TemplateSize)
+}
+
+// stateSize is the size of rec's writable layer.
+func stateSize(rec registry.Record) uint64 {
+	if rec.DiskBytes > 0 {
+		return rec.DiskBytes
+	}
+	return DefaultStateBytes
+}
+
+// attachDisks gives spec the VM's disks and tells the guest of them: the
+// image's verified root and hash device, read-only and shared by every VM
+// of the image; the VM's writable layer over that root (a disk of its own,
+// or memory when it is ephemeral); and its workspace disk when the image
+// has a workspace template (else /workspace is a tmpfs). The VM's own
+// disks are copy-on-write qcow2 files over a template, made at its first
+// boot and kept from one run to the next until it is reset or removed.
+func (m *Manager) attachDisks(ctx context.Context, rec registry.Record, img *store.Resolved, spec *driver.Spec) error {
+	if img.SystemPath != "" {
+		spec.Disks = append(spec.Disks,
+			driver.Disk{Path: img.SystemPath, Format: driver.FormatRaw, ReadOnly: true, Serial: protocol.SystemSerial},
+			driver.Disk{Path: img.SystemVerityPath, Format: driver.FormatRaw, ReadOnly: true, Serial: protocol.SystemVeritySerial})
+		if rec.Ephemeral {
+			spec.Cmdline += " " + protocol.StateArg + "=" + protocol.StateMemory
+		} else {
+			tpl, err := m.template(ctx, img)
+			if err != nil {
+				return err
+			}
+			d, err := m.vmDisk(ctx, rec, spec.Dir, StateDiskName, tpl, stateSize(rec))
+			if err != nil {
+				return fmt.Errorf("state disk: %w", err)
+			}
+			d.Serial = protocol.StateSerial
+			spec.Disks = append(spec.Disks, d)
+			spec.Cmdline += " " + protocol.StateArg + "=" + protocol.StateDisk
+		}
+	}
+	if img.WorkspacePath != "" {
+		d, err := m.vmDisk(ctx, rec, spec.Dir, WorkspaceDiskName, img.WorkspacePath, workspaceSize(rec))
+		if err != nil {
+			return fmt.Errorf("workspace disk: %w", err)
+		}
+		d.Serial = protocol.WorkspaceSerial
+		spec.Disks = append(spec.Disks, d)
+		spec.Cmdline += " " + protocol.WorkspaceDiskArg
+	}
+	return nil
+}
+
+// vmDisk returns the VM's disk file name in dir, making it, of size bytes
+// over template, if it does not exist yet.
+func (m *Manager) vmDisk(ctx context.Context, rec registry.Record, dir, name, template string, size uint64) (driver.Disk, error) {
+	disk := filepath.Join(dir, name)
+	switch _, err := os.Lstat(disk); {
+	case errors.Is(err, os.ErrNotExist):
+		if err := workspace.Create(ctx, m.qemuImg(), disk, template, size); err != nil {
+			return driver.Disk{}, err
+		}
+		m.log.Info("disk created", "vm", rec.Name, "disk", name, "bytes", size, "template", template)
+	case err != nil:
+		return driver.Disk{}, err
+	}
+	return driver.Disk{Path: disk, Format: driver.FormatQCOW2, Backing: template}, nil
+}
+
+func (m *Manager) qemuImg() string {
+	if m.cfg.QEMUImg == "" {
+		return "qemu-img"
+	}
+	return m.cfg.QEMUImg
+}
+
+// template is the raw ext4 template of a VM's writable-layer disk: the
+// image's workspace template when it has one, else carreld's own
+// (Config.DiskTemplate), made when first needed.
+func (m *Manager) template(ctx context.Context, img *store.Resolved) (string, error) {
+	if img.WorkspacePath != "" {
+		return img.WorkspacePath, nil
+	}
+	p := m.cfg.DiskTemplate
+	if p == "" {
+		return "", errors.New("the image has no disk template and carreld has none configured")
+	}
+	m.templateMu.Lock()
+	defer m.templateMu.Unlock()
+	if _, err := os.Stat(p); err == nil {
+		return p, nil
+	}
+	if err := workspace.Template(ctx, p); err != nil {
+		return "", err
+	}
+	return p, os.Chmod(p, 0o444)
+}
