@@ -212,9 +212,17 @@ func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sand
 		cfg.Runner.OnStart = w.activity.Started
 		cfg.Activity = w.activity.Serve
 	}
+	if pid1 {
+		// The image's environment for every command (a spec's "env").
+		env, err := exec.ReadEnvironment(exec.EnvironmentFile)
+		if err != nil {
+			log.Warn("image environment", "err", err)
+		}
+		cfg.Runner.Env = env
+	}
 	if eg != nil {
 		cfg.Egress = eg
-		cfg.Runner.Env = egress.Env()
+		cfg.Runner.Env = append(cfg.Runner.Env, egress.Env()...)
 	}
 	return server.Serve(ctx, l, cfg)
 }

@@ -1,15 +1,19 @@
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
+	"github.com/carrel-os/carrel/image/debian"
 	"github.com/carrel-os/carrel/image/imagedir"
 	"github.com/carrel-os/carrel/image/manifest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
@@ -22,26 +26,55 @@ func newImageCmd(g *globals) *cobra.Command {
 }
 
 func newImageBuildCmd(g *globals) *cobra.Command {
-	var dev bool
-	var tag string
+	var dev, noCache bool
+	var tag, specFile string
+	var timeout time.Duration
 	c := &cobra.Command{
-		Use:   "build --dev",
-		Short: "Build the development image and print its digest",
-		Args:  cobra.NoArgs,
+		Use:   "build [dev | agent] [--spec FILE]",
+		Short: "Build an image in carreld and print its digest",
+		Long: "Build the development image (dev, or --dev), an image from a built-in Debian spec (agent: a developer's " +
+			"userland), or one from your own spec (--spec FILE, JSON; see docs/image-format.md). A Debian build whose " +
+			"spec, package versions and tools have not changed is not run again (--no-cache runs it).",
+		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if !dev {
-				return errors.New("only the development image can be built by carreld: pass --dev (production images are built with nix build .#agent-image)")
+			req := &apiv1.BuildImageRequest{Tag: tag, NoCache: noCache}
+			switch {
+			case specFile != "" && (dev || len(args) > 0):
+				return errors.New("--spec builds your own spec: name no other image")
+			case specFile != "":
+				b, err := os.ReadFile(specFile)
+				if err != nil {
+					return err
+				}
+				if _, err := debian.ParseSpec(b); err != nil {
+					return fmt.Errorf("%s: %w", specFile, err)
+				}
+				req.SpecJson = string(b)
+			case dev || (len(args) == 1 && args[0] == "dev"):
+				req.Dev = true
+			case len(args) == 1:
+				req.SpecName = args[0]
+			default:
+				return fmt.Errorf("name what to build: dev, a built-in spec (%s), or --spec FILE", strings.Join(debian.BuiltinNames(), ", "))
 			}
-			resp, err := g.client().Images.BuildImage(cmd.Context(), connect.NewRequest(&apiv1.BuildImageRequest{Dev: true, Tag: tag}))
+			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
+			defer cancel()
+			resp, err := g.client().Images.BuildImage(ctx, connect.NewRequest(req))
 			if err != nil {
 				return err
+			}
+			if resp.Msg.Cached {
+				fmt.Fprintf(cmd.ErrOrStderr(), "cached: the same spec, packages and tools built %s before\n", strings.Join(resp.Msg.Image.Tags, ","))
 			}
 			fmt.Println(resp.Msg.Image.Digest)
 			return nil
 		},
 	}
-	c.Flags().BoolVar(&dev, "dev", false, "build the development image (Debian kernel, carrel-agent, a small verified busybox root)")
-	c.Flags().StringVar(&tag, "tag", "dev", "tag to point at the new image")
+	c.Flags().BoolVar(&dev, "dev", false, "build the development image (the same as naming dev)")
+	c.Flags().StringVar(&specFile, "spec", "", "build from this spec file (JSON)")
+	c.Flags().StringVar(&tag, "tag", "", "tag to point at the new image (default: dev, or the spec's name)")
+	c.Flags().BoolVar(&noCache, "no-cache", false, "build even if the same build is cached")
+	c.Flags().DurationVar(&timeout, "timeout", 30*time.Minute, "give up after this long")
 	return c
 }
 

@@ -17,6 +17,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/carrel-os/carrel/image/erofs"
 	"github.com/carrel-os/carrel/image/imagedir"
 	"github.com/carrel-os/carrel/image/initramfs"
 	"github.com/carrel-os/carrel/image/kmod"
@@ -67,19 +68,23 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	if err != nil {
 		return nil, err
 	}
-	applets, err := busyboxApplets(ctx, run, in.busybox)
-	if err != nil {
-		return nil, err
-	}
-	if err := ctx.Err(); err != nil {
-		return nil, err
-	}
 	initrdTree, guestMods, err := buildInitrd(o, tree.Release(), mods)
 	if err != nil {
 		return nil, err
 	}
-	rootTree, err := buildRoot(o, tree.Release(), applets, in)
-	if err != nil {
+	// The dev image's root is laid out here; a builder such as
+	// image/debian brings its own (Options.RootTree).
+	var rootTree *initramfs.Archive
+	if o.RootTree == "" {
+		applets, err := busyboxApplets(ctx, run, in.busybox)
+		if err != nil {
+			return nil, err
+		}
+		if rootTree, err = buildRoot(o, tree.Release(), applets, in); err != nil {
+			return nil, err
+		}
+	}
+	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
 
@@ -136,7 +141,7 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	if err != nil {
 		return nil, fmt.Errorf("write initramfs: %w", err)
 	}
-	sys, err := makeRoot(ctx, rootTree, o.OutDir, res)
+	sys, err := makeRoot(ctx, o, rootTree, res)
 	if err != nil {
 		return nil, err
 	}
@@ -168,28 +173,31 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 	}); err != nil {
 		return nil, fmt.Errorf("write manifest: %w", err)
 	}
-	o.Logger.Info("built dev image", "dir", o.OutDir, "release", tree.Release(),
-		"modules", len(guestMods), "applets", len(applets),
+	o.Logger.Info("built image", "name", o.Name, "dir", o.OutDir, "release", tree.Release(),
+		"modules", len(guestMods), "packages", len(res.Manifest.Packages),
 		"initrd_bytes", initrd.Size, "root_bytes", sys.System.Size, "root_hash", sys.Verity.RootHash,
 		"compressed", o.Compress,
 		"digest", manifest.DigestBytes(b), "assemble_time", time.Since(start).Round(time.Millisecond))
 	return res, nil
 }
 
-// makeRoot lays the root tree out in a scratch directory beside the
-// output and makes the verified root of it (image/sysroot).
-func makeRoot(ctx context.Context, root *initramfs.Archive, outDir string, res *Result) (*sysroot.Result, error) {
-	scratch, err := os.MkdirTemp(outDir, ".root-*")
+// makeRoot makes the verified root (image/sysroot) of o.RootTree, or else
+// of root laid out in a scratch directory beside the output.
+func makeRoot(ctx context.Context, o Options, root *initramfs.Archive, res *Result) (*sysroot.Result, error) {
+	scratch, err := os.MkdirTemp(o.OutDir, ".root-*")
 	if err != nil {
 		return nil, fmt.Errorf("lay out root: %w", err)
 	}
 	defer os.RemoveAll(scratch)
-	tree := filepath.Join(scratch, "tree")
-	if err := root.WriteDir(tree); err != nil {
-		return nil, fmt.Errorf("lay out root: %w", err)
+	tree := o.RootTree
+	if tree == "" {
+		tree = filepath.Join(scratch, "tree")
+		if err := root.WriteDir(tree); err != nil {
+			return nil, fmt.Errorf("lay out root: %w", err)
+		}
 	}
 	sysTmp, verTmp := filepath.Join(scratch, "system"), filepath.Join(scratch, "verity")
-	sys, err := sysroot.Make(ctx, tree, sysTmp, verTmp, sysroot.Options{})
+	sys, err := sysroot.Make(ctx, tree, sysTmp, verTmp, sysroot.Options{Erofs: erofs.Options{Compressor: o.RootCompressor}})
 	if err != nil {
 		return nil, err
 	}

@@ -99,6 +99,14 @@ type Options struct {
 	// LibDirs are the host directories searched for qemu-ga's shared
 	// libraries after the package's own tree. Nil means DefaultLibDirs.
 	LibDirs []string
+	// RootTree, when set, is the root file system, laid out by the caller
+	// (image/debian), in place of the busybox root; RootPackages are its
+	// packages, which the manifest lists beside the kernel's.
+	RootTree     string
+	RootPackages []manifest.Package
+	// RootCompressor compresses the root file system (image/erofs); ""
+	// means none, which reads fastest under TCG.
+	RootCompressor string
 	// Logger receives progress; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -223,8 +231,12 @@ func fetchInputs(ctx context.Context, f *fetcher, o Options) (inputs, error) {
 	release := filepath.Base(kernels[0])[len("vmlinuz-"):]
 	in := inputs{kernel: kernels[0]}
 	for _, f := range pkgs {
+		if o.RootTree != "" && f.pkg.Name != kpkg.Name {
+			continue // busybox and qemu-ga are in the dev root only
+		}
 		in.packages = append(in.packages, manifest.Package{Name: f.pkg.Name, Version: f.pkg.Version, Arch: f.pkg.Arch})
 	}
+	in.packages = append(in.packages, o.RootPackages...)
 	for _, dir := range []string{"lib/modules", "usr/lib/modules"} {
 		p := filepath.Join(ktree, dir, release)
 		if fi, err := os.Stat(p); err == nil && fi.IsDir() {

@@ -119,7 +119,7 @@ func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driv
 	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second,
 		PolicyExists: func(n string) error { _, err := pols.Get(n); return err },
 		AgentReady:   pols.GiveSandbox,
-		OnEvent:      auditrec.Lifecycle(alog, pols),
+		OnEvent:      auditrec.Lifecycle(alog, pols, nil),
 	})
 	decisions.Session = m.SessionOf
 	t.Cleanup(func() { m.Close() })

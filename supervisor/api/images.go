@@ -10,6 +10,7 @@ import (
 
 	"connectrpc.com/connect"
 
+	"github.com/carrel-os/carrel/image/debian"
 	"github.com/carrel-os/carrel/image/imagedir"
 	"github.com/carrel-os/carrel/image/store"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
@@ -28,28 +29,50 @@ type imageService struct {
 }
 
 func (s *imageService) BuildImage(ctx context.Context, req *connect.Request[apiv1.BuildImageRequest]) (*connect.Response[apiv1.BuildImageResponse], error) {
-	if !req.Msg.Dev {
-		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("only the development image can be built here: pass dev=true (carrel image build --dev)"))
+	m := req.Msg
+	n := 0
+	for _, set := range []bool{m.Dev, m.SpecName != "", m.SpecJson != ""} {
+		if set {
+			n++
+		}
+	}
+	if n != 1 {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("build one of: dev=true (carrel image build --dev), spec_name (a built-in spec such as agent), or spec_json"))
 	}
 	if s.cfg.Build == nil {
 		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("this carreld has no image builder configured"))
 	}
-	tag := req.Msg.Tag
-	if tag == "" {
+	var spec *debian.Spec
+	var err error
+	switch {
+	case m.SpecName != "":
+		spec, err = debian.Builtin(m.SpecName)
+	case m.SpecJson != "":
+		spec, err = debian.ParseSpec([]byte(m.SpecJson))
+	}
+	if err != nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, err)
+	}
+	tag := m.Tag
+	switch {
+	case tag != "":
+	case spec != nil:
+		tag = spec.Name
+	default:
 		tag = "dev"
 	}
 	if !store.ValidTagName(tag) {
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("invalid tag name"))
 	}
-	digest, err := s.cfg.Build(ctx, tag)
+	digest, cached, err := s.cfg.Build(ctx, spec, tag, m.NoCache)
 	if err != nil {
-		return nil, connect.NewError(connect.CodeInternal, err)
+		return nil, imageError(err)
 	}
 	img, err := s.find(digest)
 	if err != nil {
 		return nil, err
 	}
-	return connect.NewResponse(&apiv1.BuildImageResponse{Image: img}), nil
+	return connect.NewResponse(&apiv1.BuildImageResponse{Image: img, Cached: cached}), nil
 }
 
 func (s *imageService) find(digest string) (*apiv1.Image, error) {

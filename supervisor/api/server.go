@@ -21,6 +21,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/image/debian"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/identity"
@@ -41,8 +42,10 @@ const (
 	maxSessionDeadline = 24 * time.Hour
 )
 
-// ImageBuilder builds the development image and returns its digest.
-type ImageBuilder func(ctx context.Context, tag string) (digest string, err error)
+// ImageBuilder builds an image (the development image when spec is nil,
+// else the Debian spec), stores it under tag and returns its digest;
+// cached says a build with the same inputs had already made it.
+type ImageBuilder func(ctx context.Context, spec *debian.Spec, tag string, noCache bool) (digest string, cached bool, err error)
 
 // Config wires the API to the rest of carreld.
 type Config struct {

@@ -3,9 +3,12 @@
 package auditrec
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 
+	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/policies"
@@ -49,15 +52,21 @@ func (r *Decisions) Record(ctx context.Context, d policy.Decision, in policy.Inp
 
 // lifecycleData is the data of a "vm.lifecycle" record.
 type lifecycleData struct {
-	Event          vm.EventKind `json:"event"`
-	ImageDigest    string       `json:"image_digest"`
-	Policy         string       `json:"policy"`
-	PolicyRevision string       `json:"policy_revision,omitempty"`
-	MemoryBytes    uint64       `json:"memory_bytes"`
-	CPUs           uint32       `json:"cpus"`
-	Driver         string       `json:"driver"`
-	Reason         string       `json:"reason,omitempty"`
-	GPUs           []string     `json:"gpus,omitempty"`
+	Event       vm.EventKind `json:"event"`
+	ImageDigest string       `json:"image_digest"`
+	// ImageName and RootHash name the image and the dm-verity root hash
+	// of its root file system (empty for an image without one). A
+	// created or starting record also carries the image's manifest as a
+	// blob (its digest is ImageDigest), with the image's every package.
+	ImageName      string   `json:"image_name,omitempty"`
+	RootHash       string   `json:"root_hash,omitempty"`
+	Policy         string   `json:"policy"`
+	PolicyRevision string   `json:"policy_revision,omitempty"`
+	MemoryBytes    uint64   `json:"memory_bytes"`
+	CPUs           uint32   `json:"cpus"`
+	Driver         string   `json:"driver"`
+	Reason         string   `json:"reason,omitempty"`
+	GPUs           []string `json:"gpus,omitempty"`
 }
 
 // gpuData is the data of a "gpu.attach" or "gpu.detach" record.
@@ -69,10 +78,16 @@ type gpuData struct {
 	Reason string   `json:"reason,omitempty"`
 }
 
+// Manifests gives an image's manifest, as stored, by its digest.
+type Manifests func(digest string) ([]byte, error)
+
 // Lifecycle records a step in a VM's life, with what a later rerun needs
-// to start the same VM: the image digest and the policy revision. A GPU
-// attach or detach gets a record of its own kind.
-func Lifecycle(l *audit.Log, pols *policies.Store) func(context.Context, vm.Event) error {
+// to start the same VM: the image digest and the policy revision. The
+// records that begin a run (created, starting) also keep the image's
+// manifest as a blob, so that a reviewer sees which image, root hash and
+// packages the session ran on, offline. A GPU attach or detach gets a
+// record of its own kind. manifests may be nil.
+func Lifecycle(l *audit.Log, pols *policies.Store, manifests Manifests) func(context.Context, vm.Event) error {
 	return func(ctx context.Context, ev vm.Event) error {
 		r := ev.Record
 		switch ev.Kind {
@@ -88,8 +103,16 @@ func Lifecycle(l *audit.Log, pols *policies.Store) func(context.Context, vm.Even
 			_, err = l.Append(ctx, audit.Record{Kind: kind, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b})
 			return err
 		}
-		data := lifecycleData{Event: ev.Kind, ImageDigest: r.ImageDigest, Policy: r.PolicyName(),
+		data := lifecycleData{Event: ev.Kind, ImageDigest: r.ImageDigest, RootHash: r.RootHash, Policy: r.PolicyName(),
 			MemoryBytes: r.MemoryBytes, CPUs: r.CPUs, Driver: r.Driver, Reason: ev.Reason, GPUs: r.GPUs}
+		var blobs []string
+		if manifests != nil && (ev.Kind == vm.EventCreated || ev.Kind == vm.EventStarting) {
+			name, blob, err := keepManifest(l, manifests, r.ImageDigest)
+			if err != nil {
+				return err
+			}
+			data.ImageName, blobs = name, []string{blob}
+		}
 		if p, err := pols.Get(r.PolicyName()); err == nil {
 			data.PolicyRevision = p.Revision
 		}
@@ -100,7 +123,29 @@ func Lifecycle(l *audit.Log, pols *policies.Store) func(context.Context, vm.Even
 		if err != nil {
 			return err
 		}
-		_, err = l.Append(ctx, audit.Record{Kind: audit.KindVMLifecycle, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b})
+		_, err = l.Append(ctx, audit.Record{Kind: audit.KindVMLifecycle, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b, Blobs: blobs})
 		return err
 	}
+}
+
+// keepManifest puts the image's manifest in the audit log's blob store
+// (content-addressed, so its digest is the image's) and returns the
+// image's name and the blob's digest.
+func keepManifest(l *audit.Log, manifests Manifests, digest string) (string, string, error) {
+	b, err := manifests(digest)
+	if err != nil {
+		return "", "", fmt.Errorf("image manifest for the audit log: %w", err)
+	}
+	m, err := manifest.Parse(b)
+	if err != nil {
+		return "", "", fmt.Errorf("image manifest for the audit log: %w", err)
+	}
+	blob, err := l.PutBlob(bytes.NewReader(b))
+	if err != nil {
+		return "", "", err
+	}
+	if blob != digest {
+		return "", "", fmt.Errorf("image manifest for the audit log: stored as %s, not %s", blob, digest)
+	}
+	return m.Name, blob, nil
 }

@@ -16,6 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/carrel-os/carrel/image/debian"
 	"github.com/carrel-os/carrel/image/devimage"
 	"github.com/carrel-os/carrel/image/store"
 	"github.com/carrel-os/carrel/image/workspace"
@@ -132,7 +133,7 @@ func Run(ctx context.Context, cfg Config) error {
 		DiskTemplate: filepath.Join(cfg.StateDir, "disk-template.img"),
 		PolicyExists: func(name string) error { _, err := pols.Get(name); return err },
 		AgentReady:   pols.GiveSandbox,
-		OnEvent:      auditrec.Lifecycle(auditLog, pols),
+		OnEvent:      auditrec.Lifecycle(auditLog, pols, images.ManifestBytes),
 		CheckGPUs: func(want []string, held map[string][]string) error {
 			_, err := gpus.Check(want, held)
 			return err
@@ -251,28 +252,77 @@ type builder struct {
 	mu     sync.Mutex
 }
 
-func (b *builder) build(ctx context.Context, tag string) (string, error) {
+func (b *builder) build(ctx context.Context, spec *debian.Spec, tag string, noCache bool) (string, bool, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if spec == nil {
+		return b.buildDev(ctx, tag)
+	}
+	sources, err := debian.HostSources()
+	if err != nil {
+		return "", false, err
+	}
+	key, err := debian.CacheKey(ctx, spec, b.cfg.AgentBinary, sources)
+	if err != nil {
+		return "", false, err
+	}
+	if dir := debian.Cached(b.cfg.CacheDir, key); dir != "" && !noCache {
+		// Built before with the same inputs: import what that build made
+		// (checked in full, as any import), whatever this store holds.
+		out, err := b.images.Import(dir, tag)
+		if err == nil {
+			b.log.Info("image build cached", "digest", out.Digest, "tag", tag, "spec", spec.Name, "key", key)
+			return out.Digest, true, nil
+		}
+		b.log.Warn("cached image not usable; building it again", "dir", dir, "err", err)
+	}
+	buildDir, err := debian.NewBuildDir(b.cfg.CacheDir)
+	if err != nil {
+		return "", false, err
+	}
+	defer os.RemoveAll(buildDir)
+	built := filepath.Join(buildDir, "image")
+	if _, err := debian.Build(ctx, debian.Options{
+		Spec: spec, CacheDir: b.cfg.CacheDir, OutDir: built, AgentBinary: b.cfg.AgentBinary, Sources: sources, Logger: b.log,
+	}); err != nil {
+		return "", false, err
+	}
+	dir, err := debian.Keep(b.cfg.CacheDir, key, built)
+	if err != nil {
+		return "", false, err
+	}
+	digest, _, err := b.store(dir, tag)
+	return digest, false, err
+}
+
+// buildDev builds the development image in a scratch directory of the
+// state dir and stores it.
+func (b *builder) buildDev(ctx context.Context, tag string) (string, bool, error) {
 	tmp, err := os.MkdirTemp(b.cfg.StateDir, ".build-")
 	if err != nil {
-		return "", fmt.Errorf("build dir: %w", err)
+		return "", false, fmt.Errorf("build dir: %w", err)
 	}
 	defer os.RemoveAll(tmp)
+	out := filepath.Join(tmp, "image")
 	if _, err := devimage.Build(ctx, devimage.Options{
 		CacheDir:    b.cfg.CacheDir,
-		OutDir:      tmp,
+		OutDir:      out,
 		AgentBinary: b.cfg.AgentBinary,
 		Logger:      b.log,
 	}); err != nil {
-		return "", err
+		return "", false, err
 	}
-	// The same import as for an image built elsewhere: every part is
-	// hashed again and the verity tree recomputed before it is stored.
-	out, err := b.images.Import(tmp, tag)
+	return b.store(out, tag)
+}
+
+// store imports a built image directory: the same import as for an image
+// built elsewhere, so every part is hashed again and the verity tree
+// recomputed before it is stored.
+func (b *builder) store(dir, tag string) (string, bool, error) {
+	out, err := b.images.Import(dir, tag)
 	if err != nil {
-		return "", err
+		return "", false, err
 	}
 	b.log.Info("image built", "digest", out.Digest, "tag", tag, "unchanged", out.Already)
-	return out.Digest, nil
+	return out.Digest, false, nil
 }

@@ -56,7 +56,7 @@ func benchBoot(t *tb, d, lv *harness.Daemon, img *store.Resolved, machine string
 			return took
 		},
 		"bare qemu": func(string) time.Duration {
-			took, err := bareBoot(machine, img)
+			took, err := bareBoot(machine, img, 512)
 			if err != nil {
 				t.Fatal(err)
 			}

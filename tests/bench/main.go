@@ -24,7 +24,13 @@
 //     carreld's RSS, with 10 VMs running (see overhead.go);
 //   - egress (-egress): a download through the guest's proxy and carreld's
 //     egress proxy against the same download directly on the host, and
-//     connection setup both ways (see egress.go).
+//     connection setup both ways (see egress.go);
+//   - the agent image (-image): `carrel image build agent` cold, warm and
+//     cached, its size, boot to agent-ready against the dev image and bare
+//     QEMU with the same disks, and the first python3 after boot (see
+//     image.go);
+//   - dm-verity (-verity): a file read through the verified root against
+//     the same erofs unverified, in one VM (see image.go).
 //
 // Every section is on by default; each prints medians and ratios.
 package main
@@ -101,6 +107,9 @@ func main() {
 	overheadVMs := flag.Int("overhead-vms", 10, "VMs running for -overhead")
 	egressMiB := flag.Int64("egress-size", 256, "egress download size, MiB")
 	egressRounds := flag.Int("egress-rounds", 3, "rounds of the egress download, each way, alternating")
+	doImage := flag.Bool("image", true, "the agent image: build time (cold, warm, cached) and size, boot to agent-ready against the dev image and bare QEMU, first python3 after boot")
+	doVerity := flag.Bool("verity", true, "dm-verity's cost: a file read from the verified root against the same erofs unverified, in one VM")
+	verityMiB := flag.Int64("verity-size", 256, "file size for -verity, MiB")
 	flag.Parse()
 	log.SetFlags(0)
 	switch {
@@ -124,7 +133,7 @@ func main() {
 			log.Fatalf("audit benchmark: %v", err)
 		}
 	}
-	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead {
+	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity {
 		return // no VM needed
 	}
 
@@ -166,6 +175,13 @@ func main() {
 		if lv != nil {
 			lv.Stop()
 		}
+	}
+	if *doVerity {
+		benchVerity(t, img, *verityMiB, *fileRounds)
+	}
+	if *doImage {
+		agent := benchImageBuild(t, d)
+		benchAgentBoot(t, d, agent, *machine, *rounds)
 	}
 	if *doWarm {
 		benchWarmExec(d, *execs)
@@ -226,42 +242,19 @@ func benchWarmExec(d *harness.Daemon, execs int) {
 	d.Must("vm", "rm", "--force", "warm")
 }
 
-// bareBoot boots the image with plain QEMU and the same devices carreld
-// gives a VM (the workspace disk among them), and times the start of QEMU
-// to the agent's ready marker on the serial console.
-func bareBoot(machine string, img *store.Resolved) (time.Duration, error) {
+// bareBoot boots the image with plain QEMU and bareArgs's devices and
+// times the start of QEMU to the agent's ready marker on the serial
+// console.
+func bareBoot(machine string, img *store.Resolved, memMiB int) (time.Duration, error) {
 	dir, err := os.MkdirTemp("/tmp", "bare-")
 	if err != nil {
 		return 0, err
 	}
 	defer os.RemoveAll(dir)
-	mopt, serialDev, blockDev := "microvm,accel=tcg", "virtio-serial-device", "virtio-blk-device"
-	cmdline := img.Manifest.Cmdline + " reboot=t"
-	if machine == "q35" {
-		mopt, serialDev, blockDev, cmdline = "q35,accel=tcg", "virtio-serial-pci", "virtio-blk-pci", img.Manifest.Cmdline
+	args, _, err := bareArgs(machine, img, memMiB, dir)
+	if err != nil {
+		return 0, err
 	}
-	// The workspace disk carreld gives a 512 MiB VM: half its memory, over
-	// the image's template, which the guest mounts and grows.
-	var disk []string
-	if img.WorkspacePath != "" {
-		p := filepath.Join(dir, "workspace.qcow2")
-		if err := workspace.Create(context.Background(), "qemu-img", p, img.WorkspacePath, 256<<20); err != nil {
-			return 0, err
-		}
-		cmdline += " " + protocol.WorkspaceDiskArg
-		disk = []string{"-drive", "if=none,id=workspace,format=qcow2,discard=unmap,file=" + p,
-			"-device", blockDev + ",drive=workspace,serial=" + protocol.WorkspaceSerial}
-	}
-	args := []string{
-		"-machine", mopt, "-cpu", "max", "-m", "512M", "-smp", "1",
-		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-		"-kernel", img.KernelPath, "-initrd", img.InitrdPath, "-append", cmdline,
-		"-serial", "stdio",
-		"-device", serialDev + ",id=vser0",
-		"-chardev", "socket,id=agent,path=" + filepath.Join(dir, "agent.sock") + ",server=on,wait=off",
-		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + protocol.SerialPortName,
-	}
-	args = append(args, disk...)
 	cmd := exec.Command("qemu-system-x86_64", args...)
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -279,4 +272,58 @@ func bareBoot(machine string, img *store.Resolved) (time.Duration, error) {
 		}
 	}
 	return 0, fmt.Errorf("bare qemu exited before the ready marker: %v", sc.Err())
+}
+
+// bareArgs is the QEMU command line for img with the same devices carreld
+// gives a VM of memMiB: the verified root's two read-only disks, the
+// writable layer's disk and the workspace disk (each over the image's
+// template, made in dir), the console on stdout, and the agent's
+// virtio-serial port on the unix socket sock.
+func bareArgs(machine string, img *store.Resolved, memMiB int, dir string) (args []string, sock string, err error) {
+	mopt, serialDev, blockDev := "microvm,accel=tcg", "virtio-serial-device", "virtio-blk-device"
+	cmdline := img.Manifest.Cmdline + " reboot=t"
+	if machine == "q35" {
+		mopt, serialDev, blockDev, cmdline = "q35,accel=tcg", "virtio-serial-pci", "virtio-blk-pci", img.Manifest.Cmdline
+	}
+	var disks []string
+	drive := func(file, format, serial string, readOnly bool) {
+		id := fmt.Sprintf("disk%d", len(disks)/4)
+		opt := "if=none,id=" + id + ",format=" + format + ",file=" + file
+		if readOnly {
+			opt += ",readonly=on"
+		} else {
+			opt += ",discard=unmap"
+		}
+		disks = append(disks, "-drive", opt, "-device", blockDev+",drive="+id+",serial="+serial)
+	}
+	if img.SystemPath != "" {
+		drive(img.SystemPath, "raw", protocol.SystemSerial, true)
+		drive(img.SystemVerityPath, "raw", protocol.SystemVeritySerial, true)
+		p := filepath.Join(dir, "state.qcow2")
+		if err := workspace.Create(context.Background(), "qemu-img", p, img.WorkspacePath, 8<<30); err != nil {
+			return nil, "", err
+		}
+		drive(p, "qcow2", protocol.StateSerial, false)
+		cmdline += " " + protocol.StateArg + "=" + protocol.StateDisk
+	}
+	if img.WorkspacePath != "" {
+		// Half the memory, as carreld sizes it.
+		p := filepath.Join(dir, "workspace.qcow2")
+		if err := workspace.Create(context.Background(), "qemu-img", p, img.WorkspacePath, uint64(memMiB/2)<<20); err != nil {
+			return nil, "", err
+		}
+		drive(p, "qcow2", protocol.WorkspaceSerial, false)
+		cmdline += " " + protocol.WorkspaceDiskArg
+	}
+	sock = filepath.Join(dir, "agent.sock")
+	args = []string{
+		"-machine", mopt, "-cpu", "max", "-m", fmt.Sprintf("%dM", memMiB), "-smp", "1",
+		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+		"-kernel", img.KernelPath, "-initrd", img.InitrdPath, "-append", cmdline,
+		"-serial", "stdio",
+		"-device", serialDev + ",id=vser0",
+		"-chardev", "socket,id=agent,path=" + sock + ",server=on,wait=off",
+		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + protocol.SerialPortName,
+	}
+	return append(args, disks...), sock, nil
 }

@@ -377,7 +377,8 @@ func (d *Daemon) BuildImage() string {
 
 // ApplyPolicy applies, as name, the default policy's data changed by
 // edit (which gets data.json's "settings" object), and returns name.
-func (d *Daemon) ApplyPolicy(name string, edit func(settings map[string]any)) string {
+// extra are more arguments for carrel policy apply (--vm NAME binds it).
+func (d *Daemon) ApplyPolicy(name string, edit func(settings map[string]any), extra ...string) string {
 	d.t.Helper()
 	b, err := policy.Builtin(policy.DefaultName)
 	if err != nil {
@@ -404,7 +405,7 @@ func (d *Daemon) ApplyPolicy(name string, edit func(settings map[string]any)) st
 	if err := os.WriteFile(filepath.Join(dir, "harness_test.rego"), []byte(test), 0o644); err != nil {
 		d.t.Fatal(err)
 	}
-	d.Must("policy", "apply", name, dir)
+	d.Must(append([]string{"policy", "apply", name, dir}, extra...)...)
 	return name
 }
 

@@ -1339,10 +1339,18 @@ func (x *ExitStatus) GetSignal() string {
 
 type BuildImageRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Build the development image (Debian kernel + busybox + carrel-agent).
+	// Build the development image (Debian kernel, carrel-agent, a small
+	// verified busybox root).
 	Dev bool `protobuf:"varint,1,opt,name=dev,proto3" json:"dev,omitempty"`
-	// Tag to point at the result; empty means "dev" for the development image.
-	Tag           string `protobuf:"bytes,2,opt,name=tag,proto3" json:"tag,omitempty"`
+	// Tag to point at the result; empty means "dev" for the development
+	// image, else the spec's name.
+	Tag string `protobuf:"bytes,2,opt,name=tag,proto3" json:"tag,omitempty"`
+	// A built-in spec to build from Debian packages ("agent"), or
+	SpecName string `protobuf:"bytes,3,opt,name=spec_name,json=specName,proto3" json:"spec_name,omitempty"`
+	// a spec of your own (JSON; docs/image-format.md).
+	SpecJson string `protobuf:"bytes,4,opt,name=spec_json,json=specJson,proto3" json:"spec_json,omitempty"`
+	// Build even when a build with the same inputs is cached.
+	NoCache       bool `protobuf:"varint,5,opt,name=no_cache,json=noCache,proto3" json:"no_cache,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1391,9 +1399,33 @@ func (x *BuildImageRequest) GetTag() string {
 	return ""
 }
 
+func (x *BuildImageRequest) GetSpecName() string {
+	if x != nil {
+		return x.SpecName
+	}
+	return ""
+}
+
+func (x *BuildImageRequest) GetSpecJson() string {
+	if x != nil {
+		return x.SpecJson
+	}
+	return ""
+}
+
+func (x *BuildImageRequest) GetNoCache() bool {
+	if x != nil {
+		return x.NoCache
+	}
+	return false
+}
+
 type BuildImageResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Image         *Image                 `protobuf:"bytes,1,opt,name=image,proto3" json:"image,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Image *Image                 `protobuf:"bytes,1,opt,name=image,proto3" json:"image,omitempty"`
+	// True when nothing was built: a build with the same spec, package
+	// versions and tools had made this image, which the store still holds.
+	Cached        bool `protobuf:"varint,2,opt,name=cached,proto3" json:"cached,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1433,6 +1465,13 @@ func (x *BuildImageResponse) GetImage() *Image {
 		return x.Image
 	}
 	return nil
+}
+
+func (x *BuildImageResponse) GetCached() bool {
+	if x != nil {
+		return x.Cached
+	}
+	return false
 }
 
 type ListImagesRequest struct {
@@ -2352,12 +2391,16 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
 	"ExitStatus\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\x05R\x04code\x12\x16\n" +
-	"\x06signal\x18\x02 \x01(\tR\x06signal\"7\n" +
+	"\x06signal\x18\x02 \x01(\tR\x06signal\"\x8c\x01\n" +
 	"\x11BuildImageRequest\x12\x10\n" +
 	"\x03dev\x18\x01 \x01(\bR\x03dev\x12\x10\n" +
-	"\x03tag\x18\x02 \x01(\tR\x03tag\"@\n" +
+	"\x03tag\x18\x02 \x01(\tR\x03tag\x12\x1b\n" +
+	"\tspec_name\x18\x03 \x01(\tR\bspecName\x12\x1b\n" +
+	"\tspec_json\x18\x04 \x01(\tR\bspecJson\x12\x19\n" +
+	"\bno_cache\x18\x05 \x01(\bR\anoCache\"X\n" +
 	"\x12BuildImageResponse\x12*\n" +
-	"\x05image\x18\x01 \x01(\v2\x14.carrel.api.v1.ImageR\x05image\"\x13\n" +
+	"\x05image\x18\x01 \x01(\v2\x14.carrel.api.v1.ImageR\x05image\x12\x16\n" +
+	"\x06cached\x18\x02 \x01(\bR\x06cached\"\x13\n" +
 	"\x11ListImagesRequest\"B\n" +
 	"\x12ListImagesResponse\x12,\n" +
 	"\x06images\x18\x01 \x03(\v2\x14.carrel.api.v1.ImageR\x06images\"\xf0\x01\n" +
