@@ -45,8 +45,9 @@ func newAuditKeyCmd() *cobra.Command {
 func newAuditVerifyCmd() *cobra.Command {
 	var dir, key, output, bundle string
 	var checkpoints []string
+	var packages bool
 	c := &cobra.Command{
-		Use:   "verify [--key KEY] [--checkpoint FILE]... | verify --bundle FILE [--key KEY]",
+		Use:   "verify [--key KEY] [--checkpoint FILE]... | verify --bundle FILE [--key KEY] [--packages]",
 		Short: "Recompute the Merkle tree, check every checkpoint's signature and root, and every blob",
 		Long: "Reports every flipped, dropped, reordered or truncated record, replaced blob and forged\n" +
 			"checkpoint, with its position. Exits 1 when there is any. Without --key the log's own\n" +
@@ -54,7 +55,8 @@ func newAuditVerifyCmd() *cobra.Command {
 			"--checkpoint holds the log to a checkpoint you kept from earlier, so a log cut back\n" +
 			"below it is caught even if its own checkpoints were cut too.\n" +
 			"--bundle checks an evidence bundle (carrel audit export) instead of a log: the checkpoint's\n" +
-			"signature, each record's inclusion proof, each blob, and the manifest.",
+			"signature, each record's inclusion proof, each blob, and the manifest; it names the image the\n" +
+			"session ran on, and --packages lists the packages of the image manifest the bundle holds.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := checkOutput(output); err != nil {
@@ -64,7 +66,10 @@ func newAuditVerifyCmd() *cobra.Command {
 				if len(checkpoints) > 0 || cmd.Flags().Changed("dir") {
 					return fmt.Errorf("--bundle checks a bundle, not a log: --dir and --checkpoint do not apply")
 				}
-				return verifyBundle(cmd, bundle, strings.TrimSpace(key), output)
+				return verifyBundle(cmd, bundle, strings.TrimSpace(key), output, packages)
+			}
+			if packages {
+				return fmt.Errorf("--packages lists the image's packages from a bundle: it needs --bundle (or use carrel audit show SESSION --packages)")
 			}
 			opts := audit.VerifyOptions{Key: strings.TrimSpace(key)}
 			for _, f := range checkpoints {
@@ -113,6 +118,7 @@ func newAuditVerifyCmd() *cobra.Command {
 	c.Flags().StringVar(&key, "key", "", "the verifier key to hold checkpoints to (from carrel audit key)")
 	c.Flags().StringArrayVar(&checkpoints, "checkpoint", nil, "a signed checkpoint kept from earlier (repeatable)")
 	c.Flags().StringVar(&bundle, "bundle", "", "check this evidence bundle (from carrel audit export) instead of a log")
+	c.Flags().BoolVar(&packages, "packages", false, "with --bundle: also list the packages of the session's image")
 	addOutputFlag(c, &output)
 	return c
 }

@@ -12,7 +12,7 @@ import (
 
 // verifyBundle is `carrel audit verify --bundle FILE`: it checks an
 // evidence bundle that carrel audit export wrote, on any machine.
-func verifyBundle(cmd *cobra.Command, path, key, output string) error {
+func verifyBundle(cmd *cobra.Command, path, key, output string, packages bool) error {
 	f, err := os.Open(path)
 	if err != nil {
 		return err
@@ -36,7 +36,24 @@ func verifyBundle(cmd *cobra.Command, path, key, output string) error {
 			if m.PolicyRevision != "" {
 				policy += "@" + review.SafeText(m.PolicyRevision)
 			}
-			fmt.Fprintf(w, "image %s, policy %s\n", orNone(review.SafeText(m.ImageDigest)), orNone(policy))
+			image := orNone(review.SafeText(m.ImageDigest))
+			if img := rep.Image; img != nil {
+				if img.Name != "" {
+					image = img.Name + " " + image
+				}
+				if img.RootHash != "" {
+					image += ", root hash " + img.RootHash
+				}
+			}
+			fmt.Fprintf(w, "image %s, policy %s\n", image, orNone(policy))
+		}
+		if img := rep.Image; img != nil {
+			if img.ManifestRead {
+				fmt.Fprintf(w, "image manifest: kernel %s, %s, %d packages\n", img.KernelVersion, img.Arch, len(img.Packages))
+			}
+			for _, p := range img.Problems {
+				fmt.Fprintln(w, "note: "+p)
+			}
 		}
 		sig := "signature verified with the key given"
 		switch {
@@ -54,6 +71,11 @@ func verifyBundle(cmd *cobra.Command, path, key, output string) error {
 		}
 		if rep.Omitted > 0 {
 			fmt.Fprintf(w, "... and %d more problems\n", rep.Omitted)
+		}
+		if packages && rep.Image != nil && rep.Image.ManifestRead {
+			if err := printPackages(w, rep.Image); err != nil {
+				return err
+			}
 		}
 	}
 	if !rep.OK() {

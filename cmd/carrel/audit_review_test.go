@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/image/verity"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
@@ -195,5 +197,112 @@ func TestAuditExportVerifyReport(t *testing.T) {
 		if !bytes.Contains(html, []byte(want)) {
 			t.Errorf("report lacks %q", want)
 		}
+	}
+}
+
+const imageSession = "ses_00000000000000cc"
+
+// imageLog writes a log whose session's starting record names its image
+// and keeps the image's manifest as a blob, as carreld does, and returns
+// it with the manifest's digest and the blob's path.
+func imageLog(t *testing.T) (dir, digest, blobPath string) {
+	t.Helper()
+	root := strings.Repeat("c4", 32)
+	v := &manifest.Verity{Mount: manifest.MountRoot, RootHash: root, HashAlg: "sha256", DataBlockSize: 4096, HashBlockSize: 4096,
+		DataBlocks: 16, UUID: "6361726c-0000-8000-8000-000000000002"}
+	p, _, err := v.Params()
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, Name: "agent", Arch: "amd64", KernelVersion: "6.1.0-28-amd64",
+		Kernel:       manifest.Part{Digest: manifest.DigestBytes([]byte("k")), Size: 1},
+		Initrd:       manifest.Part{Digest: manifest.DigestBytes([]byte("i")), Size: 1},
+		Cmdline:      "console=ttyS0 roothash=" + root,
+		System:       &manifest.Part{Digest: manifest.DigestBytes([]byte("s")), Size: 16 * 4096},
+		SystemVerity: &manifest.Part{Digest: manifest.DigestBytes([]byte("h")), Size: verity.HashSize(p)},
+		Verity:       v,
+		Packages:     []manifest.Package{{Name: "bash", Version: "5.2.15-2+b7", Arch: "amd64"}, {Name: "nix-hello", Version: "2.12.1"}},
+	}
+	b, err := m.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir = t.TempDir()
+	l, err := audit.Open(dir, audit.Options{Logger: slog.New(slog.DiscardHandler), CheckpointInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	digest, err = l.PutBlob(bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rec := range []audit.Record{
+		{Kind: audit.KindVMLifecycle, Blobs: []string{digest}, Data: json.RawMessage(`{"event":"starting","image_digest":"` + digest + `","image_name":"agent","root_hash":"` + root + `","policy":"strict"}`)},
+		{Kind: audit.KindVMLifecycle, Data: json.RawMessage(`{"event":"stopped"}`)},
+	} {
+		rec.VM, rec.Session, rec.Provenance = "box", imageSession, audit.Host
+		if _, err := l.Append(ctx, rec); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	blobPath, _ = audit.BlobPath(dir, digest)
+	return dir, digest, blobPath
+}
+
+func TestAuditImage(t *testing.T) {
+	dir, digest, blob := imageLog(t)
+	out, _, err := carrel(t, "audit", "show", imageSession, "--dir", dir)
+	if err != nil || !strings.Contains(out, "starting, image agent "+digest[:19]+"…, root hash c4c4c4c4c4c4…, policy strict") {
+		t.Errorf("show: %v\n%s", err, out)
+	}
+	out, _, err = carrel(t, "audit", "show", imageSession, "--dir", dir, "--packages")
+	want := "NAME       VERSION      ARCH\nbash       5.2.15-2+b7  amd64\nnix-hello  2.12.1       -\n"
+	if err != nil || out != want {
+		t.Errorf("show --packages: %v\n%s", err, out)
+	}
+	out, _, err = carrel(t, "audit", "show", imageSession, "--dir", dir, "--packages", "-o", "json")
+	var img struct {
+		RootHash string `json:"root_hash"`
+		Packages []struct{ Name, Version, Arch string }
+	}
+	if err != nil || json.Unmarshal([]byte(out), &img) != nil || len(img.Packages) != 2 || img.Packages[1].Name != "nix-hello" || img.RootHash != strings.Repeat("c4", 32) {
+		t.Errorf("show --packages -o json: %v\n%s", err, out)
+	}
+	if _, _, err := carrel(t, "audit", "show", "box", "--dir", dir, "--packages"); err == nil {
+		t.Error("--packages of a VM accepted")
+	}
+
+	// From the bundle alone.
+	bundle := filepath.Join(t.TempDir(), "b.tar")
+	if _, _, err := carrel(t, "audit", "export", imageSession, "--dir", dir, "-o", bundle); err != nil {
+		t.Fatal(err)
+	}
+	out, _, err = carrel(t, "audit", "verify", "--bundle", bundle, "--packages")
+	for _, w := range []string{"image agent " + digest + ", root hash " + strings.Repeat("c4", 32) + ", policy strict\n",
+		"image manifest: kernel 6.1.0-28-amd64, amd64, 2 packages\n", "bash       5.2.15-2+b7  amd64\n", "ok:"} {
+		if err != nil || !strings.Contains(out, w) {
+			t.Errorf("verify --bundle --packages lacks %q: %v\n%s", w, err, out)
+		}
+	}
+	if _, _, err := carrel(t, "audit", "verify", "--dir", dir, "--packages"); err == nil {
+		t.Error("--packages without --bundle accepted")
+	}
+
+	// A manifest gone from the log: show says why, the report still works.
+	os.Remove(blob)
+	_, _, err = carrel(t, "audit", "show", imageSession, "--dir", dir, "--packages")
+	if err == nil || !strings.Contains(err.Error(), "is missing") {
+		t.Errorf("show --packages without the manifest: %v", err)
+	}
+	page := filepath.Join(t.TempDir(), "r.html")
+	if _, _, err := carrel(t, "audit", "report", imageSession, "--dir", dir, "-o", page); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(page); !bytes.Contains(b, []byte("is missing, so its packages are not known here")) {
+		t.Error("the report does not say the manifest is missing")
 	}
 }

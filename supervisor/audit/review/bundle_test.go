@@ -66,7 +66,7 @@ func TestExportVerify(t *testing.T) {
 	if m.Records != len(sess.Entries) || m.Unsigned != 0 || m.TreeSize != s.lateLoose+1 || !m.Created.Equal(created) || m.Key != key {
 		t.Errorf("manifest %+v", m)
 	}
-	if len(m.Blobs) != 4 || len(m.Policies) != 1 {
+	if len(m.Blobs) != 5 || len(m.Policies) != 1 { // 4 of output and content, and the image's manifest
 		t.Errorf("blobs %v, policies %v", m.Blobs, m.Policies)
 	}
 
@@ -83,7 +83,7 @@ func TestExportVerify(t *testing.T) {
 	}
 
 	rep := verifyBundle(t, b, key)
-	if !rep.OK() || rep.KeyFromBundle || !rep.CheckpointVerified || rep.Records != m.Records || rep.Blobs != 4 || rep.TreeSize != m.TreeSize {
+	if !rep.OK() || rep.KeyFromBundle || !rep.CheckpointVerified || rep.Records != m.Records || rep.Blobs != 5 || rep.TreeSize != m.TreeSize {
 		t.Errorf("report %+v", rep)
 	}
 	rep = verifyBundle(t, b, "")

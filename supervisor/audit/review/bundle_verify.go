@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"path"
 	"slices"
 	"strconv"
@@ -17,6 +18,7 @@ import (
 
 	"golang.org/x/mod/sumdb/tlog"
 
+	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
@@ -63,10 +65,13 @@ type BundleReport struct {
 	TreeSize           uint64 `json:"tree_size"`
 	CheckpointVerified bool   `json:"checkpoint_verified"`
 	// KeyFromBundle: the checkpoint was checked with the bundle's own key.
-	KeyFromBundle bool            `json:"key_from_bundle"`
-	Notes         []string        `json:"notes,omitempty"`
-	Problems      []audit.Problem `json:"problems"`
-	Omitted       int             `json:"omitted,omitempty"`
+	KeyFromBundle bool     `json:"key_from_bundle"`
+	Notes         []string `json:"notes,omitempty"`
+	// Image is the image the session ran on, with the packages of the
+	// manifest its records keep, when the bundle holds them.
+	Image    *Image          `json:"image,omitempty"`
+	Problems []audit.Problem `json:"problems"`
+	Omitted  int             `json:"omitted,omitempty"`
 }
 
 // OK reports whether VerifyBundle found nothing wrong.
@@ -82,14 +87,57 @@ type bundleFiles struct {
 	records, proofs           map[uint64][]byte
 	blobs                     map[string]bundleBlob
 	seen                      map[string]bool
+	// imageManifests are the blobs that vm.lifecycle records read before
+	// them keep as their image's manifest, up to maxKeptManifests bytes.
+	imageManifests map[string][]byte
+	wantManifests  map[string]bool
+	keptManifests  int64
+}
+
+// maxKeptManifests caps the image manifests VerifyBundle keeps to show
+// the session's image: a session has one image, but a hostile bundle
+// may name many.
+const maxKeptManifests = 4 * manifest.MaxSize
+
+// wantManifest notes the image manifest a vm.lifecycle record keeps.
+func (f *bundleFiles) wantManifest(payload []byte) {
+	if !bytes.Contains(payload, []byte(`"`+audit.KindVMLifecycle+`"`)) {
+		return
+	}
+	rec, err := audit.Decode(payload)
+	if err != nil || rec.Kind != audit.KindVMLifecycle {
+		return
+	}
+	e := Entry{Record: rec}
+	var d lifecycleData
+	if decodeData(&e, &d) && slices.Contains(rec.Blobs, d.ImageDigest) {
+		f.wantManifests[d.ImageDigest] = true
+	}
+}
+
+// manifestBlob reads an image manifest kept from the bundle.
+func (f *bundleFiles) manifestBlob(digest string) ([]byte, error) {
+	if b, ok := f.imageManifests[digest]; ok {
+		return b, nil
+	}
+	b, ok := f.blobs[digest]
+	switch {
+	case !ok:
+		return nil, fs.ErrNotExist
+	case b.size > manifest.MaxSize:
+		return nil, errManifestTooLarge
+	}
+	return nil, fmt.Errorf("it was not kept from the bundle: it comes before the record that names it, or after %d MiB of other manifests", maxKeptManifests>>20)
 }
 
 // VerifyBundle checks an evidence bundle offline: the checkpoint's
 // signature, each record's inclusion proof against the checkpoint's root,
 // each blob's content against its name and that every blob a record
 // references is there, that outcomes come with their intents, and that
-// the manifest says what the records say. It returns an error only when
-// it cannot read the bundle; what is wrong with it is in the report.
+// the manifest says what the records say. It also reads the session's
+// image from the manifest blob its records keep (BundleReport.Image). It
+// returns an error only when it cannot read the bundle; what is wrong
+// with it is in the report.
 func VerifyBundle(rd io.Reader, opts BundleVerifyOptions) (*BundleReport, error) {
 	if opts.MaxProblems <= 0 {
 		opts.MaxProblems = 1000
@@ -222,6 +270,8 @@ func VerifyBundle(rd io.Reader, opts BundleVerifyOptions) (*BundleReport, error)
 		}
 	}
 
+	rep.Image = readImage(entries, files.manifestBlob)
+
 	if files.manifest == nil {
 		v.add(audit.Problem{Kind: ProblemBundle, Detail: "no " + bundleManifest})
 		return rep, nil
@@ -264,7 +314,8 @@ func mapKeys[K comparable, V any](m map[K]V) func(func(K) bool) {
 // read takes the bundle's files: small ones into memory, blobs hashed as
 // they stream by.
 func (v *bundleVerifier) read(rd io.Reader) (*bundleFiles, error) {
-	f := &bundleFiles{records: map[uint64][]byte{}, proofs: map[uint64][]byte{}, blobs: map[string]bundleBlob{}, seen: map[string]bool{}}
+	f := &bundleFiles{records: map[uint64][]byte{}, proofs: map[uint64][]byte{}, blobs: map[string]bundleBlob{}, seen: map[string]bool{},
+		imageManifests: map[string][]byte{}, wantManifests: map[string]bool{}}
 	tr := tar.NewReader(rd)
 	var recordBytes int64
 	for {
@@ -331,14 +382,26 @@ func (v *bundleVerifier) read(rd io.Reader) (*bundleFiles, error) {
 			}
 			if b, ok := small(audit.MaxRecordSize); ok {
 				f.records[seq] = b
+				f.wantManifest(b)
 			}
 		case strings.HasPrefix(name, bundleBlobs) && validHex(strings.TrimPrefix(name, bundleBlobs)):
+			digest := "sha256:" + strings.TrimPrefix(name, bundleBlobs)
 			h := sha256.New()
-			n, err := io.Copy(h, tr)
+			var w io.Writer = h
+			var kept *bytes.Buffer
+			if f.wantManifests[digest] && hdr.Size <= manifest.MaxSize && f.keptManifests+hdr.Size <= maxKeptManifests {
+				kept = bytes.NewBuffer(make([]byte, 0, hdr.Size))
+				w = io.MultiWriter(h, kept)
+			}
+			n, err := io.Copy(w, tr)
 			if err != nil {
 				return nil, fmt.Errorf("read bundle: %s: %w", name, err)
 			}
-			f.blobs["sha256:"+strings.TrimPrefix(name, bundleBlobs)] = bundleBlob{got: "sha256:" + hex.EncodeToString(h.Sum(nil)), size: n}
+			f.blobs[digest] = bundleBlob{got: "sha256:" + hex.EncodeToString(h.Sum(nil)), size: n}
+			if kept != nil {
+				f.imageManifests[digest] = kept.Bytes()
+				f.keptManifests += int64(kept.Len())
+			}
 		default:
 			problem("not a name a bundle holds")
 		}

@@ -20,8 +20,13 @@ type Entry struct {
 // data does not fit is shown by its raw data instead.
 
 type lifecycleData struct {
-	Event          string `json:"event"`
-	ImageDigest    string `json:"image_digest"`
+	Event       string `json:"event"`
+	ImageDigest string `json:"image_digest"`
+	// ImageName and RootHash name the image and the dm-verity root hash
+	// of its root file system; a created or starting record keeps the
+	// image's manifest as a blob whose digest is ImageDigest.
+	ImageName      string `json:"image_name"`
+	RootHash       string `json:"root_hash"`
 	Policy         string `json:"policy"`
 	PolicyRevision string `json:"policy_revision"`
 	MemoryBytes    int64  `json:"memory_bytes"`

@@ -7,7 +7,9 @@
 // A session's records are those that name it, and those that name its VM
 // but no session and were written while it ran. A command's output is in
 // its exec.output records: each holds a run of one stream in a blob, cut
-// into chunks timed from the exec intent's time.
+// into chunks timed from the exec intent's time. The image it ran on, with
+// its packages, is in the image manifest its created or starting
+// vm.lifecycle record keeps as a blob.
 //
 // Everything in a record may come from a hostile guest or caller: text
 // for a terminal goes through clean or termFilter, and text for a page

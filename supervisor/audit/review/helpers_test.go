@@ -11,16 +11,57 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/image/verity"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
 var quiet = slog.New(slog.DiscardHandler)
 
 const (
-	testSession = "ses_0123456789abcdef"
-	testVM      = "demo"
-	testImage   = "sha256:1111111111111111111111111111111111111111111111111111111111111111"
+	testSession  = "ses_0123456789abcdef"
+	testVM       = "demo"
+	testRootHash = "bc1b8827daf7" + "0123456789abcdef0123456789abcdef0123456789abcdef0123"
 )
+
+// testManifest is the sample session's image manifest, with a verified
+// root and three packages; testImage is its digest.
+var testManifest, testImage = sampleManifest(nil)
+
+var testPackages = []manifest.Package{
+	{Name: "bash", Version: "5.2.15-2+b7", Arch: "amd64"},
+	{Name: "coreutils", Version: "9.1-1", Arch: "amd64"},
+	{Name: "python3.11", Version: "3.11.2-6", Arch: "amd64"},
+}
+
+// sampleManifest encodes an image manifest named "agent" with a verified
+// root whose root hash is testRootHash, and these packages (default
+// testPackages), and gives its digest.
+func sampleManifest(pkgs []manifest.Package) ([]byte, string) {
+	if pkgs == nil {
+		pkgs = testPackages
+	}
+	v := &manifest.Verity{Mount: manifest.MountRoot, RootHash: testRootHash, HashAlg: "sha256", DataBlockSize: 4096, HashBlockSize: 4096,
+		DataBlocks: 256, Salt: strings.Repeat("01", 32), UUID: "6361726c-0000-8000-8000-000000000001"}
+	p, _, err := v.Params()
+	if err != nil {
+		panic(err)
+	}
+	m := &manifest.Manifest{SchemaVersion: manifest.SchemaVersion, Name: "agent", Arch: "amd64", KernelVersion: "6.1.0-28-amd64",
+		Kernel:       manifest.Part{Digest: manifest.DigestBytes([]byte("kernel")), Size: 6},
+		Initrd:       manifest.Part{Digest: manifest.DigestBytes([]byte("initrd")), Size: 6},
+		Cmdline:      "console=ttyS0 roothash=" + testRootHash,
+		System:       &manifest.Part{Digest: manifest.DigestBytes([]byte("system")), Size: 256 * 4096},
+		SystemVerity: &manifest.Part{Digest: manifest.DigestBytes([]byte("hash")), Size: verity.HashSize(p)},
+		Verity:       v,
+		Packages:     pkgs,
+	}
+	b, err := m.Marshal()
+	if err != nil {
+		panic(err)
+	}
+	return b, manifest.DigestBytes(b)
+}
 
 // sampleLog is a log with one session of a VM, written as carreld does
 // (docs/audit.md), with another VM's session interleaved.
@@ -37,6 +78,9 @@ type sampleLog struct {
 	watchSeq              uint64
 	writeBlob             string
 	stopSeq               uint64
+	// The session's starting record keeps the image's manifest as a
+	// blob; its started record names the image by digest only.
+	startingSeq, startedSeq uint64
 }
 
 type writer struct {
@@ -130,8 +174,11 @@ func newSampleLog(t testing.TB) *sampleLog {
 	w := &writer{t: t, l: l, ctx: context.Background()}
 	w.append(audit.Record{Kind: audit.KindVMLifecycle, VM: "other", Session: "ses_ffffffffffffffff", Data: w.data(map[string]any{"event": "started"})})
 	w.append(audit.Record{Kind: audit.KindVMLifecycle, VM: testVM, Data: w.data(map[string]any{"event": "created"})}) // before the session: not its
-	w.append(audit.Record{Kind: audit.KindVMLifecycle, VM: testVM, Session: testSession,
-		Data: w.data(map[string]any{"event": "started", "image_digest": testImage, "policy": "default", "policy_revision": "rev-7",
+	s.startingSeq = w.append(audit.Record{Kind: audit.KindVMLifecycle, VM: testVM, Session: testSession, Blobs: []string{w.blob(testManifest)},
+		Data: w.data(map[string]any{"event": "starting", "image_digest": testImage, "image_name": "agent", "root_hash": testRootHash,
+			"policy": "default", "policy_revision": "rev-7", "memory_bytes": 2 << 30, "cpus": 2, "driver": "qemu"})})
+	s.startedSeq = w.append(audit.Record{Kind: audit.KindVMLifecycle, VM: testVM, Session: testSession,
+		Data: w.data(map[string]any{"event": "started", "image_digest": testImage, "root_hash": testRootHash, "policy": "default", "policy_revision": "rev-7",
 			"memory_bytes": 2 << 30, "cpus": 2, "driver": "qemu"})})
 	w.decision(testSession, true, "exec", "allow_exec", "commands in /workspace are allowed")
 

@@ -14,6 +14,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
@@ -43,6 +44,9 @@ type ReportOptions struct {
 	MaxCast int64
 	// IdleLimit shortens the terminal's longer pauses; default 3s.
 	IdleLimit time.Duration
+	// MaxPackages caps the image's packages listed; default 5000. The
+	// page says how many it leaves out.
+	MaxPackages int
 	// Now is the report's time; default time.Now.
 	Now func() time.Time
 }
@@ -50,9 +54,10 @@ type ReportOptions struct {
 // WriteReport writes one self-contained HTML page about the session to
 // w: whether its records are in the log's signed tree and its blobs
 // intact, its decisions, its commands with their output, the files it
-// touched, its whole timeline, and a terminal player for its output. The
-// page loads nothing from anywhere: the player, its styles and the
-// recording are inline, and its Content-Security-Policy forbids the rest.
+// touched, the image it ran on with its packages, its whole timeline, and
+// a terminal player for its output. The page loads nothing from anywhere:
+// the player, its styles and the recording are inline, and its
+// Content-Security-Policy forbids the rest.
 // Everything from the log goes through html/template's escaping.
 func WriteReport(w io.Writer, r *audit.Reader, s *Session, opts ReportOptions) error {
 	if opts.MaxOutput <= 0 {
@@ -63,6 +68,9 @@ func WriteReport(w io.Writer, r *audit.Reader, s *Session, opts ReportOptions) e
 	}
 	if opts.IdleLimit <= 0 {
 		opts.IdleLimit = 3 * time.Second
+	}
+	if opts.MaxPackages <= 0 {
+		opts.MaxPackages = 5000
 	}
 	if opts.Now == nil {
 		opts.Now = time.Now
@@ -82,6 +90,7 @@ func WriteReport(w io.Writer, r *audit.Reader, s *Session, opts ReportOptions) e
 	for _, p := range m.Policies {
 		v.Policies = append(v.Policies, PolicyRef{clean(p.Name, maxField), clean(p.Revision, maxField)})
 	}
+	v.Image = newImageView(LoadImage(r, s), opts.MaxPackages)
 	if s.End.TailBytes > 0 {
 		v.TailNote = fmt.Sprintf("records.log ended in %d bytes that were not yet a whole record (an append in progress) when this page was made.", s.End.TailBytes)
 	}
@@ -111,6 +120,7 @@ func WriteReport(w io.Writer, r *audit.Reader, s *Session, opts ReportOptions) e
 type reportView struct {
 	Session, VM, Dir, Generated string
 	ImageDigest                 string
+	Image                       *imageView
 	Policies                    []PolicyRef
 	Records                     int
 	First, Last                 string
@@ -131,6 +141,35 @@ type reportView struct {
 	IdleSeconds float64
 	PlayerJS    template.JS
 	PlayerCSS   template.CSS
+}
+
+// imageView is the report's Image section.
+type imageView struct {
+	*Image
+	// RootHashText is the root hash, or why there is none.
+	RootHashText string
+	// Packages are the first of the image's packages; Total counts them
+	// all, LeftOut those not listed.
+	Packages       []manifest.Package
+	Total, LeftOut int
+}
+
+func newImageView(img *Image, max int) *imageView {
+	if img == nil {
+		return nil
+	}
+	v := &imageView{Image: img, RootHashText: img.RootHash, Packages: img.Packages, Total: len(img.Packages)}
+	switch {
+	case v.RootHashText != "":
+	case img.ManifestRead:
+		v.RootHashText = "none: the image has no verified root file system"
+	default:
+		v.RootHashText = "not recorded"
+	}
+	if len(v.Packages) > max {
+		v.Packages, v.LeftOut = v.Packages[:max], len(v.Packages)-max
+	}
+	return v
 }
 
 type integrity struct {

@@ -45,7 +45,7 @@ func TestReport(t *testing.T) {
 	for _, want := range []string{
 		"Integrity checked",
 		fmt.Sprintf("All %d of this session&#39;s records up to it have inclusion proofs against it.", len(sess.Entries)),
-		"All 4 blobs the records reference match their digests.",
+		"All 5 blobs the records reference match their digests.",
 		testImage, "default@rev-7",
 		`<td class="deny">deny</td><td class="mono">exec</td><td class="mono">deny_network</td><td>no egress for curl</td>`,
 		`<td class="allow">allow</td><td class="mono">exec</td><td class="mono">allow_exec</td>`,

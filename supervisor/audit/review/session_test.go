@@ -106,7 +106,8 @@ func TestTimeline(t *testing.T) {
 		{s.fileOpSeq, []string{"file.op", "write /workspace/a.txt 5 B " + s.writeBlob, "(intent "}},
 		{s.stopSeq, []string{"vm.lifecycle", " stopped"}},
 		{s.watchSeq, []string{"watch.event", "guest", "2 events create /workspace/new.txt rename /workspace/b (from /workspace/a) (2 dropped)"}},
-		{sess.Entries[0].Seq, []string{"started image " + testImage + " policy default@rev-7 2 cpus 2.0 GiB memory driver qemu"}},
+		{s.startingSeq, []string{"starting, image agent " + testImage[:19] + "…, root hash bc1b8827daf7…, policy default@rev-7, 2 cpus, 2.0 GiB memory, driver qemu"}},
+		{s.startedSeq, []string{"started, image " + testImage[:19] + "…, root hash bc1b8827daf7…, policy default@rev-7"}},
 	} {
 		got := line(tc.seq)
 		for _, w := range tc.want {

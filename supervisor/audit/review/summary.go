@@ -107,15 +107,20 @@ func summary(e *Entry) (string, bool) {
 	f := func(s string) string { return clean(s, maxField) }
 	var parts []string
 	add := func(format string, args ...any) { parts = append(parts, fmt.Sprintf(format, args...)) }
+	sep := " "
 	switch e.Kind {
 	case audit.KindVMLifecycle:
 		var d lifecycleData
 		if !decodeData(e, &d) || d.Event == "" {
 			return "", false
 		}
+		sep = ", "
 		add("%s", f(d.Event))
-		if d.ImageDigest != "" {
-			add("image %s", f(d.ImageDigest))
+		if d.ImageName != "" || d.ImageDigest != "" {
+			add("image %s", imageRef(d.ImageName, d.ImageDigest))
+		}
+		if d.RootHash != "" {
+			add("root hash %s", shortHash(d.RootHash))
 		}
 		if d.Policy != "" || d.PolicyRevision != "" {
 			add("policy %s", f(policyRef(d.Policy, d.PolicyRevision)))
@@ -386,7 +391,7 @@ func summary(e *Entry) (string, bool) {
 	default:
 		return "", false
 	}
-	s := strings.Join(parts, " ")
+	s := strings.Join(parts, sep)
 	if e.Intent != nil && e.Kind != audit.KindExecOutput {
 		s += fmt.Sprintf(" (intent %d)", *e.Intent)
 	}
@@ -398,6 +403,21 @@ func deref(p *int64) int64 {
 		return 0
 	}
 	return *p
+}
+
+// imageRef names an image in a line: its name, if recorded, and its
+// digest cut to 12 hex digits (as carrel image ls shows it).
+func imageRef(name, digest string) string {
+	return strings.TrimSpace(clean(name, 64) + " " + shortHash(digest))
+}
+
+// shortHash is a digest ("sha256:…") or a hex hash cut to 12 hex digits,
+// safe to print.
+func shortHash(h string) string {
+	if rest, ok := strings.CutPrefix(h, "sha256:"); ok {
+		return "sha256:" + clean(rest, 12)
+	}
+	return clean(h, 12)
 }
 
 func verdict(allow bool) string {
