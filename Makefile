@@ -7,8 +7,9 @@ GO      ?= go
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -s -w -X github.com/carrel-os/carrel/supervisor/daemon.Version=$(VERSION) -X github.com/carrel-os/carrel/guest-agent/server.Version=$(VERSION)
 BIN     := $(CURDIR)/out/bin
-# Downloaded kernel and busybox packages are cached here between runs.
-CACHE   ?= $(CURDIR)/.cache/carrel
+# Downloaded packages, and built Debian images, are cached here between
+# runs (outside the checkout, so that a fresh clone finds them too).
+CACHE   ?= /var/cache/carrel
 
 # System packages: QEMU to run VMs, nix-bin to check our .nix files,
 # protoc for `make generate`, cpio for the initramfs tests, xxd for the
@@ -69,7 +70,7 @@ fuzz: ## Run every fuzz target for FUZZTIME (default 2000 executions) on top of 
 
 .PHONY: integration
 integration: deps build ## End-to-end tests: a real carreld boots real VMs under QEMU
-	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 20m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
+	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
 
 # The end-to-end tests that exercise the driver (lifecycle, boot failures,
 # exec, files, policy and audit in the VM, pause and resume, guest limits),
@@ -81,7 +82,7 @@ integration-libvirt: deps build ## The driver's share of the end-to-end tests ag
 	CARREL_TEST_DRIVER=libvirt CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 15m -v -run '^($(LIBVIRT_TESTS))$$' ./tests/ 2>&1 | tee out/integration-libvirt.log; exit $${PIPESTATUS[0]}
 
 .PHONY: bench
-bench: deps build ## Benchmarks: boot through the qemu and libvirt drivers vs bare QEMU, warm exec, exec and file throughput vs qemu-guest-agent, policy decision latency, egress through the tunnel vs direct
+bench: deps build ## Benchmarks: boot through the qemu and libvirt drivers vs bare QEMU, the agent image (build, boot, first python3), dm-verity read cost, warm exec, exec and file throughput vs qemu-guest-agent, policy decision latency, egress through the tunnel vs direct
 	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) run ./tests/bench $(BENCH_ARGS)
 
 .PHONY: lint

@@ -167,6 +167,12 @@ func TestImageImportAndCheck(t *testing.T) {
 		}
 	}
 
+	for format, want := range map[string]string{"spdx": `"spdxVersion": "SPDX-2.3"`, "cyclonedx": `"bomFormat": "CycloneDX"`} {
+		if out := d.Must("image", "sbom", "copy", "--format", format); !strings.Contains(out, want) || !strings.Contains(out, "pkg:deb/debian/busybox-static@") {
+			t.Errorf("image sbom --format %s:\n%.400s", format, out)
+		}
+	}
+
 	before := d.Must("image", "ls")
 	if err := os.WriteFile(filepath.Join(dir, "extra"), []byte("x"), 0o644); err != nil {
 		t.Fatal(err)

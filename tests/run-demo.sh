@@ -20,13 +20,25 @@ trap cleanup EXIT
 
 for _ in $(seq 300); do "$BIN/carrel" info >/dev/null 2>&1 && break; sleep 0.1; done
 carrel info
-carrel image build --dev
+# The agent's computer: a Debian userland on a verified, read-only root
+# (erofs under dm-verity); the first build downloads its packages.
+carrel image build agent
 carrel image ls
-carrel vm create demo --image dev --memory 512M --cpus 1
+carrel vm create demo --image agent --memory 1G --cpus 1
 carrel vm ls
 carrel exec demo -- uname -a
-carrel exec demo -- sh -c 'echo "hello from $(hostname), pid 1 is $(cat /proc/1/comm)"; df -h /workspace | tail -1'
+carrel exec demo -- sh -c 'echo "hello from $(hostname), pid 1 is $(cat /proc/1/comm)"; grep -E " / | /run/carrel/lower " /proc/mounts; df -h /workspace | tail -1'
+carrel exec demo -- sh -c 'python3 --version; git --version; node --version; gcc --version | head -1'
+carrel exec demo -- sh -c 'printf "#include <stdio.h>\nint main(void){puts(\"compiled in the vm\");return 0;}\n" > hello.c && gcc -o hello hello.c && ./hello'
 carrel exec demo -- sh -c 'head -c 8388608 /dev/urandom > /tmp/blob && sha256sum /tmp/blob'
+# What the agent changes outside /workspace is its VM's own: it survives a
+# restart, and vm reset discards it.
+carrel exec demo -- sh -c 'echo "installed by the agent" > ~/note && cat ~/note'
+carrel vm stop demo
+carrel vm start demo
+carrel exec demo -- cat /home/agent/note
+carrel vm reset demo
+carrel exec demo -- sh -c 'cat ~/note 2>&1 || echo "gone after vm reset"'
 set +e
 carrel exec demo -- sh -c 'echo "to stderr" >&2; exit 3'
 echo "exit code: $?"

@@ -1,9 +1,14 @@
 //go:build linux
 
-// Command carrel-agent is the in-guest agent. In the minimal image it is
-// PID 1 (/init): it sets the system up, then serves the agent API to the host
-// over vsock or virtio-serial. Run as any other pid (on a development host)
-// it only serves, and can listen on a unix socket.
+// Command carrel-agent is the in-guest agent. In carrel's images it is the
+// initramfs's PID 1 (/init): it sets the system up, mounts the image's
+// verified root and switches to it, then serves the agent API to the host
+// over vsock or virtio-serial. In an image that brings its own init
+// (systemd), it runs as a service with --system: the init system does PID
+// 1's work, and the agent serves, runs the egress proxies, gives each
+// command a cgroup in the subtree the service was delegated, and powers
+// off through the init system. Run as any other pid without --system (on
+// a development host) it only serves, and can listen on a unix socket.
 //
 // Every command it starts runs with no_new_privs, and, once the host has
 // set a sandbox (SetSandbox), inside a Landlock domain where the kernel has
@@ -22,7 +27,9 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	osexec "os/exec"
 	"os/signal"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -58,6 +65,8 @@ type options struct {
 	vsockPort  uint
 	serialName string
 	listen     string
+	// system: the guest's agent, run as a service of the image's init.
+	system bool
 }
 
 func main() {
@@ -70,6 +79,7 @@ func main() {
 	fs.UintVar(&o.vsockPort, "vsock-port", protocol.VsockPort, "vsock port to listen on")
 	fs.StringVar(&o.serialName, "serial-name", protocol.SerialPortName, "name of the virtio-serial port")
 	fs.StringVar(&o.listen, "listen", "", "unix socket path, for --transport unix")
+	fs.BoolVar(&o.system, "system", false, "run as the guest's agent under the image's init system (a systemd service with Delegate=yes)")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		if !pid1 {
 			os.Exit(2)
@@ -113,8 +123,12 @@ func main() {
 		// Orphans of our commands come back to us, as they would to PID 1.
 		_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 	}
+	// The guest's agent, whether PID 1 or its init's service: it gives
+	// commands the guest's network (the egress proxies), the image's
+	// environment and the agent user's files.
+	guest := pid1 || o.system
 	reaper.Default()
-	log.Info("starting", "version", server.Version, "pid1", pid1, "transport", o.transport)
+	log.Info("starting", "version", server.Version, "pid1", pid1, "system", o.system, "transport", o.transport)
 	if abi, err := sandbox.ABI(); err != nil {
 		log.Warn("no Landlock: commands will run with no_new_privs only", "err", err)
 	} else {
@@ -122,8 +136,8 @@ func main() {
 	}
 	// One sandbox for the agent's life: it outlives a serve that fails.
 	sb := &sandbox.Guard{Log: log}
-	w := watchWorkspace(log, pid1)
-	eg := startEgress(ctx, log, pid1)
+	w := watchWorkspace(log, pid1, o.system)
+	eg := startEgress(ctx, log, guest)
 
 	backoff := time.Second
 	for {
@@ -153,12 +167,17 @@ type workspace struct {
 }
 
 // watchWorkspace gives each command a cgroup of its own (as PID 1, which
-// owns the hierarchy) and starts the watch of what commands do in the
-// workspace (as root). What cannot be had is logged and done without.
-func watchWorkspace(log *slog.Logger, pid1 bool) workspace {
+// owns the hierarchy, or as a service in the subtree its init delegated)
+// and starts the watch of what commands do in the workspace (as root).
+// What cannot be had is logged and done without.
+func watchWorkspace(log *slog.Logger, pid1, system bool) workspace {
 	var w workspace
-	if pid1 {
-		d, err := cgroups.Open(cgroups.Mount, "carrel")
+	if pid1 || system {
+		open := func() (*cgroups.Dir, error) { return cgroups.Open(cgroups.Mount, "carrel") }
+		if !pid1 {
+			open = func() (*cgroups.Dir, error) { return cgroups.OpenDelegated(cgroups.Mount) }
+		}
+		d, err := open()
 		if err != nil {
 			log.Warn("commands get no cgroup of their own", "err", err)
 		} else {
@@ -203,16 +222,16 @@ func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sand
 	cfg := server.Config{
 		Transport: name,
 		Log:       log,
-		PowerOff:  func(reboot bool) { powerOff(log, pid1, reboot) },
+		PowerOff:  func(reboot bool) { powerOff(log, pid1, o.system, reboot) },
 		Sandbox:   sb,
 		Runner:    &exec.Runner{Reaper: reaper.Default(), Sandbox: sb, Cgroups: w.groups},
-		Files:     files.New(files.Options{Owner: fileOwner(log, pid1), Sandbox: sb}),
+		Files:     files.New(files.Options{Owner: fileOwner(log, pid1 || o.system), Sandbox: sb}),
 	}
 	if w.activity != nil {
 		cfg.Runner.OnStart = w.activity.Started
 		cfg.Activity = w.activity.Serve
 	}
-	if pid1 {
+	if pid1 || o.system {
 		// The image's environment for every command (a spec's "env").
 		env, err := exec.ReadEnvironment(exec.EnvironmentFile)
 		if err != nil {
@@ -228,10 +247,10 @@ func serve(ctx context.Context, log *slog.Logger, o options, pid1 bool, sb *sand
 }
 
 // startEgress starts the egress proxies on the guest's loopback, the VM's
-// only way out (as PID 1; a development host has its own network). They
-// outlive a serve that fails. nil if they cannot listen.
-func startEgress(ctx context.Context, log *slog.Logger, pid1 bool) *egress.Service {
-	if !pid1 {
+// only way out (in the guest; a development host has its own network).
+// They outlive a serve that fails. nil if they cannot listen.
+func startEgress(ctx context.Context, log *slog.Logger, guest bool) *egress.Service {
+	if !guest {
 		return nil
 	}
 	eg := egress.New(egress.Options{Log: log})
@@ -253,10 +272,10 @@ func startEgress(ctx context.Context, log *slog.Logger, pid1 bool) *egress.Servi
 }
 
 // fileOwner is who owns what the host puts in the guest: the agent user,
-// whose commands must be able to use it. Off PID 1 (a development host),
-// files belong to whoever runs the agent.
-func fileOwner(log *slog.Logger, pid1 bool) *tarfs.Owner {
-	if !pid1 {
+// whose commands must be able to use it. Off the guest (a development
+// host), files belong to whoever runs the agent.
+func fileOwner(log *slog.Logger, guest bool) *tarfs.Owner {
+	if !guest {
 		return nil
 	}
 	u, err := user.Files{}.Lookup("agent")
@@ -305,7 +324,27 @@ func listen(ctx context.Context, log *slog.Logger, o options, pid1 bool) (net.Li
 	return nil, "", fmt.Errorf("unknown transport %q", o.transport)
 }
 
-func powerOff(log *slog.Logger, pid1, reboot bool) {
+func powerOff(log *slog.Logger, pid1, system, reboot bool) {
+	if system && !pid1 {
+		// The init system stops the services, unmounts and powers off.
+		verb := "poweroff"
+		if reboot {
+			verb = "reboot"
+		}
+		out, err := osexec.Command("systemctl", "--no-block", verb).CombinedOutput()
+		log.Info("asked the init system to power off", "verb", verb, "err", err, "output", strings.TrimSpace(string(out)))
+		if err == nil {
+			return
+		}
+		// No systemctl: sync and do it ourselves.
+		unix.Sync()
+		cmd := unix.LINUX_REBOOT_CMD_POWER_OFF
+		if reboot {
+			cmd = unix.LINUX_REBOOT_CMD_RESTART
+		}
+		log.Error("power off", "err", unix.Reboot(cmd))
+		return
+	}
 	if !pid1 {
 		log.Info("not pid 1: exiting instead of powering off", "reboot", reboot)
 		os.Exit(0)

@@ -69,6 +69,44 @@ func Open(mount, name string) (*Dir, error) {
 	return d, nil
 }
 
+// OpenDelegated is Open for an agent that runs as a service of the
+// image's init system, which delegated the service's cgroup to it
+// (systemd's Delegate=yes): it moves the agent's own process into a leaf
+// of that cgroup (agent), since a group whose children run processes may
+// not run any itself, and opens carrel beside it for the commands. The
+// cgroup is the agent's as /proc/self/cgroup names it, below mount.
+func OpenDelegated(mount string) (*Dir, error) {
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return nil, fmt.Errorf("cgroups: %w", err)
+	}
+	own := ""
+	for _, line := range strings.Split(string(b), "\n") {
+		if p, ok := strings.CutPrefix(line, "0::"); ok {
+			own = p
+		}
+	}
+	if own == "" || !strings.HasPrefix(own, "/") || path.Clean(own) != own {
+		return nil, fmt.Errorf("cgroups: the agent's own cgroup v2 group is not known (/proc/self/cgroup: %q)", b)
+	}
+	if own == "/" {
+		return nil, errors.New("cgroups: the agent runs in the root cgroup: nothing was delegated to it")
+	}
+	base := filepath.Join(mount, filepath.FromSlash(own))
+	leaf := filepath.Join(base, "agent")
+	if err := os.Mkdir(leaf, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return nil, fmt.Errorf("cgroups: %w (is the service's cgroup delegated?)", err)
+	}
+	if err := os.WriteFile(filepath.Join(leaf, "cgroup.procs"), []byte(strconv.Itoa(os.Getpid())), 0); err != nil {
+		return nil, fmt.Errorf("cgroups: move the agent into %s: %w", leaf, err)
+	}
+	d := &Dir{dir: filepath.Join(base, "carrel"), rel: path.Join(own, "carrel")}
+	if err := os.Mkdir(d.dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return nil, fmt.Errorf("cgroups: %w", err)
+	}
+	return d, nil
+}
+
 // Path is the directory of Dir in the file system.
 func (d *Dir) Path() string { return d.dir }
 

@@ -65,6 +65,9 @@ var DefaultModules = []string{
 	"dm_verity",
 	"erofs",
 	"overlay",
+	// SIMD SHA-256 for dm-verity's hashing (the kernel prefers it to the
+	// generic C code once it is loaded).
+	"sha256_ssse3",
 }
 
 // Options configures Build. CacheDir, OutDir and AgentBinary are required.

@@ -81,6 +81,7 @@ func syntheticInputs(t *testing.T) (inputs, string) {
 		kmodtest.Module{Rel: "kernel/drivers/md/dm-verity.ko", Depends: []string{"dm-bufio", "dm-mod"}},
 		kmodtest.Module{Rel: "kernel/fs/erofs/erofs.ko"},
 		kmodtest.Module{Rel: "kernel/fs/overlayfs/overlay.ko"},
+		kmodtest.Module{Rel: "kernel/arch/x86/crypto/sha256-ssse3.ko"},
 		kmodtest.Module{Rel: "kernel/net/can/can.ko"},
 	)
 	if err != nil {
@@ -281,6 +282,7 @@ func TestAssembleLayout(t *testing.T) {
 		"kernel/drivers/md/dm-verity.ko",
 		"kernel/fs/erofs/erofs.ko",
 		"kernel/fs/overlayfs/overlay.ko",
+		"kernel/arch/x86/crypto/sha256-ssse3.ko",
 	}
 	var want strings.Builder
 	for _, p := range wantOrder {
