@@ -117,6 +117,14 @@ func main() {
 		}
 		ignoreSignals(log)
 	} else {
+		if o.system {
+			if err := initsys.Service(log); err != nil {
+				// The workspace carreld gave the VM is not there: do not
+				// serve one in the root instead. systemd restarts us.
+				log.Error("setup", "err", err)
+				os.Exit(1)
+			}
+		}
 		var stop context.CancelFunc
 		ctx, stop = signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 		defer stop()

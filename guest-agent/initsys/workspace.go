@@ -31,6 +31,21 @@ const ext4ResizeFS = 0x40086610
 // driver (virtio_blk) is loaded.
 const diskTimeout = 10 * time.Second
 
+// Service does, for carrel-agent run as a service of the image's init
+// (--system), the part of Setup that the init system does not: it mounts
+// the workspace disk on /workspace when the kernel command line says so
+// and nothing is mounted there yet (the error wraps ErrWorkspace).
+func Service(log *slog.Logger) error {
+	cmdline, err := os.ReadFile("/proc/cmdline")
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrWorkspace, err)
+	}
+	if !WorkspaceOnDisk(string(cmdline)) || mounted("/workspace") {
+		return nil
+	}
+	return mountWorkspaceDisk(log)
+}
+
 // WorkspaceOnDisk reports whether the kernel command line puts /workspace
 // on the workspace disk (protocol.WorkspaceDiskArg).
 func WorkspaceOnDisk(cmdline string) bool {

@@ -91,6 +91,11 @@ func Build(ctx context.Context, o Options) (*devimage.Result, error) {
 	if err := configure(tree, o.Spec); err != nil {
 		return nil, fmt.Errorf("build debian image: configure: %w", err)
 	}
+	if o.Spec.Init == InitSystemd {
+		if err := installAgentService(tree, o.AgentBinary); err != nil {
+			return nil, fmt.Errorf("build debian image: carrel-agent service: %w", err)
+		}
+	}
 	pkgs, err := installed(ctx, tree)
 	if err != nil {
 		return nil, fmt.Errorf("build debian image: %w", err)
@@ -103,6 +108,7 @@ func Build(ctx context.Context, o Options) (*devimage.Result, error) {
 		OutDir:         o.OutDir,
 		AgentBinary:    o.AgentBinary,
 		Name:           o.Spec.Name,
+		Cmdline:        o.Spec.cmdline(),
 		RootTree:       tree,
 		RootPackages:   pkgs,
 		RootCompressor: o.Spec.Compression,
@@ -174,7 +180,7 @@ func mmdebstrap(ctx context.Context, log *slog.Logger, o Options, tree string) e
 	}
 	args := []string{
 		"--mode=root", "--variant=apt", "--format=directory",
-		"--include=" + strings.Join(o.Spec.Packages, ","),
+		"--include=" + strings.Join(o.Spec.installPackages(), ","),
 		// Keep the archives of the essential packages too, and copy every
 		// archive in from the cache and back out to it.
 		"--skip=essential/unlink",

@@ -47,7 +47,15 @@ type Spec struct {
 	Env map[string]string `json:"env,omitempty"`
 	// Compression is the root file system's: "" (none) or "lz4hc".
 	Compression string `json:"compression,omitempty"`
+	// Init is the image's init: "" (carrel-agent, which stays PID 1 after
+	// it switches to the verified root) or "systemd" (carrel-agent hands
+	// over to systemd, which runs it as a service; the builder adds the
+	// systemd and udev packages, the agent and its unit).
+	Init string `json:"init,omitempty"`
 }
+
+// InitSystemd is Spec.Init for an image whose init is systemd.
+const InitSystemd = "systemd"
 
 // User is an account of the image.
 type User struct {
@@ -188,6 +196,9 @@ func (s *Spec) Validate() error {
 	}
 	if s.Compression != "" && s.Compression != "lz4hc" && s.Compression != "lz4" {
 		return bad("compression %q: want \"\", \"lz4\" or \"lz4hc\"", s.Compression)
+	}
+	if s.Init != "" && s.Init != InitSystemd {
+		return bad("init %q: want \"\" (carrel-agent) or %q", s.Init, InitSystemd)
 	}
 	return nil
 }
