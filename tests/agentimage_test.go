@@ -63,6 +63,26 @@ func TestAgentImage(t *testing.T) {
 		t.Errorf("no denied net.egress record for pypi.carrel.test: %+v", egressRecords(t, d))
 	}
 
+	// Every network tool of the image goes through the proxy, by its own
+	// configuration where it ignores the environment (apt): each refused
+	// connection is there, by name, in the audit log.
+	d.ApplyPolicy("rootonly", harness.AllowRoot, "--vm", "ag")
+	for _, c := range []struct {
+		host string
+		user string
+		argv []string
+	}{
+		{"git.carrel.test", "agent", []string{"git", "ls-remote", "http://git.carrel.test/repo.git"}},
+		{"npm.carrel.test", "agent", []string{"npm", "view", "left-pad", "--registry", "http://npm.carrel.test/", "--fetch-retries=0"}},
+		{"wget.carrel.test", "agent", []string{"wget", "-q", "-O", "/dev/null", "--tries=1", "http://wget.carrel.test/"}},
+		{"deb.debian.org", "root", []string{"apt-get", "-o", "Acquire::Retries=0", "update"}},
+	} {
+		d.Carrel(append([]string{"exec", "--user", c.user, "ag", "--"}, c.argv...)...)
+		if !hasEgress(t, d, c.host, "denied", "") {
+			t.Errorf("%s: no denied net.egress record for %s", c.argv[0], c.host)
+		}
+	}
+
 	// A policy that allows only that index.
 	d.ApplyPolicy("pypi", func(s map[string]any) {
 		s["net"].(map[string]any)["egress_allow"] = []any{

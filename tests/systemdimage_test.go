@@ -69,3 +69,32 @@ func TestSystemdImage(t *testing.T) {
 		t.Errorf("after stop and start: %q", out)
 	}
 }
+
+// TestImageBuildFails: a spec whose build fails halfway (a package apt
+// cannot find) fails with mmdebstrap's reason and leaves no image, no
+// half image and no build directory behind.
+func TestImageBuildFails(t *testing.T) {
+	d := harness.New(t)
+	d.Start()
+	spec := filepath.Join(t.TempDir(), "bad.json")
+	if err := os.WriteFile(spec, []byte(`{"name": "bad", "suite": "bookworm", "packages": ["bash", "carrel-no-such-package"],
+  "users": [{"name": "agent", "uid": 1000, "home": "/home/agent", "shell": "/bin/bash"}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	before := d.Must("image", "ls")
+	r := d.CarrelTimeout(10*time.Minute, "image", "build", "--spec", spec)
+	if r.Code == 0 || !strings.Contains(r.Stderr, "mmdebstrap") || !strings.Contains(r.Stderr, "carrel-no-such-package") {
+		t.Errorf("a build of a missing package: %+v", r)
+	}
+	if after := d.Must("image", "ls"); after != before {
+		t.Errorf("a failed build changed the store:\n%s\n%s", before, after)
+	}
+	for _, dir := range []string{filepath.Join(d.State, "images", "tmp"), filepath.Join(harness.CacheDir(), "debian", "images")} {
+		ents, _ := os.ReadDir(dir)
+		for _, e := range ents {
+			if strings.HasPrefix(e.Name(), ".build-") || strings.HasPrefix(e.Name(), ".import-") || strings.HasPrefix(e.Name(), ".debian-") {
+				t.Errorf("left behind: %s/%s", dir, e.Name())
+			}
+		}
+	}
+}
