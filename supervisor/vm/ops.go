@@ -129,19 +129,27 @@ func (m *Manager) Start(ctx context.Context, name string) (registry.Record, erro
 		if st := mc.snapshot().State; st != registry.StateStopped {
 			return fmt.Errorf("%w: %q is %s", ErrRunning, name, st)
 		}
-		// Recorded before QEMU starts: if carreld dies mid-boot, reconcile
-		// finds the VM in state starting and ends what was started.
-		if err := m.persist(mc, func(r *registry.Record) { r.State = registry.StateStarting }); err != nil {
-			return err
-		}
-		if err := m.boot(ctx, mc); err != nil {
-			m.markStopped(mc, EventFailed, err.Error())
+		if err := m.startLocked(ctx, mc); err != nil {
 			return err
 		}
 		rec = mc.snapshot()
 		return nil
 	})
 	return rec, err
+}
+
+// startLocked boots a stopped VM whose op lock is held.
+func (m *Manager) startLocked(ctx context.Context, mc *machine) error {
+	// Recorded before QEMU starts: if carreld dies mid-boot, reconcile
+	// finds the VM in state starting and ends what was started.
+	if err := m.persist(mc, func(r *registry.Record) { r.State = registry.StateStarting }); err != nil {
+		return err
+	}
+	if err := m.boot(ctx, mc); err != nil {
+		m.markStopped(mc, EventFailed, err.Error())
+		return err
+	}
+	return nil
 }
 
 // Stop powers a VM off: it asks the guest agent to shut down, waits up to
@@ -228,11 +236,7 @@ func (m *Manager) Reset(ctx context.Context, name string, workspace bool) (regis
 		_ = m.event(ctx, mc, EventReset, what+" discarded")
 		m.log.Info("vm reset", "vm", name, "discarded", what)
 		if wasRunning {
-			if err := m.persist(mc, func(r *registry.Record) { r.State = registry.StateStarting }); err != nil {
-				return err
-			}
-			if err := m.boot(ctx, mc); err != nil {
-				m.markStopped(mc, EventFailed, err.Error())
+			if err := m.startLocked(ctx, mc); err != nil {
 				return err
 			}
 		}
