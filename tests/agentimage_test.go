@@ -60,7 +60,7 @@ func TestAgentImage(t *testing.T) {
 		t.Fatalf("pip install under the default policy: %+v", r)
 	}
 	if !hasEgress(t, d, "pypi.carrel.test", "denied", "carrel.net.default_deny") {
-		t.Errorf("no denied net.egress record for pypi.carrel.test: %+v", egressRecords(t, d))
+		t.Errorf("no denied net.egress record for pypi.carrel.test: %+v", egressRecords(t, d, "ag"))
 	}
 
 	// Every network tool of the image goes through the proxy, by its own
@@ -117,7 +117,7 @@ func TestAgentImage(t *testing.T) {
 
 func hasEgress(t *testing.T, d *harness.Daemon, host, outcome, rule string) bool {
 	t.Helper()
-	for _, r := range egressRecords(t, d) {
+	for _, r := range egressRecords(t, d, "ag") {
 		if r.Host == host && r.Outcome == outcome && (rule == "" || r.Rule == rule) {
 			return true
 		}

@@ -42,7 +42,7 @@ func TestGuestLimits(t *testing.T) {
 	}
 	// In the guest: that disk, ext4, grown from the template's 16 MiB to
 	// the disk's 32 MiB (less the file system's own blocks).
-	if out := d.Must("exec", "lim", "--", "sh", "-c", "grep ' /workspace ' /proc/mounts; echo $(cat /sys/block/vda/serial) $(cat /sys/block/vda/size)"); !strings.HasPrefix(out, "/dev/vda /workspace ext4 rw,nosuid,nodev") || !strings.HasSuffix(out, "\ncarrel-workspace 65536\n") {
+	if out := d.Must("exec", "lim", "--", "sh", "-c", `m=$(grep ' /workspace ' /proc/mounts); echo "$m"; b=${m%% *}; b=${b#/dev/}; echo $(cat /sys/block/$b/serial) $(cat /sys/block/$b/size)`); !strings.HasPrefix(out, "/dev/vd") || !strings.Contains(out, " /workspace ext4 rw,nosuid,nodev") || !strings.HasSuffix(out, "\ncarrel-workspace 65536\n") {
 		t.Errorf("workspace mount and disk: %q", out)
 	}
 	if kb := workspaceKB(t, d, "lim"); kb < 24<<10 || kb > 32<<10 {
