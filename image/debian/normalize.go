@@ -48,5 +48,14 @@ func normalize(root string) error {
 	if err := os.WriteFile(filepath.Join(root, "etc/machine-id"), nil, 0o444); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		errs = append(errs, err)
 	}
+	// apt needs its empty download directories back, where it has them.
+	for _, d := range []string{"var/lib/apt/lists/partial", "var/cache/apt/archives/partial"} {
+		if _, err := os.Stat(filepath.Dir(filepath.Join(root, d))); err != nil {
+			continue
+		}
+		if err := os.MkdirAll(filepath.Join(root, d), 0o700); err != nil {
+			errs = append(errs, err)
+		}
+	}
 	return errors.Join(errs...)
 }
