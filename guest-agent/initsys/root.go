@@ -54,8 +54,8 @@ type Root struct {
 // ParseRoot reads the verified root from a kernel command line, in
 // systemd's names: roothash=, systemd.verity_root_data= and
 // systemd.verity_root_hash= (as /dev/disk/by-id/virtio-SERIAL), plus
-// carrel.state= and init=. ok is false when the line has no roothash=: the
-// initramfs is the root. usrhash= (a verified /usr) is for a systemd
+// carrel.state= (required) and init=. ok is false when the line has no
+// roothash=: the initramfs is the root. usrhash= (a verified /usr) is for a systemd
 // initrd to set up, and an error here.
 func ParseRoot(cmdline string) (r Root, ok bool, err error) {
 	seen := map[string]bool{}
@@ -114,7 +114,9 @@ func ParseRoot(cmdline string) (r Root, ok bool, err error) {
 		return Root{}, false, fmt.Errorf("%w: roothash= needs systemd.verity_root_data= and systemd.verity_root_hash=", ErrRoot)
 	}
 	if r.State == "" {
-		r.State = protocol.StateMemory
+		// carreld always says where the VM's changes go; a line without
+		// it was cut short, and must not send them to memory unseen.
+		return Root{}, false, fmt.Errorf("%w: %s= is missing (a kernel command line cut short?)", ErrRoot, protocol.StateArg)
 	}
 	return r, true, nil
 }
@@ -153,7 +155,10 @@ func switchRoot(log *slog.Logger, r Root) error {
 	}
 	if err := unix.Mount(devPath, lowerDir, "erofs", unix.MS_RDONLY, ""); err != nil {
 		status, _ := dm.Status(dmName)
-		return fmt.Errorf("%w: the root file system failed verification against roothash=%x (dm-verity status %q): mount erofs: %w", ErrRoot, r.Hash, strings.TrimSpace(status), err)
+		if strings.HasPrefix(status, "C") { // dm-verity saw corruption
+			return fmt.Errorf("%w: the root file system failed verification against roothash=%x: mount erofs: %w", ErrRoot, r.Hash, err)
+		}
+		return fmt.Errorf("%w: mount erofs from %s (dm-verity status %q): %w", ErrRoot, devPath, strings.TrimSpace(status), err)
 	}
 	log.Info("verified root mounted", "device", devPath, "data", dataDev.name, "hash", hashDev.name, "blocks", p.DataBlocks)
 	if err := mountState(log, r.State); err != nil {

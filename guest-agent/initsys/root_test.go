@@ -24,8 +24,8 @@ func TestParseRoot(t *testing.T) {
 		r.HashSerial != "carrel-system-verity" || r.State != "disk" || r.Init != "" {
 		t.Errorf("root %+v", r)
 	}
-	// Memory is the default; init= is kept.
-	r, ok, err = ParseRoot(testRoot + " init=/lib/systemd/systemd")
+	// init= is kept.
+	r, ok, err = ParseRoot(testRoot + " carrel.state=memory init=/lib/systemd/systemd")
 	if err != nil || !ok || r.State != "memory" || r.Init != "/lib/systemd/systemd" {
 		t.Errorf("root %+v, %v, %v", r, ok, err)
 	}
@@ -38,6 +38,7 @@ func TestParseRoot(t *testing.T) {
 func TestParseRootRejects(t *testing.T) {
 	for name, cmdline := range map[string]string{
 		"short hash":     "roothash=abcd",
+		"twice state":    testRoot + " carrel.state=disk carrel.state=memory",
 		"upper hash":     strings.Replace(testRoot, testHash, strings.ToUpper(testHash), 1),
 		"not hex":        strings.Replace(testRoot, testHash, strings.Repeat("zz", 32), 1),
 		"twice":          testRoot + " roothash=" + testHash,
@@ -50,6 +51,7 @@ func TestParseRootRejects(t *testing.T) {
 		"relative init":  testRoot + " init=sbin/init",
 		"unclean init":   testRoot + " init=/sbin/../init",
 		"usrhash":        "usrhash=" + testHash,
+		"no state":       testRoot,
 	} {
 		if _, _, err := ParseRoot(cmdline); !errors.Is(err, ErrRoot) {
 			t.Errorf("%s: ParseRoot(%q) = %v, want ErrRoot", name, cmdline, err)
@@ -60,7 +62,7 @@ func TestParseRootRejects(t *testing.T) {
 // FuzzParseRoot: whatever the command line, ParseRoot either errs or gives
 // a root whose parts hold what the agent relies on.
 func FuzzParseRoot(f *testing.F) {
-	f.Add(testRoot)
+	f.Add(testRoot + " carrel.state=memory")
 	f.Add(testRoot + " carrel.state=disk init=/sbin/init")
 	f.Add("console=ttyS0 roothash=")
 	f.Fuzz(func(t *testing.T, cmdline string) {

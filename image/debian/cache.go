@@ -19,11 +19,13 @@ import (
 // cacheVersion changes whenever the build itself changes what it makes.
 const cacheVersion = "carrel-debian-1"
 
-// CacheKey names a build by everything that decides its output: the spec,
-// carrel-agent, the apt sources, the host's apt indices (which decide the
-// versions of the kernel and of every package, as the host last fetched
-// them: `apt-get update` makes the next build a new one), and the tools
-// that write the root. Two builds with the same key give the same image.
+// CacheKey names a build by its inputs: the spec, carrel-agent, the apt
+// sources, the host's apt indices (which decide the kernel's version), and
+// the tools that write the root. mmdebstrap fetches the mirror's indices
+// afresh, so a mirror that moved on since the host's last `apt-get update`
+// is not seen until that update changes the key, or a build runs with
+// --no-cache: like a container build cache, a hit is the image the same
+// inputs made before.
 func CacheKey(ctx context.Context, s *Spec, agentBinary string, sources []string) (string, error) {
 	h := sha256.New()
 	fmt.Fprintf(h, "%s\x00%s\x00", cacheVersion, s.Canonical())

@@ -27,6 +27,9 @@ const (
 	maxUsers     = 32
 	maxFiles     = 256
 	maxEnv       = 256
+	// maxEnvBytes keeps /etc/environment within what carrel-agent reads
+	// (64 KiB), with room for the image's own lines.
+	maxEnvBytes = 60 << 10
 )
 
 // Spec says what goes into an image built from Debian packages.
@@ -189,10 +192,17 @@ func (s *Spec) Validate() error {
 	if len(s.Env) > maxEnv {
 		return bad("%d environment variables, limit %d", len(s.Env), maxEnv)
 	}
+	envBytes := 0
 	for k, v := range s.Env {
-		if !envRE.MatchString(k) || strings.ContainsAny(v, "\x00\n\"\\") || len(v) > 4096 {
-			return bad("environment variable %q: want a name of [A-Za-z0-9_] and a value without quotes, backslashes or newlines", k)
+		// The value is written as KEY="VALUE" for carrel-agent, which takes
+		// it as it is, and for a login shell, which must not expand it.
+		if !envRE.MatchString(k) || strings.ContainsAny(v, "\x00\n\"\\$`") || len(v) > 4096 {
+			return bad("environment variable %q: want a name of [A-Za-z0-9_] and a value without quotes, backslashes, $, backquotes or newlines", k)
 		}
+		envBytes += len(k) + len(v) + 4
+	}
+	if envBytes > maxEnvBytes {
+		return bad("the environment is %d bytes, limit %d (what carrel-agent reads of /etc/environment)", envBytes, maxEnvBytes)
 	}
 	if s.Compression != "" && s.Compression != "lz4hc" && s.Compression != "lz4" {
 		return bad("compression %q: want \"\", \"lz4\" or \"lz4hc\"", s.Compression)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -215,12 +216,19 @@ func TestParseSpecRejects(t *testing.T) {
 		"too many files": spoil(func(s *Spec) {
 			s.Files = slices.Repeat([]File{{Path: "/etc/x", Mode: "0644"}}, maxFiles+1)
 		}),
-		"env name digit":   spoil(func(s *Spec) { s.Env["1X"] = "v" }),
-		"env name dash":    spoil(func(s *Spec) { s.Env["A-B"] = "v" }),
-		"env name empty":   spoil(func(s *Spec) { s.Env[""] = "v" }),
-		"env name equals":  spoil(func(s *Spec) { s.Env["A=B"] = "v" }),
-		"env name space":   spoil(func(s *Spec) { s.Env["A B"] = "v" }),
-		"env newline":      spoil(func(s *Spec) { s.Env["X"] = "a\nb" }),
+		"env name digit":  spoil(func(s *Spec) { s.Env["1X"] = "v" }),
+		"env name dash":   spoil(func(s *Spec) { s.Env["A-B"] = "v" }),
+		"env name empty":  spoil(func(s *Spec) { s.Env[""] = "v" }),
+		"env name equals": spoil(func(s *Spec) { s.Env["A=B"] = "v" }),
+		"env name space":  spoil(func(s *Spec) { s.Env["A B"] = "v" }),
+		"env newline":     spoil(func(s *Spec) { s.Env["X"] = "a\nb" }),
+		"env dollar":      spoil(func(s *Spec) { s.Env["X"] = "$(id)" }),
+		"env backquote":   spoil(func(s *Spec) { s.Env["X"] = "`id`" }),
+		"env too large": spoil(func(s *Spec) {
+			for i := 0; i < 20; i++ {
+				s.Env[fmt.Sprintf("V%d", i)] = strings.Repeat("v", 4000)
+			}
+		}),
 		"env quote":        spoil(func(s *Spec) { s.Env["X"] = `a"b` }),
 		"env backslash":    spoil(func(s *Spec) { s.Env["X"] = `a\b` }),
 		"env nul":          spoil(func(s *Spec) { s.Env["X"] = "a\x00b" }),

@@ -45,7 +45,20 @@ var fileNames = map[string]string{
 // replaced it after Read looked: what is read is then hashed against the
 // manifest anyway.
 func OpenPart(path string) (*os.File, error) {
-	return os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	// O_NONBLOCK: a named pipe swapped in must not hang the open.
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return nil, err
+	}
+	fi, err := f.Stat()
+	if err == nil && !fi.Mode().IsRegular() {
+		err = fmt.Errorf("%s is a %s, not a regular file", path, kind(fi.Mode()))
+	}
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
 }
 
 // FileName is the file that holds part (a manifest.Part* name).

@@ -33,8 +33,15 @@ const MaxSize = 4 << 20
 // guest image comes near it, and a manifest that claims more is hostile.
 const MaxPartSize = 64 << 30
 
-// MaxCmdline bounds the kernel command line (x86's COMMAND_LINE_SIZE).
-const MaxCmdline = 2048
+// KernelCmdlineSize is x86's COMMAND_LINE_SIZE: the kernel keeps at most
+// this many bytes of its command line, less the terminating NUL, and drops
+// the rest without a word.
+const KernelCmdlineSize = 2048
+
+// MaxCmdline bounds an image's kernel command line. It leaves room for the
+// words carreld appends at boot (the writable layer, the workspace, limits,
+// the machine's needs), which must not be cut off.
+const MaxCmdline = KernelCmdlineSize - 256
 
 // DigestPrefix starts every digest this package accepts.
 const DigestPrefix = "sha256:"

@@ -21,6 +21,10 @@ const (
 	MountUsr = "usr"
 )
 
+// BlockSize is the verity data and hash block size of every image: the
+// guest's page size.
+const BlockSize = 4096
+
 // Limits on the package list.
 const (
 	MaxPackages       = 50000
@@ -140,6 +144,12 @@ func (m *Manifest) validateSystem() error {
 		p, _, err := v.Params()
 		if err != nil {
 			return err
+		}
+		// The guest's kernel takes no data block larger than its page,
+		// and carrel's builders all use 4 KiB; smaller blocks would only
+		// make the tree (which the host recomputes in memory) larger.
+		if p.DataBlockSize != BlockSize || p.HashBlockSize != BlockSize {
+			return fmt.Errorf("%w: verity block sizes %d and %d: want %d", ErrInvalid, p.DataBlockSize, p.HashBlockSize, BlockSize)
 		}
 		if want := int64(p.DataBlocks) * int64(p.DataBlockSize); m.System.Size != want {
 			return fmt.Errorf("%w: system is %d bytes, but verity covers %d blocks of %d (%d bytes)",

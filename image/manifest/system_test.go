@@ -64,6 +64,8 @@ func TestSystemRejects(t *testing.T) {
 		"usr without usrhash":  func(m *Manifest) { m.Verity.Mount = MountUsr },
 		"algorithm":            func(m *Manifest) { m.Verity.HashAlg = "md5" },
 		"block size":           func(m *Manifest) { m.Verity.DataBlockSize = 1000 },
+		"block size 8k":        func(m *Manifest) { m.Verity.DataBlockSize, m.Verity.DataBlocks = 8192, 128 },
+		"hash block 512":       func(m *Manifest) { m.Verity.HashBlockSize = 512 },
 		"root hash":            func(m *Manifest) { m.Verity.RootHash = "AB" },
 		"root hash upper":      func(m *Manifest) { m.Verity.RootHash = strings.Repeat("AB", 32) },
 		"salt":                 func(m *Manifest) { m.Verity.Salt = "xyz" },

@@ -72,11 +72,30 @@ func Template(ctx context.Context, path string) error {
 			tmp)
 	}
 	if err == nil {
+		err = syncFile(tmp)
+	}
+	if err == nil {
 		err = os.Rename(tmp, path)
+	}
+	if err == nil {
+		err = syncFile(filepath.Dir(path))
 	}
 	if err != nil {
 		os.Remove(tmp)
 		return fmt.Errorf("workspace template: %w", err)
+	}
+	return nil
+}
+
+// syncFile makes a file, or a directory's entries, durable.
+func syncFile(path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("sync %s: %w", path, err)
 	}
 	return nil
 }
@@ -103,12 +122,22 @@ func Create(ctx context.Context, qemuImg, path, template string, size uint64) er
 	if _, err := os.Lstat(path); err == nil {
 		return fmt.Errorf("workspace disk %s: %w", path, os.ErrExist)
 	}
-	err := run(ctx, nil, qemuImg, "create", "-q", "-f", "qcow2", "-F", "raw", "-b", template, path, strconv.FormatUint(size, 10))
+	// Made under a temporary name and renamed: a crash part-way leaves no
+	// half disk that a later boot would take for the VM's.
+	tmp := path + ".tmp"
+	os.Remove(tmp)
+	err := run(ctx, nil, qemuImg, "create", "-q", "-f", "qcow2", "-F", "raw", "-b", template, tmp, strconv.FormatUint(size, 10))
+	if err == nil {
+		err = syncFile(tmp)
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
 	if err != nil {
-		os.Remove(path)
+		os.Remove(tmp)
 		return fmt.Errorf("create workspace disk: %w", err)
 	}
-	return nil
+	return syncFile(filepath.Dir(path))
 }
 
 // Info is what qemu-img says of a disk.

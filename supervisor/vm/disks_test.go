@@ -293,6 +293,28 @@ func TestReset(t *testing.T) {
 			t.Errorf("%s kept: %v", p, err)
 		}
 	}
+	// A reset that cannot be recorded discards nothing.
+	d := e.reg.Dir("a")
+	e.m.Close()
+	e.m = New(Config{Registry: e.reg, Images: e.img, Driver: e.drv, BootTimeout: 2 * time.Second, StopTimeout: time.Second,
+		OnEvent: func(_ context.Context, ev Event) error {
+			if ev.Kind == EventReset {
+				return errors.New("audit log full")
+			}
+			return nil
+		}})
+	if err := e.m.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.m.Start(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.m.Reset(ctx, "a", false); err == nil || !strings.Contains(err.Error(), "audit log full") {
+		t.Errorf("reset without its record: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(d, StateDiskName)); err != nil {
+		t.Errorf("the state disk went without a record: %v", err)
+	}
 	if _, err := e.m.Reset(ctx, "nope", false); !errors.Is(err, ErrNotFound) {
 		t.Errorf("reset of an unknown vm: %v", err)
 	}

@@ -44,7 +44,8 @@ type Event struct {
 }
 
 // event tells Config.OnEvent about a step. The steps before QEMU starts
-// (created, starting) fail the operation when they cannot be recorded;
+// (created, starting) and a reset, before it discards anything, fail the
+// operation when they cannot be recorded;
 // for the others the VM has already changed, so a failure is logged.
 func (m *Manager) event(ctx context.Context, mc *machine, kind EventKind, reason string) error {
 	if m.cfg.OnEvent == nil {
@@ -56,7 +57,7 @@ func (m *Manager) event(ctx context.Context, mc *machine, kind EventKind, reason
 		return nil
 	}
 	switch kind {
-	case EventCreated, EventStarting, EventGPUAttach:
+	case EventCreated, EventStarting, EventGPUAttach, EventReset:
 		return fmt.Errorf("vm %q not started: %w", ev.Record.Name, err)
 	}
 	m.log.Error("vm event not recorded", "vm", ev.Record.Name, "event", kind, "err", err)

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/image/store"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/console"
@@ -386,6 +387,11 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 	}
 	if err := m.attachDisks(ctx, rec, img, &spec); err != nil {
 		return fmt.Errorf("boot vm %q: %w", name, err)
+	}
+	// The kernel drops what does not fit, silently: the words carreld
+	// appended last (the writable layer, the workspace) would be lost.
+	if n := len(spec.Cmdline); n > manifest.KernelCmdlineSize-64 {
+		return fmt.Errorf("boot vm %q: the kernel command line would be %d bytes, over the %d the kernel keeps (less room for the driver's words): shorten the image's", name, n, manifest.KernelCmdlineSize-64)
 	}
 	// A new run (Create made the first one's), recorded before QEMU
 	// starts.

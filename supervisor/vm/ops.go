@@ -227,13 +227,16 @@ func (m *Manager) Reset(ctx context.Context, name string, workspace bool) (regis
 			disks = append(disks, WorkspaceDiskName)
 			what = "writable layer and workspace"
 		}
+		// Recorded first: nothing is discarded unless the log says so.
+		if err := m.event(ctx, mc, EventReset, what+" discarded"); err != nil {
+			return err
+		}
 		dir := m.cfg.Registry.Dir(name)
 		for _, d := range disks {
 			if err := os.Remove(filepath.Join(dir, d)); err != nil && !errors.Is(err, os.ErrNotExist) {
 				return fmt.Errorf("reset vm %q: %w", name, err)
 			}
 		}
-		_ = m.event(ctx, mc, EventReset, what+" discarded")
 		m.log.Info("vm reset", "vm", name, "discarded", what)
 		if wasRunning {
 			if err := m.startLocked(ctx, mc); err != nil {
