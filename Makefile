@@ -18,9 +18,10 @@ CACHE   ?= /var/cache/carrel
 # themselves: nothing starts services on the build and CI machines),
 # e2fsprogs for the dev image's workspace template (qemu-utils' qemu-img
 # makes each VM's workspace and state disks), erofs-utils for the images'
-# read-only roots, cryptsetup-bin for veritysetup, which the tests use as
-# an independent check of carrel's own dm-verity trees.
-DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd systemd libvirt-daemon-system libvirt-clients e2fsprogs erofs-utils cryptsetup-bin
+# read-only roots, mmdebstrap for the Debian-built images, cryptsetup-bin
+# for veritysetup, which the tests use as an independent check of carrel's
+# own dm-verity trees.
+DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd systemd libvirt-daemon-system libvirt-clients e2fsprogs erofs-utils mmdebstrap cryptsetup-bin
 
 .PHONY: help
 help: ## List the targets
