@@ -21,7 +21,7 @@ import (
 
 func newImageCmd(g *globals) *cobra.Command {
 	c := &cobra.Command{Use: "image", Short: "Build, import, check and list images"}
-	c.AddCommand(newImageBuildCmd(g), newImageListCmd(g), newImageInspectCmd(g), newImageCheckCmd(), newImageImportCmd(g), newImageSBOMCmd(g))
+	c.AddCommand(newImageBuildCmd(g), newImageListCmd(g), newImageInspectCmd(g), newImageCheckCmd(), newImagePackCmd(), newImageImportCmd(g), newImageSBOMCmd(g))
 	return c
 }
 

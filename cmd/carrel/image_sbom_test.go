@@ -46,6 +46,8 @@ func (o *oneImage) Import(dir, tag string) (store.Imported, error) {
 	return store.Imported{}, errors.New("not supported")
 }
 
+func (o *oneImage) ImportNamed(dir string) (store.Imported, error) { return o.Import(dir, "") }
+
 // sbomServer serves the image API over one stored image.
 func sbomServer(t *testing.T) (string, *oneImage) {
 	t.Helper()

@@ -30,6 +30,10 @@ func main() {
 	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI for the libvirt driver")
 	flag.DurationVar(&cfg.BootTimeout, "boot-timeout", 90*time.Second, "longest a VM may take from start to agent ready")
 	flag.StringVar(&cfg.EgressHosts, "egress-hosts", "", "hosts(5) file that resolves the names VMs reach, instead of DNS (tests, air-gapped sites)")
+	flag.Func("import-image", "image directory to import at start, tagged with its name; repeat for more (an image already stored is left as it is)", func(v string) error {
+		cfg.ImportImages = append(cfg.ImportImages, v)
+		return nil
+	})
 	flag.StringVar(&level, "log-level", "info", "debug, info, warn or error")
 	version := flag.Bool("version", false, "print the version and exit")
 	config := flag.String("config", "", "JSON file of settings named as these flags, e.g. {\"driver\": \"libvirt\"}; flags given here win")

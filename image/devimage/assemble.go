@@ -5,10 +5,8 @@ import (
 	"compress/gzip"
 	"context"
 	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path"
@@ -22,8 +20,7 @@ import (
 	"github.com/carrel-os/carrel/image/initramfs"
 	"github.com/carrel-os/carrel/image/kmod"
 	"github.com/carrel-os/carrel/image/manifest"
-	"github.com/carrel-os/carrel/image/sysroot"
-	"github.com/carrel-os/carrel/image/workspace"
+	"github.com/carrel-os/carrel/image/pack"
 )
 
 // Guest paths and accounts the agent relies on.
@@ -110,126 +107,79 @@ func assemble(ctx context.Context, in inputs, o Options, run runFunc) (*Result, 
 			res.QemuGALibs = append(res.QemuGALibs, "/"+l.guest)
 		}
 	}
-	kernel, err := writeAtomic(res.KernelPath, func(w io.Writer) error {
-		f, err := os.Open(in.kernel)
-		if err != nil {
-			return err
-		}
-		defer f.Close()
-		_, err = io.Copy(w, f)
-		return err
-	})
+	// The initramfs and the dev image's root are laid out in a scratch
+	// directory beside the output; image/pack makes the image of them.
+	scratch, err := os.MkdirTemp(o.OutDir, ".assemble-*")
 	if err != nil {
-		return nil, fmt.Errorf("write kernel: %w", err)
+		return nil, fmt.Errorf("scratch dir: %w", err)
 	}
-	initrd, err := writeAtomic(res.InitrdPath, func(w io.Writer) error {
-		if !o.Compress {
-			_, err := initrdTree.WriteTo(w)
-			return err
-		}
-		// A zero gzip header (no name, no mtime) keeps the output
-		// reproducible for a given Go release.
-		zw, err := gzip.NewWriterLevel(w, gzip.BestCompression)
-		if err != nil {
-			return err
-		}
-		if _, err := initrdTree.WriteTo(zw); err != nil {
-			return err
-		}
-		return zw.Close()
-	})
-	if err != nil {
+	defer os.RemoveAll(scratch)
+	initrdPath := filepath.Join(scratch, "initrd")
+	if err := writeInitrd(initrdPath, initrdTree, o.Compress); err != nil {
 		return nil, fmt.Errorf("write initramfs: %w", err)
 	}
-	sys, err := makeRoot(ctx, o, rootTree, res)
-	if err != nil {
-		return nil, err
+	system := o.RootTree
+	if system == "" {
+		system = filepath.Join(scratch, "root")
+		if err := rootTree.WriteDir(system); err != nil {
+			return nil, fmt.Errorf("lay out root: %w", err)
+		}
 	}
-	wsTemplate, err := buildWorkspaceTemplate(ctx, res.WorkspacePath)
-	if err != nil {
-		return nil, err
-	}
-	res.Manifest = &manifest.Manifest{
-		SchemaVersion: manifest.SchemaVersion,
+	m, err := pack.Pack(ctx, o.OutDir, pack.Parts{
 		Name:          o.Name,
-		Arch:          arch,
 		KernelVersion: tree.Release(),
-		Kernel:        kernel,
-		Initrd:        initrd,
-		Cmdline:       o.Cmdline + " " + sys.Cmdline,
-		Workspace:     &wsTemplate,
-		System:        &sys.System,
-		SystemVerity:  &sys.SystemVerity,
-		Verity:        &sys.Verity,
-		Packages:      manifest.SortPackages(in.packages),
-	}
-	b, err := res.Manifest.Marshal()
+		Kernel:        in.kernel,
+		Initrd:        initrdPath,
+		System:        system,
+		Erofs:         erofs.Options{Compressor: o.RootCompressor},
+		Mount:         manifest.MountRoot,
+		Cmdline:       o.Cmdline,
+		Packages:      in.packages,
+	})
 	if err != nil {
 		return nil, err
 	}
-	if _, err := writeAtomic(res.ManifestPath, func(w io.Writer) error {
-		_, err := w.Write(b)
-		return err
-	}); err != nil {
-		return nil, fmt.Errorf("write manifest: %w", err)
+	res.Manifest = m
+	b, err := m.Marshal()
+	if err != nil {
+		return nil, err
 	}
 	o.Logger.Info("built image", "name", o.Name, "dir", o.OutDir, "release", tree.Release(),
-		"modules", len(guestMods), "packages", len(res.Manifest.Packages),
-		"initrd_bytes", initrd.Size, "root_bytes", sys.System.Size, "root_hash", sys.Verity.RootHash,
+		"modules", len(guestMods), "packages", len(m.Packages),
+		"initrd_bytes", m.Initrd.Size, "root_bytes", m.System.Size, "root_hash", m.Verity.RootHash,
 		"compressed", o.Compress,
 		"digest", manifest.DigestBytes(b), "assemble_time", time.Since(start).Round(time.Millisecond))
 	return res, nil
 }
 
-// makeRoot makes the verified root (image/sysroot) of o.RootTree, or else
-// of root laid out in a scratch directory beside the output.
-func makeRoot(ctx context.Context, o Options, root *initramfs.Archive, res *Result) (*sysroot.Result, error) {
-	scratch, err := os.MkdirTemp(o.OutDir, ".root-*")
+// writeInitrd writes the initramfs archive to path, gzipped when compress
+// is set. A zero gzip header (no name, no mtime) keeps the output
+// reproducible for a given Go release.
+func writeInitrd(path string, a *initramfs.Archive, compress bool) error {
+	f, err := os.Create(path)
 	if err != nil {
-		return nil, fmt.Errorf("lay out root: %w", err)
+		return err
 	}
-	defer os.RemoveAll(scratch)
-	tree := o.RootTree
-	if tree == "" {
-		tree = filepath.Join(scratch, "tree")
-		if err := root.WriteDir(tree); err != nil {
-			return nil, fmt.Errorf("lay out root: %w", err)
-		}
-	}
-	sysTmp, verTmp := filepath.Join(scratch, "system"), filepath.Join(scratch, "verity")
-	sys, err := sysroot.Make(ctx, tree, sysTmp, verTmp, sysroot.Options{Erofs: erofs.Options{Compressor: o.RootCompressor}})
-	if err != nil {
-		return nil, err
-	}
-	for _, mv := range [][2]string{{sysTmp, res.SystemPath}, {verTmp, res.SystemVerityPath}} {
-		if err := os.Rename(mv[0], mv[1]); err != nil {
-			return nil, fmt.Errorf("write root: %w", err)
-		}
-	}
-	return sys, nil
-}
-
-// buildWorkspaceTemplate writes the workspace template (image/workspace)
-// to dst and returns it as a manifest part.
-func buildWorkspaceTemplate(ctx context.Context, dst string) (manifest.Part, error) {
-	tmp := filepath.Join(filepath.Dir(dst), "."+filepath.Base(dst)+".mkfs")
-	defer os.Remove(tmp)
-	if err := workspace.Template(ctx, tmp); err != nil {
-		return manifest.Part{}, err
-	}
-	p, err := writeAtomic(dst, func(w io.Writer) error {
-		f, err := os.Open(tmp)
+	defer f.Close()
+	bw := bufio.NewWriterSize(f, 1<<20)
+	if compress {
+		zw, err := gzip.NewWriterLevel(bw, gzip.BestCompression)
 		if err != nil {
 			return err
 		}
-		defer f.Close()
-		_, err = io.Copy(w, f)
+		if _, err := a.WriteTo(zw); err != nil {
+			return err
+		}
+		if err := zw.Close(); err != nil {
+			return err
+		}
+	} else if _, err := a.WriteTo(bw); err != nil {
 		return err
-	})
-	if err != nil {
-		return manifest.Part{}, fmt.Errorf("write workspace template: %w", err)
 	}
-	return p, nil
+	if err := bw.Flush(); err != nil {
+		return err
+	}
+	return f.Close()
 }
 
 // busyboxApplets lists the applet links busybox wants, keeping only those in
@@ -366,62 +316,4 @@ IMAGE_ID=%s
 PRETTY_NAME="carrel development image (Debian kernel %s)"
 HOME_URL="https://github.com/carrel-os/carrel"
 `, name, release)
-}
-
-// writeAtomic writes dst through a synced temp file in its directory and a
-// rename, and returns the digest and size of what was written.
-func writeAtomic(dst string, fill func(w io.Writer) error) (_ manifest.Part, err error) {
-	f, err := os.CreateTemp(filepath.Dir(dst), "."+filepath.Base(dst)+"-*")
-	if err != nil {
-		return manifest.Part{}, err
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(f.Name())
-		}
-	}()
-	h := sha256.New()
-	bw := bufio.NewWriterSize(io.MultiWriter(f, h), 1<<20)
-	cw := &countWriter{w: bw}
-	if err := fill(cw); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := bw.Flush(); err != nil {
-		return manifest.Part{}, err
-	}
-	if cw.n == 0 {
-		return manifest.Part{}, errors.New("nothing written")
-	}
-	if err := f.Chmod(0o644); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := f.Sync(); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := f.Close(); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := os.Rename(f.Name(), dst); err != nil {
-		return manifest.Part{}, err
-	}
-	if d, err := os.Open(filepath.Dir(dst)); err == nil {
-		err = d.Sync()
-		d.Close()
-		if err != nil {
-			return manifest.Part{}, fmt.Errorf("sync %s: %w", filepath.Dir(dst), err)
-		}
-	}
-	return manifest.Part{Digest: manifest.DigestPrefix + hex.EncodeToString(h.Sum(nil)), Size: cw.n}, nil
-}
-
-type countWriter struct {
-	w io.Writer
-	n int64
-}
-
-func (c *countWriter) Write(p []byte) (int, error) {
-	n, err := c.w.Write(p)
-	c.n += int64(n)
-	return n, err
 }

@@ -28,6 +28,10 @@ type Options struct {
 	Epoch int64
 	// UUID is the file system's UUID; empty means a fixed one.
 	UUID string
+	// AllRoot makes root the owner of every file, whoever owns it in the
+	// tree: for a tree laid out by an unprivileged build (the Nix store's
+	// paths, copied in a derivation).
+	AllRoot bool
 	// MkfsErofs is the mkfs.erofs to run; "" means the one on PATH.
 	MkfsErofs string
 }
@@ -50,6 +54,9 @@ func Make(ctx context.Context, dir, out string, o Options) error {
 	args := []string{"--quiet", "-T" + strconv.FormatInt(o.Epoch, 10), "-U" + uuid}
 	if o.Compressor != "" {
 		args = append(args, "-z"+o.Compressor)
+	}
+	if o.AllRoot {
+		args = append(args, "--all-root")
 	}
 	args = append(args, out, dir)
 	os.Remove(out)

@@ -95,6 +95,12 @@ func (d *Dir) File(name string) (File, bool) {
 // hashed.
 func Read(dir string) (*Dir, error) {
 	path, err := filepath.EvalSymlinks(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		if fi, lerr := os.Lstat(dir); lerr == nil && fi.Mode()&fs.ModeSymlink != 0 {
+			target, _ := os.Readlink(dir)
+			return nil, fmt.Errorf("%w: %s is a link to %s, which is gone (an old build result, since garbage-collected? build it again)", ErrInvalid, dir, target)
+		}
+	}
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
@@ -104,6 +110,9 @@ func Read(dir string) (*Dir, error) {
 		return nil, fmt.Errorf("%w: %s is not a directory", ErrInvalid, dir)
 	}
 	b, err := readRegular(filepath.Join(path, ManifestFile), manifest.MaxSize)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%w: %s has no %s: not an image directory, or a build that did not finish (the manifest is written last)", ErrInvalid, dir, ManifestFile)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", ErrInvalid, ManifestFile, err)
 	}

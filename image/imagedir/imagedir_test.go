@@ -270,7 +270,7 @@ func TestHostile(t *testing.T) {
 				os.Remove(filepath.Join(dir, ManifestFile))
 				return ""
 			},
-			want: []string{ManifestFile, "no such file"},
+			want: []string{ManifestFile, "did not finish"},
 		},
 		{
 			name: "size differs",
@@ -405,6 +405,17 @@ func TestHostile(t *testing.T) {
 				return filepath.Join(dir, "nowhere")
 			},
 			want: []string{"nowhere", "no such file"},
+		},
+		{
+			name: "old result link",
+			breaks: func(t *testing.T, dir string, m *manifest.Manifest) string {
+				link := filepath.Join(t.TempDir(), "result")
+				if err := os.Symlink(filepath.Join(dir, "collected"), link); err != nil {
+					t.Fatal(err)
+				}
+				return link
+			},
+			want: []string{"result is a link to", "collected, which is gone"},
 		},
 	}
 	for _, c := range cases {

@@ -22,6 +22,15 @@ type Imported struct {
 	Already bool
 }
 
+// ImportNamed imports dir as Import does, tagged with its manifest's name.
+func (s *Store) ImportNamed(dir string) (Imported, error) {
+	d, err := imagedir.Read(dir)
+	if err != nil {
+		return Imported{}, fmt.Errorf("import %s: %w", dir, err)
+	}
+	return s.Import(dir, d.Manifest.Name)
+}
+
 // Import copies the image directory dir (see image/imagedir) into the
 // store and points tag at it. Every part is copied to the store's temp
 // space first and hashed as it is copied, and the dm-verity tree is

@@ -22,6 +22,7 @@ type ImageLister interface {
 	Resolve(ref string) (*store.Resolved, error)
 	ManifestBytes(digest string) ([]byte, error)
 	Import(dir, tag string) (store.Imported, error)
+	ImportNamed(dir string) (store.Imported, error)
 }
 
 type imageService struct {
@@ -124,14 +125,13 @@ func (s *imageService) ImportImage(ctx context.Context, req *connect.Request[api
 	if tag != "" && !store.ValidTagName(tag) {
 		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("invalid tag name %q", tag))
 	}
+	var out store.Imported
+	var err error
 	if tag == "" {
-		d, err := imagedir.Read(req.Msg.Path)
-		if err != nil {
-			return nil, imageError(err)
-		}
-		tag = d.Manifest.Name
+		out, err = s.cfg.Images.ImportNamed(req.Msg.Path)
+	} else {
+		out, err = s.cfg.Images.Import(req.Msg.Path, tag)
 	}
-	out, err := s.cfg.Images.Import(req.Msg.Path, tag)
 	if err != nil {
 		return nil, imageError(err)
 	}

@@ -56,7 +56,12 @@ type Config struct {
 	// EgressHosts, when set, is a hosts(5) file that resolves the names
 	// VMs reach through the egress proxy, instead of DNS.
 	EgressHosts string
-	Logger      *slog.Logger
+	// ImportImages are image directories (image/imagedir) imported when
+	// carreld starts, each tagged with its manifest's name: the images a
+	// NixOS host declares (services.carreld.images). An image already
+	// stored is left as it is.
+	ImportImages []string
+	Logger       *slog.Logger
 }
 
 // Run serves until ctx ends. VMs keep running after it returns.
@@ -78,6 +83,7 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
+	importImages(images, cfg.ImportImages, log)
 	reg, err := registry.Open(filepath.Join(cfg.StateDir, "vms"))
 	if err != nil {
 		return err
@@ -325,4 +331,21 @@ func (b *builder) store(dir, tag string) (string, bool, error) {
 	}
 	b.log.Info("image built", "digest", out.Digest, "tag", tag, "unchanged", out.Already)
 	return out.Digest, false, nil
+}
+
+// importImages imports each declared image directory, checked in full as
+// any import is. An image that fails is logged and left out: the VMs of
+// the other images still run, and the store is unchanged by it.
+func importImages(images *store.Store, dirs []string, log *slog.Logger) {
+	for _, dir := range dirs {
+		out, err := images.ImportNamed(dir)
+		switch {
+		case err != nil:
+			log.Error("declared image not imported; fix or rebuild it, then restart carreld", "dir", dir, "err", err)
+		case out.Already:
+			log.Info("declared image already imported", "dir", dir, "image", out.Manifest.Name, "digest", out.Digest)
+		default:
+			log.Info("declared image imported", "dir", dir, "image", out.Manifest.Name, "digest", out.Digest)
+		}
+	}
 }
