@@ -16,10 +16,14 @@
       carrel = pkgs.callPackage ./nix/package.nix { inherit version; };
     in
     {
-      # carreld, carrel and carrel-agent in one package (see nix/package.nix).
+      # carreld, carrel and carrel-agent in one package (see nix/package.nix),
+      # and the hardened NixOS agent image in carrel's image format
+      # (nix/modules/guest.nix): `nix build .#agent-image`, then
+      # `carrel image import ./result`.
       packages.${system} = {
         inherit carrel;
         default = carrel;
+        agent-image = self.nixosConfigurations.agent.config.system.build.carrelImage;
       };
 
       overlays.default = final: _prev: {
@@ -34,6 +38,23 @@
           services.carreld.package = lib.mkDefault self.packages.${pkgs.stdenv.hostPlatform.system}.carrel;
         };
       nixosModules.default = self.nixosModules.carreld;
+
+      # The guest module (nix/modules/guest.nix): what operators compose to
+      # make their own agent images.
+      nixosModules.guest =
+        { lib, pkgs, ... }:
+        {
+          imports = [ ./nix/modules/guest.nix ];
+          carrel.guest.package = lib.mkDefault self.packages.${pkgs.stdenv.hostPlatform.system}.carrel;
+        };
+
+      # carrel's own agent image: the guest module with its defaults.
+      nixosConfigurations.agent = nixpkgs.lib.nixosSystem {
+        modules = [
+          self.nixosModules.guest
+          { nixpkgs.hostPlatform = system; }
+        ];
+      };
 
       checks.${system}.carrel = carrel;
     };

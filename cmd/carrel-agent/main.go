@@ -7,8 +7,10 @@
 // (systemd), it runs as a service with --system: the init system does PID
 // 1's work, and the agent serves, runs the egress proxies, gives each
 // command a cgroup in the subtree the service was delegated, and powers
-// off through the init system. Run as any other pid without --system (on
-// a development host) it only serves, and can listen on a unix socket.
+// off through the init system. In an image whose initrd is systemd's (the
+// NixOS guest), --mount-state sets the VM's writable layer up there. Run as
+// any other pid without --system (on a development host) it only serves,
+// and can listen on a unix socket.
 //
 // Every command it starts runs with no_new_privs, and, once the host has
 // set a sandbox (SetSandbox), inside a Landlock domain where the kernel has
@@ -67,6 +69,8 @@ type options struct {
 	listen     string
 	// system: the guest's agent, run as a service of the image's init.
 	system bool
+	// mountState: set up the writable layer below this root, and exit.
+	mountState string
 }
 
 func main() {
@@ -80,6 +84,7 @@ func main() {
 	fs.StringVar(&o.serialName, "serial-name", protocol.SerialPortName, "name of the virtio-serial port")
 	fs.StringVar(&o.listen, "listen", "", "unix socket path, for --transport unix")
 	fs.BoolVar(&o.system, "system", false, "run as the guest's agent under the image's init system (a systemd service with Delegate=yes)")
+	fs.StringVar(&o.mountState, "mount-state", "", "set up the VM's writable layer below this root (a systemd initrd's /sysroot), as carrel.state= says, and exit")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		if !pid1 {
 			os.Exit(2)
@@ -87,6 +92,15 @@ func main() {
 		// The kernel passes unknown command-line words to init; never die
 		// over them.
 		log.Warn("bad arguments; using defaults for the rest", "args", os.Args[1:], "err", err)
+	}
+
+	if o.mountState != "" && !pid1 {
+		if err := initsys.MountState(log, o.mountState); err != nil {
+			log.Error("writable layer", "err", err)
+			fmt.Fprintf(os.Stderr, "%s %v\n", protocol.BootFailedMarker, err)
+			os.Exit(1)
+		}
+		return
 	}
 
 	switch o.transport {

@@ -81,3 +81,24 @@ func FuzzParseRoot(f *testing.F) {
 		}
 	})
 }
+
+func TestStateOf(t *testing.T) {
+	for _, c := range []struct{ cmdline, want, err string }{
+		{"init=/nix/store/x/init carrel.state=disk", "disk", ""},
+		{"carrel.state=memory quiet", "memory", ""},
+		{"init=/nix/store/x/init usrhash=00", "", "is missing"},
+		{"carrel.state=disk carrel.state=memory", "", "twice"},
+		{"carrel.state=tmpfs", "", "want disk or memory"},
+	} {
+		got, err := StateOf(c.cmdline)
+		if c.err != "" {
+			if err == nil || !strings.Contains(err.Error(), c.err) {
+				t.Errorf("StateOf(%q) = %q, %v; want an error saying %q", c.cmdline, got, err, c.err)
+			}
+			continue
+		}
+		if err != nil || got != c.want {
+			t.Errorf("StateOf(%q) = %q, %v; want %q", c.cmdline, got, err, c.want)
+		}
+	}
+}

@@ -84,6 +84,20 @@ in
       description = "libvirt connection of the libvirt driver (carreld's `--libvirt-uri`).";
     };
 
+    images = mkOption {
+      type = types.listOf types.path;
+      default = [ ];
+      example = lib.literalExpression "[ carrel.packages.x86_64-linux.agent-image ]";
+      description = ''
+        Image directories in carrel's format (such as the flake's
+        `agent-image`) that carreld imports when it starts (carreld's
+        `--import-image`), each tagged with its name. carreld checks each in
+        full, as `carrel image import` does; an image already stored is left
+        as it is, so a restart costs a read of each manifest. An image that
+        fails to import is logged and left out, and the others still serve.
+      '';
+    };
+
     extraArgs = mkOption {
       type = types.listOf types.str;
       default = [ ];
@@ -160,6 +174,10 @@ in
             "--libvirt-uri"
             cfg.libvirtURI
           ]
+          ++ lib.concatMap (image: [
+            "--import-image"
+            "${image}"
+          ]) cfg.images
           ++ cfg.extraArgs
         );
         # carreld pings the watchdog at half this interval while healthy; a
