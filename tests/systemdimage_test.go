@@ -21,24 +21,8 @@ import (
 func TestSystemdImage(t *testing.T) {
 	d := harness.New(t)
 	d.Start()
-	spec := filepath.Join(t.TempDir(), "systemd.json")
-	if err := os.WriteFile(spec, []byte(`{
-  "name": "sysd",
-  "suite": "bookworm",
-  "packages": ["bash", "coreutils", "procps"],
-  "users": [{"name": "agent", "uid": 1000, "home": "/home/agent", "shell": "/bin/bash"}],
-  "env": {"CARREL_IMAGE": "sysd"},
-  "init": "systemd"
-}
-`), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	buildSystemdImage(t, d)
 	start := time.Now()
-	if r := d.CarrelTimeout(30*time.Minute, "image", "build", "--spec", spec); r.Code != 0 {
-		t.Fatalf("image build --spec: %+v", r)
-	}
-	t.Logf("image build took %s", time.Since(start).Round(time.Second))
-	start = time.Now()
 	d.Must("vm", "create", "sd", "--image", "sysd", "--memory", "1G")
 	t.Logf("create to agent-ready took %s", time.Since(start).Round(time.Millisecond))
 
@@ -68,6 +52,32 @@ func TestSystemdImage(t *testing.T) {
 	if out := d.Must("exec", "sd", "--", "cat", "/home/agent/kept"); out != "kept\n" {
 		t.Errorf("after stop and start: %q", out)
 	}
+}
+
+// systemdSpec is a Debian image whose init is systemd, named sysd.
+const systemdSpec = `{
+  "name": "sysd",
+  "suite": "bookworm",
+  "packages": ["bash", "coreutils", "procps"],
+  "users": [{"name": "agent", "uid": 1000, "home": "/home/agent", "shell": "/bin/bash"}],
+  "env": {"CARREL_IMAGE": "sysd"},
+  "init": "systemd"
+}
+`
+
+// buildSystemdImage builds systemdSpec with d (from the build cache after
+// the first time).
+func buildSystemdImage(t *testing.T, d *harness.Daemon) {
+	t.Helper()
+	spec := filepath.Join(t.TempDir(), "systemd.json")
+	if err := os.WriteFile(spec, []byte(systemdSpec), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if r := d.CarrelTimeout(30*time.Minute, "image", "build", "--spec", spec); r.Code != 0 {
+		t.Fatalf("image build --spec: %+v", r)
+	}
+	t.Logf("image build took %s", time.Since(start).Round(time.Second))
 }
 
 // TestImageBuildFails: a spec whose build fails halfway (a package apt
