@@ -9,7 +9,7 @@
 # The system is an image-based appliance: the whole Nix store is one erofs
 # file system under dm-verity (verified /usr, as systemd's usrhash= sets it
 # up in the initrd), / is a tmpfs, /etc is an immutable overlay, users are
-# fixed at build time, and there is no Nix daemon, no sshd and no network
+# those of the configuration alone, and there is no Nix daemon, no sshd and no network
 # configuration (carrel's VMs have no NIC; egress goes through carreld's
 # proxy over the agent's link). The VM's own changes live on the disks
 # carreld attaches, found by their serials (guest-agent/protocol):
@@ -18,8 +18,10 @@
 #   carrel-state                          the writable layer: /var, /home, /root
 #   carrel-workspace                      /workspace (carrel-agent mounts it)
 #
-# Every hardening setting below is lib.mkDefault, so a configuration that
-# imports this module changes any one of them by setting it;
+# Every hardening setting below is a default (lib.mkDefault, or
+# lib.mkOverride 900 where nixpkgs has a default of its own), so a
+# configuration that imports this module changes any one of them by
+# setting it;
 # docs/operators.md says what each buys. nix/README.md lists every option
 # used with the nixpkgs file that defines it. This machine's Nix (2.8)
 # cannot evaluate nixpkgs: the module was checked against nixpkgs' module
@@ -169,11 +171,14 @@ in
       "virtio_blk"
     ];
     # Loaded at boot, before module loading is locked: the agent's two
-    # transports, and ext4 for the workspace disk it mounts itself.
+    # transports, ext4 for the workspace disk it mounts itself, and
+    # overlay for the containers agents run. Add what else your agents
+    # need (veth, bridge, nf_tables), or unlock modules.
     boot.kernelModules = [
       "vmw_vsock_virtio_transport"
       "virtio_console"
       "ext4"
+      "overlay"
     ];
     boot.kernelParams = [
       "console=ttyS0"
@@ -218,11 +223,16 @@ in
       };
     };
 
-    # --- Immutable /etc and users fixed at build time. ---
+    # --- Immutable /etc; users are the configuration's alone. ---
     system.etc.overlay.enable = true;
     system.etc.overlay.mutable = false;
-    systemd.sysusers.enable = true;
+    # Userborn, not systemd-sysusers, which makes no normal users; with an
+    # immutable /etc it keeps the password files in /var/lib/nixos.
+    services.userborn.enable = true;
     users.mutableUsers = false; # also set by image-based-appliance.nix
+    # Nobody logs in: root's password is locked and the VM has no sshd;
+    # carrel-agent is the only way in.
+    users.allowNoPasswordLogin = true;
     users.users.${cfg.user.name} = {
       isNormalUser = true;
       inherit (cfg.user) uid;
@@ -275,20 +285,25 @@ in
     security.lockKernelModules = mkDefault true;
     security.protectKernelImage = mkDefault true;
     security.forcePageTableIsolation = mkDefault true;
-    security.allowUserNamespaces = mkDefault true; # agents run containers and sandboxes
     security.sudo.enable = mkDefault false;
-    boot.kernel.sysctl = {
-      "kernel.kptr_restrict" = mkDefault 2;
-      "kernel.dmesg_restrict" = mkDefault 1;
-      "kernel.yama.ptrace_scope" = mkDefault 1;
-      "kernel.unprivileged_bpf_disabled" = mkDefault 1;
-      "net.core.bpf_jit_harden" = mkDefault 2;
-      "kernel.ftrace_enabled" = mkDefault false;
-      "kernel.perf_event_paranoid" = mkDefault 3;
-      "kernel.sysrq" = mkDefault 0;
-      "fs.protected_fifos" = mkDefault 2;
-      "fs.protected_regular" = mkDefault 2;
-      "fs.suid_dumpable" = mkDefault 0;
-    };
+    boot.kernel.sysctl =
+      let
+        # Above nixpkgs' own defaults (mkDefault) for some of these keys,
+        # below a configuration's plain setting.
+        harden = lib.mkOverride 900;
+      in
+      {
+        "kernel.kptr_restrict" = harden 2;
+        "kernel.dmesg_restrict" = harden 1;
+        "kernel.yama.ptrace_scope" = harden 1;
+        "kernel.unprivileged_bpf_disabled" = harden 1;
+        "net.core.bpf_jit_harden" = harden 2;
+        "kernel.ftrace_enabled" = harden false;
+        "kernel.perf_event_paranoid" = harden 3;
+        "kernel.sysrq" = harden 0;
+        "fs.protected_fifos" = harden 2;
+        "fs.protected_regular" = harden 2;
+        "fs.suid_dumpable" = harden 0;
+      };
   };
 }
