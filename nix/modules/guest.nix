@@ -183,6 +183,9 @@ in
     boot.kernelParams = [
       "console=ttyS0"
       "panic=-1"
+      # A failed initrd panics (and QEMU exits) instead of waiting in
+      # emergency mode until carreld's boot timeout.
+      "boot.panic_on_fail"
     ]
     ++ cfg.hardening.kernelParams;
 
@@ -220,6 +223,10 @@ in
         Type = "oneshot";
         RemainAfterExit = true;
         ExecStart = "${agent} --mount-state /sysroot";
+        # The reason a boot fails reaches the console, which carreld
+        # quotes in the error of the failed vm create.
+        StandardOutput = "journal+console";
+        StandardError = "journal+console";
       };
     };
 
