@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/carrel-os/carrel/image/debian"
 	"github.com/carrel-os/carrel/image/imagedir"
 	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/tests/harness"
@@ -22,10 +23,12 @@ import (
 // system's, with a closure's store-path list. It checks the result, then
 // shows what an operator of a NixOS host sees: carreld --import-image
 // (services.carreld.images) imports it at start and again changes
-// nothing; the image boots, with systemd as init and carrel-agent as its
-// service; and imports of a gone result link, an unfinished build and a
+// nothing; imports of a gone result link, an unfinished build and a
 // manifest whose root hash disagrees with the tree fail clearly and leave
-// the store as it was.
+// the store as it was; and the image boots, with systemd as init and
+// carrel-agent as its service. In it, carrel-agent --mount-state, run by
+// systemd as the NixOS initrd runs it, puts the writable layer on the
+// state disk.
 func TestNixImagePack(t *testing.T) {
 	b := harness.New(t)
 	b.Start()
@@ -151,12 +154,44 @@ func TestNixImagePack(t *testing.T) {
 	}
 
 	start = time.Now()
-	d.Must("vm", "create", "nx", "--image", "nixos-agent", "--memory", "1G")
+	d.Must("vm", "create", "nx", "--image", "nixos-agent", "--memory", "1G", "--policy", d.ApplyPolicy("root-ok", harness.AllowRoot))
 	t.Logf("create to agent-ready took %s", time.Since(start).Round(time.Millisecond))
 	got := d.Must("exec", "nx", "--", "sh", "-c", "cat /proc/1/comm /proc/cmdline")
 	for _, want := range []string{"systemd\n", "roothash=" + sm.Verity.RootHash, "carrel.state=disk"} {
 		if !strings.Contains(got, want) {
 			t.Errorf("no %q in:\n%s", want, got)
+		}
+	}
+
+	// carrel-agent --mount-state, as the NixOS initrd runs it (from
+	// systemd, outside any command's sandbox), on this VM's state disk:
+	// the disk's ext4 on ROOT/var, root's, with ROOT/home and ROOT/root
+	// bound from it.
+	mounted := d.Must("exec", "--user", "root", "nx", "--", "sh", "-c",
+		"systemd-run --wait --pipe --quiet "+debian.AgentPath+" --mount-state /mnt/sysroot 2>&1 && "+
+			"stat -c 'var %u:%g %a' /mnt/sysroot/var && cat /proc/self/mountinfo")
+	// mountinfo(5): ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE ...
+	mounts := map[string]string{} // mount point: "MAJ:MIN ROOT FSTYPE"
+	for _, l := range strings.Split(mounted, "\n") {
+		f := strings.Fields(l)
+		for i := 6; i+1 < len(f); i++ {
+			if f[i] == "-" && len(f) > 4 {
+				mounts[f[4]] = f[2] + " " + f[3] + " " + f[i+1]
+				break
+			}
+		}
+	}
+	dev, _, _ := strings.Cut(mounts["/run/carrel/state"], " ")
+	if !strings.Contains(mounted, "writable layer on the state disk") || !strings.Contains(mounted, "var 0:0 755") {
+		t.Errorf("--mount-state:\n%s", mounted)
+	}
+	for mp, want := range map[string]string{
+		"/mnt/sysroot/var":  dev + " / ext4",
+		"/mnt/sysroot/home": dev + " /home ext4",
+		"/mnt/sysroot/root": dev + " /roothome ext4",
+	} {
+		if dev == "" || mounts[mp] != want {
+			t.Errorf("--mount-state: %s is %q; want %q (the state disk's)", mp, mounts[mp], want)
 		}
 	}
 }
