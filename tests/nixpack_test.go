@@ -138,6 +138,9 @@ func TestNixImagePack(t *testing.T) {
 	if r := d.Must("image", "import", out); !strings.Contains(r, "already imported") {
 		t.Errorf("import of the same output: %q", r)
 	}
+	if sbom := d.Must("image", "sbom", "nixos-agent", "--format", "cyclonedx"); !strings.Contains(sbom, `"purl": "pkg:nix/bash@`) {
+		t.Errorf("the SBOM does not list the closure's bash as a Nix package:\n%.600s", sbom)
+	}
 	before := d.Must("image", "ls")
 	for _, c := range []struct{ dir, want string }{
 		{gone, "which is gone (an old build result"},
