@@ -157,7 +157,13 @@ func TestNixImagePack(t *testing.T) {
 	}
 
 	start = time.Now()
-	d.Must("vm", "create", "nx", "--image", "nixos-agent", "--memory", "1G", "--policy", d.ApplyPolicy("root-ok", harness.AllowRoot))
+	d.Must("vm", "create", "nx", "--image", "nixos-agent", "--memory", "1G", "--policy", d.ApplyPolicy("mount-state", func(s map[string]any) {
+		// Root, who may reach systemd (systemd-run below, which looks
+		// for /run/systemd/system).
+		harness.AllowRoot(s)
+		fs := s["fs"].(map[string]any)
+		fs["read_only"] = append(fs["read_only"].([]any), "/run/systemd")
+	}))
 	t.Logf("create to agent-ready took %s", time.Since(start).Round(time.Millisecond))
 	got := d.Must("exec", "nx", "--", "sh", "-c", "cat /proc/1/comm /proc/cmdline")
 	for _, want := range []string{"systemd\n", "roothash=" + sm.Verity.RootHash, "carrel.state=disk"} {
@@ -171,7 +177,11 @@ func TestNixImagePack(t *testing.T) {
 	// the disk's ext4 on ROOT/var, root's, with ROOT/home and ROOT/root
 	// bound from it.
 	mounted := d.Must("exec", "--user", "root", "nx", "--", "sh", "-c",
-		"systemd-run --wait --pipe --quiet "+debian.AgentPath+" --mount-state /mnt/sysroot 2>&1 && "+
+		// A oneshot that systemd-run waits for, over systemd's own socket
+		// (the image has no D-Bus), logging to a file the command reads.
+		"systemd-run --unit=carrel-mount-state -p Type=oneshot --quiet"+
+			" -p StandardOutput=append:/tmp/mount-state.log -p StandardError=append:/tmp/mount-state.log "+
+			debian.AgentPath+" --mount-state /mnt/sysroot; rc=$?; cat /tmp/mount-state.log; [ $rc = 0 ] && "+
 			"stat -c 'var %u:%g %a' /mnt/sysroot/var && cat /proc/self/mountinfo")
 	// mountinfo(5): ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE ...
 	mounts := map[string]string{} // mount point: "MAJ:MIN ROOT FSTYPE"
