@@ -3,11 +3,12 @@ package main
 import (
 	"errors"
 	"fmt"
-	"os"
+	"io"
 	"strings"
 
 	"github.com/spf13/cobra"
 
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 	"github.com/carrel-os/carrel/supervisor/audit/review"
 )
 
@@ -34,8 +35,8 @@ func newAuditExportCmd() *cobra.Command {
 			}
 			defer r.Close()
 			var m *review.Manifest
-			if err := writeFileVia(out, func(f *os.File) error {
-				m, err = review.Export(f, r, s, review.ExportOptions{Key: strings.TrimSpace(key)})
+			if err := atomicfile.Write(out, 0o644, func(w io.Writer) error {
+				m, err = review.Export(w, r, s, review.ExportOptions{Key: strings.TrimSpace(key)})
 				return err
 			}); err != nil {
 				return err

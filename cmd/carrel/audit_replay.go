@@ -2,15 +2,16 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
 	"golang.org/x/term"
 
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 	"github.com/carrel-os/carrel/supervisor/audit/review"
 )
 
@@ -49,8 +50,8 @@ func newAuditReplayCmd() *cobra.Command {
 					return err
 				}
 				var st review.CastStats
-				if err := writeFileVia(cast, func(f *os.File) error {
-					st, err = review.WriteCast(f, r.Dir(), s, cmds, opts)
+				if err := atomicfile.Write(cast, 0o644, func(w io.Writer) error {
+					st, err = review.WriteCast(w, r.Dir(), s, cmds, opts)
 					return err
 				}); err != nil {
 					return err
@@ -84,32 +85,4 @@ func newAuditReplayCmd() *cobra.Command {
 	c.Flags().StringVar(&cast, "cast", "", "write an asciicast v2 file here instead of playing (- for stdout)")
 	c.Flags().BoolVar(&raw, "raw", false, "pass every escape sequence the guest wrote to this terminal")
 	return c
-}
-
-// writeFileVia writes path through a temporary file beside it, renamed
-// into place only when write succeeds: a failed export leaves nothing
-// half-written under the name asked for.
-func writeFileVia(path string, write func(*os.File) error) error {
-	f, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp) // no-op after the rename
-	if err := write(f); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Chmod(0o644); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(tmp, path)
 }

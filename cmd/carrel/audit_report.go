@@ -3,11 +3,12 @@ package main
 import (
 	"errors"
 	"fmt"
-	"os"
+	"io"
 	"strings"
 
 	"github.com/spf13/cobra"
 
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 	"github.com/carrel-os/carrel/supervisor/audit/review"
 )
 
@@ -36,7 +37,7 @@ func newAuditReportCmd() *cobra.Command {
 			if out == "-" {
 				return review.WriteReport(cmd.OutOrStdout(), r, s, opts)
 			}
-			if err := writeFileVia(out, func(f *os.File) error { return review.WriteReport(f, r, s, opts) }); err != nil {
+			if err := atomicfile.Write(out, 0o644, func(w io.Writer) error { return review.WriteReport(w, r, s, opts) }); err != nil {
 				return err
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "wrote %s: session %s of vm %s, %d records, %d commands\n", out, s.ID, review.SafeText(s.VM), len(s.Entries), len(s.Commands()))

@@ -3,7 +3,7 @@ package main
 import (
 	"errors"
 	"fmt"
-	"os"
+	"io"
 	"time"
 
 	"connectrpc.com/connect"
@@ -11,6 +11,7 @@ import (
 
 	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/image/sbom"
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 )
 
@@ -46,8 +47,8 @@ func newImageSBOMCmd(g *globals) *cobra.Command {
 				_, err = cmd.OutOrStdout().Write(b)
 				return err
 			}
-			return writeFileVia(out, func(f *os.File) error {
-				_, err := f.Write(b)
+			return atomicfile.Write(out, 0o644, func(w io.Writer) error {
+				_, err := w.Write(b)
 				return err
 			})
 		},

@@ -27,6 +27,7 @@ import (
 	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/image/sysroot"
 	"github.com/carrel-os/carrel/image/workspace"
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // Arch is the architecture of the images carrel builds.
@@ -188,7 +189,7 @@ func seal(ctx context.Context, p Parts, systemPath, verityPath string) (*sysroot
 	if err := os.Rename(verityTmp, verityPath); err != nil {
 		return nil, err
 	}
-	return res, syncDir(filepath.Dir(systemPath))
+	return res, atomicfile.SyncDir(filepath.Dir(systemPath))
 }
 
 // workspaceTemplate writes the workspace template (image/workspace) to dst.
@@ -226,57 +227,26 @@ func copyFile(src, dst string) (manifest.Part, error) {
 // WriteAtomic writes dst through a synced temp file in its directory and a
 // rename, and returns the digest and size of what was written, which must
 // not be nothing.
-func WriteAtomic(dst string, fill func(w io.Writer) error) (_ manifest.Part, err error) {
-	f, err := os.CreateTemp(filepath.Dir(dst), "."+filepath.Base(dst)+"-*")
-	if err != nil {
-		return manifest.Part{}, err
-	}
-	defer func() {
-		if err != nil {
-			f.Close()
-			os.Remove(f.Name())
-		}
-	}()
+func WriteAtomic(dst string, fill func(w io.Writer) error) (manifest.Part, error) {
 	h := sha256.New()
-	bw := bufio.NewWriterSize(io.MultiWriter(f, h), 1<<20)
-	cw := &countWriter{w: bw}
-	if err := fill(cw); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := bw.Flush(); err != nil {
-		return manifest.Part{}, err
-	}
-	if cw.n == 0 {
-		return manifest.Part{}, errors.New("nothing written")
-	}
-	if err := f.Chmod(0o644); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := f.Sync(); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := f.Close(); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := os.Rename(f.Name(), dst); err != nil {
-		return manifest.Part{}, err
-	}
-	if err := syncDir(filepath.Dir(dst)); err != nil {
-		return manifest.Part{}, err
-	}
-	return manifest.Part{Digest: manifest.DigestPrefix + hex.EncodeToString(h.Sum(nil)), Size: cw.n}, nil
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
+	var n int64
+	err := atomicfile.Write(dst, 0o644, func(w io.Writer) error {
+		bw := bufio.NewWriterSize(io.MultiWriter(w, h), 1<<20)
+		cw := &countWriter{w: bw}
+		err := fill(cw)
+		if err == nil {
+			err = bw.Flush()
+		}
+		n = cw.n
+		if err == nil && n == 0 {
+			err = errors.New("nothing written")
+		}
 		return err
+	})
+	if err != nil {
+		return manifest.Part{}, err
 	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("sync %s: %w", dir, err)
-	}
-	return nil
+	return manifest.Part{Digest: manifest.DigestPrefix + hex.EncodeToString(h.Sum(nil)), Size: n}, nil
 }
 
 type countWriter struct {

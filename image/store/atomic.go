@@ -6,6 +6,8 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // createTemp makes a file in the store's tmp directory, on the same file
@@ -42,7 +44,7 @@ func commit(f *os.File, perm os.FileMode, dst string) (err error) {
 	if err := os.Rename(tmp, dst); err != nil {
 		return fmt.Errorf("rename into place: %w", err)
 	}
-	if err := syncDir(filepath.Dir(dst)); err != nil {
+	if err := atomicfile.SyncDir(filepath.Dir(dst)); err != nil {
 		return err
 	}
 	return nil
@@ -60,18 +62,6 @@ func (s *Store) writeAtomic(dst string, data []byte, perm os.FileMode) error {
 		return errors.Join(fmt.Errorf("write %s: %w", f.Name(), err), os.Remove(f.Name()))
 	}
 	return commit(f, perm, dst)
-}
-
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return fmt.Errorf("open directory for sync: %w", err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("sync directory %s: %w", dir, err)
-	}
-	return nil
 }
 
 // readLimited reads at most limit bytes of path; a longer file is an error.

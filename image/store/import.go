@@ -11,6 +11,7 @@ import (
 
 	"github.com/carrel-os/carrel/image/imagedir"
 	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // Imported is what Import did.
@@ -185,5 +186,5 @@ func commitStaged(c staged) error {
 	if err := os.Rename(c.tmp, c.dst); err != nil {
 		return fmt.Errorf("rename into place: %w", err)
 	}
-	return syncDir(filepath.Dir(c.dst))
+	return atomicfile.SyncDir(filepath.Dir(c.dst))
 }

@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 const (
@@ -179,7 +180,7 @@ func (s *Store) Untag(name string) error {
 		}
 		return fmt.Errorf("untag %q: %w", name, err)
 	}
-	return syncDir(filepath.Dir(p))
+	return atomicfile.SyncDir(filepath.Dir(p))
 }
 
 // readTag returns the digest tag name points at.

@@ -20,6 +20,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 const (
@@ -78,7 +80,7 @@ func Template(ctx context.Context, path string) error {
 		err = os.Rename(tmp, path)
 	}
 	if err == nil {
-		err = syncFile(filepath.Dir(path))
+		err = atomicfile.SyncDir(filepath.Dir(path))
 	}
 	if err != nil {
 		os.Remove(tmp)
@@ -87,7 +89,7 @@ func Template(ctx context.Context, path string) error {
 	return nil
 }
 
-// syncFile makes a file, or a directory's entries, durable.
+// syncFile makes a file durable.
 func syncFile(path string) error {
 	f, err := os.Open(path)
 	if err != nil {
@@ -137,7 +139,7 @@ func Create(ctx context.Context, qemuImg, path, template string, size uint64) er
 		os.Remove(tmp)
 		return fmt.Errorf("create workspace disk: %w", err)
 	}
-	return syncFile(filepath.Dir(path))
+	return atomicfile.SyncDir(filepath.Dir(path))
 }
 
 // Info is what qemu-img says of a disk.

@@ -9,6 +9,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 const (
@@ -83,7 +85,7 @@ func putBlob(dir string, r io.Reader) (string, error) {
 		if err := os.MkdirAll(shard, 0o700); err != nil {
 			return "", fmt.Errorf("put blob: %w", err)
 		}
-		if err := syncDir(filepath.Dir(shard)); err != nil {
+		if err := atomicfile.SyncDir(filepath.Dir(shard)); err != nil {
 			return "", fmt.Errorf("put blob: sync: %w", err)
 		}
 	}
@@ -93,7 +95,7 @@ func putBlob(dir string, r io.Reader) (string, error) {
 	if err := os.Rename(tmp, path); err != nil {
 		return "", fmt.Errorf("put blob: %w", err)
 	}
-	if err := syncDir(shard); err != nil {
+	if err := atomicfile.SyncDir(shard); err != nil {
 		return "", fmt.Errorf("put blob: sync: %w", err)
 	}
 	return digest, nil

@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // faults decides what the files of a log under test do wrong.
@@ -221,7 +223,7 @@ func TestFaultHashesAndCheckpoint(t *testing.T) {
 			if err != nil {
 				return err
 			}
-			return writeFileAtomic(p, b, m)
+			return atomicfile.WriteFile(p, b, m)
 		}}
 	ev := newEvents(&opts)
 	l := openLog(t, dir, opts)

@@ -52,16 +52,3 @@ func (f osFile) Size() (int64, error) {
 	}
 	return st.Size(), nil
 }
-
-// syncDir makes a directory's entries durable.
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	err = d.Sync()
-	if cerr := d.Close(); err == nil {
-		err = cerr
-	}
-	return err
-}

@@ -12,6 +12,8 @@ import (
 	"strings"
 
 	"golang.org/x/mod/sumdb/note"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // KeyName is the note key name of every log's checkpoint signer, and the
@@ -40,7 +42,7 @@ func loadKey(dir string) (note.Signer, string, error) {
 		}
 		// key.pub follows below; a crash in between leaves a key whose
 		// public half is derived again on the next start.
-		if err := writeFileAtomic(path, []byte(skey+"\n"), 0o600); err != nil {
+		if err := atomicfile.WriteFile(path, []byte(skey+"\n"), 0o600); err != nil {
 			return nil, "", fmt.Errorf("write audit key: %w", err)
 		}
 		raw = []byte(skey)
@@ -59,7 +61,7 @@ func loadKey(dir string) (note.Signer, string, error) {
 	pub, err := os.ReadFile(filepath.Join(dir, keyPubFile))
 	switch {
 	case errors.Is(err, fs.ErrNotExist):
-		if err := writeFileAtomic(filepath.Join(dir, keyPubFile), []byte(vkey+"\n"), 0o644); err != nil {
+		if err := atomicfile.WriteFile(filepath.Join(dir, keyPubFile), []byte(vkey+"\n"), 0o644); err != nil {
 			return nil, "", fmt.Errorf("write audit public key: %w", err)
 		}
 	case err != nil:
@@ -96,35 +98,4 @@ func PublicKey(dir string) (string, error) {
 		return "", fmt.Errorf("audit public key %s: %w", filepath.Join(dir, keyPubFile), err)
 	}
 	return vkey, nil
-}
-
-// writeFileAtomic writes a file durably: temporary file, fsync, rename,
-// fsync of the directory.
-func writeFileAtomic(path string, data []byte, perm os.FileMode) error {
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
-	if err != nil {
-		return err
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp) // no-op after the rename
-	if err := f.Chmod(perm); err != nil {
-		f.Close()
-		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return err
-	}
-	return syncDir(dir)
 }

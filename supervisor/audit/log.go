@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/mod/sumdb/tlog"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // Options tune a Log. The zero value is the default.
@@ -58,7 +60,7 @@ func (o *Options) setDefaults() {
 		o.open = openAppend
 	}
 	if o.writeFile == nil {
-		o.writeFile = writeFileAtomic
+		o.writeFile = atomicfile.WriteFile
 	}
 }
 
@@ -128,7 +130,7 @@ func Open(dir string, opts Options) (*Log, error) {
 		}
 	}
 	for _, d := range []string{dir, filepath.Join(dir, blobDir)} {
-		if err := syncDir(d); err != nil {
+		if err := atomicfile.SyncDir(d); err != nil {
 			return nil, fmt.Errorf("open audit log: %w", err)
 		}
 	}

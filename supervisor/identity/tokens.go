@@ -9,11 +9,12 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // ErrNoSuchToken is returned by Revoke for an unknown id.
@@ -162,19 +163,7 @@ func (t *Tokens) saveLocked() error {
 	if err != nil {
 		return err
 	}
-	tmp, err := os.CreateTemp(filepath.Dir(t.path), ".tokens-*")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(tmp.Name())
-	if _, err := tmp.Write(b); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := errors.Join(tmp.Chmod(0o600), tmp.Sync(), tmp.Close()); err != nil {
-		return err
-	}
-	return os.Rename(tmp.Name(), t.path)
+	return atomicfile.WriteFile(t.path, b, 0o600)
 }
 
 func hashSecret(s string) string {

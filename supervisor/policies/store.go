@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // ErrInvalidName is returned for a policy name outside [a-z][a-z0-9-]{0,62}.
@@ -177,7 +178,7 @@ func (s *Store) Apply(ctx context.Context, name string, b *policy.Bundle) (*poli
 		os.Rename(old, final) // put the old one back
 		return nil, results, fmt.Errorf("store policy %s: %w", name, err)
 	}
-	if err := syncDir(s.dir); err != nil {
+	if err := atomicfile.SyncDir(s.dir); err != nil {
 		return nil, results, fmt.Errorf("store policy %s: %w", name, err)
 	}
 
@@ -235,12 +236,4 @@ func syncTree(dir string) error {
 		}
 		return errors.Join(f.Sync(), f.Close())
 	})
-}
-
-func syncDir(dir string) error {
-	f, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	return errors.Join(f.Sync(), f.Close())
 }

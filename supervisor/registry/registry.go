@@ -13,6 +13,7 @@ import (
 	"sort"
 	"time"
 
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 	"github.com/carrel-os/carrel/supervisor/driver"
 )
 
@@ -122,36 +123,9 @@ func (r *Registry) Put(rec *Record) error {
 	if err != nil {
 		return fmt.Errorf("encode vm %q: %w", rec.Name, err)
 	}
-	return writeAtomic(filepath.Join(dir, "vm.json"), append(b, '\n'))
-}
-
-func writeAtomic(path string, b []byte) error {
-	f, err := os.CreateTemp(filepath.Dir(path), ".vm.json-*")
-	if err != nil {
+	path := filepath.Join(dir, "vm.json")
+	if err := atomicfile.WriteFile(path, append(b, '\n'), 0o600); err != nil {
 		return fmt.Errorf("write %s: %w", path, err)
-	}
-	tmp := f.Name()
-	_, err = f.Write(b)
-	if err == nil {
-		err = f.Sync()
-	}
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		os.Remove(tmp)
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	d, err := os.Open(filepath.Dir(path))
-	if err != nil {
-		return fmt.Errorf("sync dir of %s: %w", path, err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("sync dir of %s: %w", path, err)
 	}
 	return nil
 }
