@@ -15,8 +15,8 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/activity"
-	"github.com/carrel-os/carrel/supervisor/api"
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/tests/harness"
@@ -195,7 +195,7 @@ cat from-host.txt >/dev/null
 	// Clients cannot have the guest's stream: it is carreld's, for the log.
 	c := client.New(d.Socket)
 	req := connect.NewRequest(&agentv1.ActivityRequest{})
-	req.Header().Set(api.VMHeader, "act")
+	req.Header().Set(protocol.VMHeader, "act")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if s, err := c.Agent.Activity(ctx, req); err == nil {

@@ -10,6 +10,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 )
 
@@ -68,20 +69,13 @@ func writeGPUTable(out io.Writer, resp *apiv1.ListGPUsResponse) error {
 		case g.BootVga:
 			assignable = "yes (the host's boot display: its console goes with it)"
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", g.Address, clean(name), group, dash(g.Driver), dash(g.Vm), clean(assignable))
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", g.Address, protocol.CleanText(name, maxGPUText), group, dash(g.Driver), dash(g.Vm), protocol.CleanText(assignable, maxGPUText))
 	}
 	return w.Flush()
 }
 
-// clean keeps a field on its line: pci.ids names are text from a file.
-func clean(s string) string {
-	return strings.Map(func(r rune) rune {
-		if r < ' ' || r == 0x7f {
-			return ' '
-		}
-		return r
-	}, s)
-}
+// maxGPUText bounds a device name or reason shown from carreld.
+const maxGPUText = 256
 
 // gpuAddresses adds the domain to addresses in lspci's short form
 // ("41:00.0"), which carreld does not take: it names every device in

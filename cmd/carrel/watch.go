@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"unicode"
 
 	"github.com/spf13/cobra"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -113,7 +114,7 @@ func watchPath(p string, dir bool) string {
 	if dir && p != "/" {
 		p += "/"
 	}
-	if strings.ContainsFunc(p, func(r rune) bool { return r < ' ' || r == 0x7f || (r >= 0x80 && r < 0xa0) }) {
+	if strings.ContainsFunc(p, unicode.IsControl) {
 		return strconv.Quote(p)
 	}
 	return p

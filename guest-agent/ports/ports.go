@@ -14,14 +14,13 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"strconv"
-	"sync"
 	"time"
 
 	"connectrpc.com/connect"
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
 const (
@@ -57,26 +56,6 @@ func New(opts Options) *Service {
 	return &Service{opts: opts}
 }
 
-// Address returns the dial address for open: a loopback host (empty means
-// 127.0.0.1) and a port from 1 to 65535. Anything else is an error.
-func Address(open *agentv1.PortOpen) (string, error) {
-	if open.GetPort() == 0 || open.GetPort() > 65535 {
-		return "", fmt.Errorf("port %d out of range 1-65535", open.GetPort())
-	}
-	host := open.GetHost()
-	switch host {
-	case "":
-		host = "127.0.0.1"
-	case "127.0.0.1", "::1":
-	default:
-		if len(host) > 64 {
-			host = host[:64]
-		}
-		return "", fmt.Errorf("host %q refused: only 127.0.0.1 and ::1 can be reached", host)
-	}
-	return net.JoinHostPort(host, strconv.Itoa(int(open.GetPort()))), nil
-}
-
 // Connect implements agentv1connect.PortServiceHandler. Its errors are
 // *connect.Error: InvalidArgument for a bad request, FailedPrecondition or
 // DeadlineExceeded when the dial fails, Aborted when the connection breaks.
@@ -92,7 +71,7 @@ func (s *Service) Connect(ctx context.Context, stream *connect.BidiStream[agentv
 	if open == nil {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("port connect: the first message must be open"))
 	}
-	addr, err := Address(open)
+	addr, err := protocol.PortAddress(open.GetHost(), open.GetPort())
 	if err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("port connect: %w", err))
 	}
@@ -136,29 +115,6 @@ func unwrapOp(err error) error {
 	return err
 }
 
-// FirstError keeps the first error that several goroutines pumping one
-// connection report. The zero value is ready to use.
-type FirstError struct {
-	mu  sync.Mutex
-	err error
-}
-
-// Set records err unless an error was recorded already.
-func (f *FirstError) Set(err error) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.err == nil {
-		f.err = err
-	}
-}
-
-// Get returns the first error recorded, or nil.
-func (f *FirstError) Get() error {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	return f.err
-}
-
 // portStream is the part of the call pump uses; tests fake it.
 type portStream interface {
 	Receive() (*agentv1.PortData, error)
@@ -170,7 +126,7 @@ type portStream interface {
 // out bytes to it. Only this goroutine sends on stream, so nothing is sent
 // after the handler returns.
 func pump(ctx context.Context, stream portStream, conn *net.TCPConn) (in, out int64, err error) {
-	var first FirstError
+	var first protocol.FirstError
 	stop := context.AfterFunc(ctx, func() {
 		first.Set(ctx.Err())
 		conn.Close()

@@ -355,12 +355,12 @@ func TestAddress(t *testing.T) {
 		{"127.0.0.1", 65535, "127.0.0.1:65535"},
 		{"::1", 1, "[::1]:1"},
 	} {
-		if got, err := Address(&agentv1.PortOpen{Host: tc.host, Port: tc.port}); err != nil || got != tc.want {
+		if got, err := protocol.PortAddress(tc.host, tc.port); err != nil || got != tc.want {
 			t.Errorf("%q %d: %q %v", tc.host, tc.port, got, err)
 		}
 	}
 	for _, h := range []string{"0.0.0.0", "::", "127.1", "host:1", "169.254.169.254"} {
-		if _, err := Address(&agentv1.PortOpen{Host: h, Port: 80}); err == nil {
+		if _, err := protocol.PortAddress(h, 80); err == nil {
 			t.Errorf("%q accepted", h)
 		}
 	}

@@ -17,6 +17,10 @@ import (
 	"connectrpc.com/connect"
 )
 
+// VMHeader names, on carreld's API, the VM that a relayed agent call
+// (carrel.agent.v1's files, processes and ports) is for.
+const VMHeader = "Carrel-Vm"
+
 const (
 	// VsockPort is the AF_VSOCK port the agent listens on.
 	VsockPort = 1024

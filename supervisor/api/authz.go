@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/identity"
@@ -26,7 +27,7 @@ func (a authzInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		msg, _ := req.Any().(proto.Message)
 		call := a.cfg.newCall(req.Spec().Procedure)
 		defer func() { a.cfg.recordCall(ctx, call, err) }()
-		ctx, err = a.authorize(ctx, call, req.Header().Get(VMHeader), req.Header(), msg)
+		ctx, err = a.authorize(ctx, call, req.Header().Get(protocol.VMHeader), req.Header(), msg)
 		if err != nil {
 			return nil, err
 		}
@@ -48,7 +49,7 @@ func (a authzInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc
 			// decide when the handler receives it, before it acts on it.
 			return next(ctx, &authorizeOnReceive{StreamingHandlerConn: conn, a: a, ctx: &ctx, call: call})
 		}
-		ctx, err = a.authorize(ctx, call, conn.RequestHeader().Get(VMHeader), conn.RequestHeader(), nil)
+		ctx, err = a.authorize(ctx, call, conn.RequestHeader().Get(protocol.VMHeader), conn.RequestHeader(), nil)
 		if err != nil {
 			return err
 		}
@@ -74,7 +75,7 @@ func (c *authorizeOnReceive) Receive(m any) error {
 	}
 	c.done = true
 	msg, _ := m.(proto.Message)
-	_, err := c.a.authorize(*c.ctx, c.call, c.RequestHeader().Get(VMHeader), c.RequestHeader(), msg)
+	_, err := c.a.authorize(*c.ctx, c.call, c.RequestHeader().Get(protocol.VMHeader), c.RequestHeader(), msg)
 	return err
 }
 
@@ -93,7 +94,7 @@ func (a authzInterceptor) authorize(ctx context.Context, call *apiCall, headerVM
 	vm := headerVM
 	if body := vmInMessage(call.Procedure, msg); body != "" {
 		if headerVM != "" && headerVM != body {
-			return ctx, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("the %s header names VM %q, the request VM %q", VMHeader, headerVM, body))
+			return ctx, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("the %s header names VM %q, the request VM %q", protocol.VMHeader, headerVM, body))
 		}
 		vm = body
 	}

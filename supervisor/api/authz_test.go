@@ -15,6 +15,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
@@ -267,7 +268,7 @@ func TestAuthorization(t *testing.T) {
 	}
 	// Streams are decided before the guest is reached.
 	ws := tc.Files.Write(ctx)
-	ws.RequestHeader().Set(VMHeader, "b")
+	ws.RequestHeader().Set(protocol.VMHeader, "b")
 	ws.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Header{Header: &agentv1.WriteHeader{Path: "/workspace/x"}}})
 	_, err = ws.CloseAndReceive()
 	wantDenied(t, "token writing to another vm", err, "carrel.api.token_vm")
@@ -385,7 +386,7 @@ func TestEgressServiceNotServed(t *testing.T) {
 	}}
 	c := agentv1connect.NewEgressServiceClient(hc, "http://carreld", connect.WithGRPC())
 	req := connect.NewRequest(&agentv1.EgressRequestsRequest{})
-	req.Header().Set(VMHeader, "a")
+	req.Header().Set(protocol.VMHeader, "a")
 	s, err := c.Requests(ctx, req)
 	if err == nil {
 		for s.Receive() {
@@ -397,7 +398,7 @@ func TestEgressServiceNotServed(t *testing.T) {
 		t.Errorf("EgressService/Requests on carreld's API: %v; want unimplemented", err)
 	}
 	bs := c.Connect(ctx)
-	bs.RequestHeader().Set(VMHeader, "a")
+	bs.RequestHeader().Set(protocol.VMHeader, "a")
 	bs.Send(&agentv1.EgressData{Msg: &agentv1.EgressData_Verdict{Verdict: &agentv1.EgressVerdict{Id: 1, Outcome: agentv1.EgressOutcome_EGRESS_OUTCOME_ALLOWED}}})
 	bs.CloseRequest()
 	if _, err := bs.Receive(); connect.CodeOf(err) != connect.CodeUnimplemented {

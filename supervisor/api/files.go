@@ -13,14 +13,14 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 )
 
-// VMHeader names the VM a FileService call is for. The file API is the
-// agent's own carrel.agent.v1.FileService, relayed: carreld checks every
-// reply from the guest before passing it on.
-const VMHeader = "Carrel-Vm"
+// The file API is the agent's own carrel.agent.v1.FileService, relayed
+// for the VM that protocol.VMHeader names: carreld checks every reply from
+// the guest before passing it on.
 
 // Caps on what a guest may send back through the file relay.
 const (
@@ -38,9 +38,9 @@ var _ agentv1connect.FileServiceHandler = (*fileRelay)(nil)
 // linkFor returns the agent link of the running VM a relayed call names in
 // its Carrel-Vm header.
 func linkFor(cfg Config, h http.Header) (*agentlink.Link, error) {
-	name := h.Get(VMHeader)
+	name := h.Get(protocol.VMHeader)
 	if name == "" {
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", VMHeader))
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", protocol.VMHeader))
 	}
 	link, err := cfg.Manager.Link(name)
 	if err != nil {
@@ -79,7 +79,7 @@ func checkInfo(fi *agentv1.FileInfo) error {
 	case len(fi.Path) > maxPathBytes || len(fi.LinkTarget) > maxPathBytes:
 		return errGuest("path over %d bytes", maxPathBytes)
 	case !strings.HasPrefix(fi.Path, "/") || strings.ContainsRune(fi.Path, 0):
-		return errGuest("invalid path %q", sanitize(fi.Path, 256))
+		return errGuest("invalid path %q", protocol.CleanText(fi.Path, 256))
 	case fi.Mode > 0o7777:
 		return errGuest("invalid mode %o", fi.Mode)
 	case fi.Size < 0:

@@ -15,6 +15,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
@@ -159,7 +160,7 @@ func TestFileRelayNeedsAVM(t *testing.T) {
 
 func forVM[T any](vm string, msg *T) *connect.Request[T] {
 	req := connect.NewRequest(msg)
-	req.Header().Set(VMHeader, vm)
+	req.Header().Set(protocol.VMHeader, vm)
 	return req
 }
 

@@ -13,6 +13,7 @@ import (
 
 	"connectrpc.com/connect"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
@@ -284,7 +285,7 @@ func TestHeaderCannotNameAnotherVM(t *testing.T) {
 	}
 	tok := client.New(env.sock, client.WithToken(secret))
 	req := connect.NewRequest(&apiv1.ExecRequest{Vm: "b", Argv: []string{"echo", "hi"}})
-	req.Header().Set(VMHeader, "a")
+	req.Header().Set(protocol.VMHeader, "a")
 	s, err := tok.VMs.Exec(ctx, req)
 	if err == nil {
 		for s.Receive() {
@@ -302,7 +303,7 @@ func TestHeaderCannotNameAnotherVM(t *testing.T) {
 	}
 	wantDenied(t, "exec in b with a's token", err, "carrel.api.token_vm")
 	req = connect.NewRequest(&apiv1.ExecRequest{Vm: "a", Argv: []string{"echo", "hi"}})
-	req.Header().Set(VMHeader, "a")
+	req.Header().Set(protocol.VMHeader, "a")
 	s, err = tok.VMs.Exec(ctx, req)
 	if err != nil {
 		t.Fatal(err)

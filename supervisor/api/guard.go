@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 )
 
@@ -19,7 +20,7 @@ import (
 // allowFile decides one file operation on *path and replaces *path with
 // its cleaned form.
 func (cfg Config) allowFile(ctx context.Context, h http.Header, op string, path *string, recursive bool) error {
-	in := &policy.FSInput{Caller: callerOf(ctx), VM: h.Get(VMHeader), Operation: op, Path: *path, Recursive: recursive}
+	in := &policy.FSInput{Caller: callerOf(ctx), VM: h.Get(protocol.VMHeader), Operation: op, Path: *path, Recursive: recursive}
 	if err := cfg.decide(ctx, in); err != nil {
 		return err
 	}

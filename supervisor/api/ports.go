@@ -10,11 +10,11 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
-	"github.com/carrel-os/carrel/guest-agent/ports"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
 // maxPortChunk caps one data message from the guest (the agent sends at
-// most ports.ChunkBytes). A client's larger messages are split to this
+// most 32 KiB). A client's larger messages are split to this
 // size on their way in.
 const maxPortChunk = 64 << 10
 
@@ -47,10 +47,10 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 	if open == nil {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("port connect: the first message must be open"))
 	}
-	if _, err := ports.Address(open); err != nil {
+	if _, err := protocol.PortAddress(open.GetHost(), open.GetPort()); err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("port connect: %w", err))
 	}
-	if err := r.cfg.allowForward(ctx, in.RequestHeader().Get(VMHeader), open.Host, open.Port); err != nil {
+	if err := r.cfg.allowForward(ctx, in.RequestHeader().Get(protocol.VMHeader), open.Host, open.Port); err != nil {
 		return err
 	}
 	var chk portCheck
@@ -88,7 +88,7 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 		return err
 	}
 
-	var clientErr ports.FirstError
+	var clientErr protocol.FirstError
 	go func() {
 		if err := relayToGuest(in, g); err != nil {
 			clientErr.Set(err)

@@ -20,6 +20,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/ports"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
@@ -216,7 +217,7 @@ func rawConnect(ctx context.Context, c *client.Client, vm string, first *agentv1
 	s := c.Ports.Connect(ctx)
 	defer s.CloseResponse()
 	if vm != "" {
-		s.RequestHeader().Set(VMHeader, vm)
+		s.RequestHeader().Set(protocol.VMHeader, vm)
 	}
 	s.Send(first)
 	var got []*agentv1.PortData
@@ -339,7 +340,7 @@ func TestPortRelayChecksRequests(t *testing.T) {
 	// A second open, mid-connection.
 	s := c.Ports.Connect(ctx)
 	defer s.CloseResponse()
-	s.RequestHeader().Set(VMHeader, "vm")
+	s.RequestHeader().Set(protocol.VMHeader, "vm")
 	s.Send(openPort("", 3))
 	if m, err := s.Receive(); err != nil || m.GetOpened() == nil {
 		t.Fatalf("open: %v %v", m, err)

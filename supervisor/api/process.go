@@ -50,7 +50,7 @@ func (r *agentRelay) Health(ctx context.Context, req *connect.Request[agentv1.He
 	}
 	m := resp.Msg
 	return connect.NewResponse(&agentv1.HealthResponse{
-		Version: sanitize(m.Version, 128), Kernel: sanitize(m.Kernel, 128), UptimeMs: max(m.UptimeMs, 0), Transport: sanitize(m.Transport, 32),
+		Version: protocol.CleanText(m.Version, 128), Kernel: protocol.CleanText(m.Kernel, 128), UptimeMs: max(m.UptimeMs, 0), Transport: protocol.CleanText(m.Transport, 32),
 	}), nil
 }
 
@@ -75,11 +75,11 @@ func (r *agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.Exec
 	if err != nil {
 		return err
 	}
-	if err := r.cfg.allowExec(ctx, req.Header().Get(VMHeader), req.Msg); err != nil {
+	if err := r.cfg.allowExec(ctx, req.Header().Get(protocol.VMHeader), req.Msg); err != nil {
 		return err
 	}
 	var chk eventCheck
-	rec, err := r.cfg.beginExec(ctx, req.Header().Get(VMHeader), req.Msg, false)
+	rec, err := r.cfg.beginExec(ctx, req.Header().Get(protocol.VMHeader), req.Msg, false)
 	if err != nil {
 		return err
 	}
@@ -119,7 +119,7 @@ func (r *agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1
 	var chk eventCheck
 	var rec *execRecord // nil for an attach, which started nothing
 	if start := first.GetStart(); start != nil {
-		vm := in.RequestHeader().Get(VMHeader)
+		vm := in.RequestHeader().Get(protocol.VMHeader)
 		if err := r.cfg.allowExec(ctx, vm, start); err != nil {
 			return err
 		}
@@ -197,8 +197,8 @@ func (r *agentRelay) ListProcesses(ctx context.Context, req *connect.Request[age
 		if p.Pid <= 0 || p.Ppid < 0 || len(p.ExecId) > protocol.MaxExecID || len(p.State) > 1 {
 			return nil, errGuest("invalid process entry (pid %d)", p.Pid)
 		}
-		out = append(out, &agentv1.ProcessInfo{Pid: p.Pid, Ppid: p.Ppid, Uid: p.Uid, State: sanitize(p.State, 1),
-			Command: sanitize(p.Command, maxCommandText), ExecId: sanitize(p.ExecId, protocol.MaxExecID), RssBytes: p.RssBytes})
+		out = append(out, &agentv1.ProcessInfo{Pid: p.Pid, Ppid: p.Ppid, Uid: p.Uid, State: protocol.CleanText(p.State, 1),
+			Command: protocol.CleanText(p.Command, maxCommandText), ExecId: protocol.CleanText(p.ExecId, protocol.MaxExecID), RssBytes: p.RssBytes})
 	}
 	return connect.NewResponse(&agentv1.ListProcessesResponse{Processes: out}), nil
 }
@@ -241,7 +241,7 @@ func (c *eventCheck) check(ev *agentv1.ExecResponse) error {
 		if c.started || c.events != 1 || e.Started.Pid <= 0 || len(e.Started.Id) > protocol.MaxExecID {
 			return errGuest("an invalid start event")
 		}
-		c.started, c.id = true, sanitize(e.Started.Id, protocol.MaxExecID)
+		c.started, c.id = true, protocol.CleanText(e.Started.Id, protocol.MaxExecID)
 	case *agentv1.ExecResponse_Exit:
 		c.exited, c.exit = true, e.Exit
 	case *agentv1.ExecResponse_Stdout:

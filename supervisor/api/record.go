@@ -13,6 +13,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
@@ -225,7 +226,7 @@ func (e *execRecord) finish(ctx context.Context, chk *eventCheck, callErr error)
 	case chk.exit != nil:
 		out.Code, out.Signal = &chk.exit.Code, chk.exit.Signal
 	case callErr != nil:
-		out.Error = sanitize(callErr.Error(), 1024)
+		out.Error = protocol.CleanText(callErr.Error(), 1024)
 	default:
 		out.Error = "the call ended before the command did (detached)"
 	}
@@ -274,7 +275,7 @@ func (cfg Config) recordCall(ctx context.Context, c *apiCall, err error) {
 	c.Code = "ok"
 	if err != nil {
 		c.Code = connect.CodeOf(err).String()
-		c.Error = sanitize(err.Error(), 1024)
+		c.Error = protocol.CleanText(err.Error(), 1024)
 	}
 	data, merr := json.Marshal(c)
 	if merr != nil {

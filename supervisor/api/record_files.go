@@ -12,6 +12,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
@@ -63,7 +64,7 @@ func (cfg Config) beginFile(ctx context.Context, h http.Header, in fileIntent) (
 	if cfg.Audit == nil {
 		return nil, nil
 	}
-	vm := h.Get(VMHeader)
+	vm := h.Get(protocol.VMHeader)
 	in.Caller = callerOf(ctx)
 	data, err := json.Marshal(in)
 	if err != nil {
@@ -83,7 +84,7 @@ func (a *actionRecord) end(ctx context.Context, op fileOp, blob string, err erro
 		return
 	}
 	if err != nil {
-		op.Error = sanitize(err.Error(), 1024)
+		op.Error = protocol.CleanText(err.Error(), 1024)
 	}
 	data, merr := json.Marshal(op)
 	if merr != nil {
@@ -105,13 +106,13 @@ func (cfg Config) recordRead(ctx context.Context, h http.Header, op fileOp, err 
 		return
 	}
 	if err != nil {
-		op.Error = sanitize(err.Error(), 1024)
+		op.Error = protocol.CleanText(err.Error(), 1024)
 	}
 	data, merr := json.Marshal(op)
 	if merr != nil {
 		return
 	}
-	vm := h.Get(VMHeader)
+	vm := h.Get(protocol.VMHeader)
 	if _, err := cfg.Audit.Append(context.WithoutCancel(ctx), audit.Record{Kind: audit.KindFileOp, VM: vm, Session: cfg.session(vm), Provenance: audit.Host, Data: data}); err != nil {
 		cfg.Logger.Error("file read not recorded", "vm", vm, "op", op.Op, "err", err)
 	}
@@ -177,7 +178,7 @@ func (b *contentBlob) finish(abort bool) (string, string) {
 	case b.n > maxRecordedWrite:
 		return "", fmt.Sprintf("not kept: over %d MiB", maxRecordedWrite>>20)
 	case b.err != nil:
-		return "", "not kept: " + sanitize(b.err.Error(), 256)
+		return "", "not kept: " + protocol.CleanText(b.err.Error(), 256)
 	}
 	return b.dig, ""
 }
@@ -209,7 +210,7 @@ func (cfg Config) recordWatch(ctx context.Context, h http.Header, root string, m
 	if cfg.Audit == nil {
 		return nil
 	}
-	vm := h.Get(VMHeader)
+	vm := h.Get(protocol.VMHeader)
 	session := cfg.session(vm)
 	flush := func(d watchData) error {
 		data, err := json.Marshal(d)
@@ -263,7 +264,7 @@ func (cfg Config) beginForward(ctx context.Context, h http.Header, host string, 
 	if cfg.Audit == nil {
 		return nil, nil
 	}
-	vm := h.Get(VMHeader)
+	vm := h.Get(protocol.VMHeader)
 	data, err := json.Marshal(forwardIntent{Action: "port.forward", Caller: callerOf(ctx), Host: host, Port: port})
 	if err != nil {
 		return nil, err
@@ -283,7 +284,7 @@ func (a *actionRecord) endForward(ctx context.Context, fromGuest int64, err erro
 	}
 	out := forwardOutcome{BytesFromGuest: fromGuest}
 	if err != nil {
-		out.Error = sanitize(err.Error(), 1024)
+		out.Error = protocol.CleanText(err.Error(), 1024)
 	}
 	data, _ := json.Marshal(out)
 	if _, err := a.p.End(context.WithoutCancel(ctx), audit.Record{Kind: audit.KindOutcome, VM: a.vm, Session: a.session, Provenance: audit.Host, Data: data}); err != nil && !errors.Is(err, audit.ErrEnded) {

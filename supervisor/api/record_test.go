@@ -16,6 +16,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
@@ -136,7 +137,7 @@ func TestSessionIsRecorded(t *testing.T) {
 		t.Fatalf("download: %v, %d bytes", err, got.Len())
 	}
 	rm := connect.NewRequest(&agentv1.RemoveRequest{Path: "/workspace/missing"})
-	rm.Header().Set(VMHeader, "a")
+	rm.Header().Set(protocol.VMHeader, "a")
 	if _, err := c.Files.Remove(ctx, rm); connect.CodeOf(err) != connect.CodeNotFound {
 		t.Fatalf("remove of a missing file: %v", err)
 	}

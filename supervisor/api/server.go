@@ -15,12 +15,12 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"strings"
 	"time"
 
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/image/debian"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/gpu"
@@ -232,21 +232,5 @@ func guestError(err error) error {
 	if !guestCodes[code] {
 		code = connect.CodeInternal
 	}
-	return connect.NewError(code, errors.New("guest agent: "+sanitize(ce.Message(), maxGuestMessage)))
-}
-
-// sanitize makes guest text safe to show: valid UTF-8, no control
-// characters (no terminal escapes), at most n bytes.
-func sanitize(s string, n int) string {
-	s = strings.ToValidUTF8(s, "?")
-	s = strings.Map(func(r rune) rune {
-		if r < ' ' || r == 0x7f || (r >= 0x80 && r < 0xa0) {
-			return -1
-		}
-		return r
-	}, s)
-	if len(s) > n {
-		s = strings.ToValidUTF8(s[:n], "") + "…"
-	}
-	return s
+	return connect.NewError(code, errors.New("guest agent: "+protocol.CleanText(ce.Message(), maxGuestMessage)))
 }

@@ -10,6 +10,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 )
 
@@ -130,14 +131,14 @@ func checkWatchPath(root string, recursive bool, p string) error {
 	case len(p) > maxPathBytes:
 		return errGuest("path over %d bytes", maxPathBytes)
 	case !strings.HasPrefix(p, "/") || strings.ContainsRune(p, 0) || path.Clean(p) != p:
-		return errGuest("invalid path %q", sanitize(p, 256))
+		return errGuest("invalid path %q", protocol.CleanText(p, 256))
 	}
 	in := p == root || strings.HasPrefix(p, root+"/") || (root == "/" && p != "/")
 	if in && !recursive && p != root {
 		in = path.Dir(p) == root
 	}
 	if !in {
-		return errGuest("path %q outside the watched directory", sanitize(p, 256))
+		return errGuest("path %q outside the watched directory", protocol.CleanText(p, 256))
 	}
 	return nil
 }

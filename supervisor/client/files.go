@@ -10,18 +10,16 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/tarfs"
 )
-
-// vmHeader names the VM of a file call (see supervisor/api.VMHeader).
-const vmHeader = "Carrel-Vm"
 
 // chunkBytes is how much one write message carries.
 const chunkBytes = 256 << 10
 
 func forVM[T any](vm string, msg *T) *connect.Request[T] {
 	req := connect.NewRequest(msg)
-	req.Header().Set(vmHeader, vm)
+	req.Header().Set(protocol.VMHeader, vm)
 	return req
 }
 
@@ -61,7 +59,7 @@ func (c *Client) Upload(ctx context.Context, vm, path string, r io.Reader, mode 
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel() // a failed upload is abandoned, never committed
 	s := c.Files.Write(ctx)
-	s.RequestHeader().Set(vmHeader, vm)
+	s.RequestHeader().Set(protocol.VMHeader, vm)
 	sendErr := s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Header{Header: &agentv1.WriteHeader{Path: path, Mode: mode}}})
 	buf := make([]byte, chunkBytes)
 	for sendErr == nil {
@@ -131,7 +129,7 @@ func (c *Client) UploadTree(ctx context.Context, vm, path, dir string, skipped f
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	s := c.Files.WriteTar(ctx)
-	s.RequestHeader().Set(vmHeader, vm)
+	s.RequestHeader().Set(protocol.VMHeader, vm)
 	if err := s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Header{Header: &agentv1.WriteHeader{Path: dir, MakeParents: true}}}); err != nil {
 		_, err := s.CloseAndReceive()
 		return nil, err

@@ -15,6 +15,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
 // portChunkBytes is the most bytes one data message to the guest carries.
@@ -43,7 +44,7 @@ func (c *Client) DialPort(ctx context.Context, vm string, port uint16) (net.Conn
 	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	stop := context.AfterFunc(ctx, cancel)
 	stream := c.Ports.Connect(sctx)
-	stream.RequestHeader().Set(vmHeader, vm)
+	stream.RequestHeader().Set(protocol.VMHeader, vm)
 	// Cancelling alone does not wake a Receive while the request body is
 	// open (net/http's HTTP/2 client watches the context only once the
 	// body is done); closing the response resets the stream.

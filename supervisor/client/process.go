@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
 // ListProcesses lists the processes running in vm.
@@ -64,7 +65,7 @@ func (c *Client) Run(ctx context.Context, s Session) (*agentv1.ExitStatus, error
 		stream.CloseRequest()
 		stream.CloseResponse()
 	}()
-	stream.RequestHeader().Set(vmHeader, s.VM)
+	stream.RequestHeader().Set(protocol.VMHeader, s.VM)
 	// A cancelled ctx must end a Receive that waits on a quiet command.
 	stopClose := context.AfterFunc(ctx, func() { stream.CloseResponse() })
 	defer stopClose()

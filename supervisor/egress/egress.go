@@ -36,7 +36,6 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -45,6 +44,7 @@ import (
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
@@ -323,7 +323,7 @@ func (r *refusal) Error() string { return r.msg }
 // run decides, connects, answers the guest, carries the bytes and
 // records the outcome.
 func (c *conn) run(ctx context.Context) {
-	c.rec = record{ID: c.req.Id, PID: max(0, c.req.Pid), Host: printable(c.req.Host, 255), Port: c.req.Port,
+	c.rec = record{ID: c.req.Id, PID: max(0, c.req.Pid), Host: protocol.CleanText(c.req.Host, 255), Port: c.req.Port,
 		Protocol: kindNames[c.req.Kind], Outcome: outcomeDenied}
 	if c.rec.Protocol == "" {
 		c.rec.Protocol = fmt.Sprintf("unknown (%d)", c.req.Kind)
@@ -344,7 +344,7 @@ func (c *conn) run(ctx context.Context) {
 		if r, ok := errors.AsType[*refusal](err); ok {
 			c.rec.Outcome, c.rec.Error = outcomeDenied, r.msg
 		} else if c.rec.Error == "" {
-			c.rec.Error = printable(err.Error(), 1024)
+			c.rec.Error = protocol.CleanText(err.Error(), 1024)
 		}
 	}
 	c.write(ctx)
@@ -358,7 +358,7 @@ func (c *conn) admit(ctx context.Context) (net.Conn, *agentv1.EgressVerdict) {
 		if outcome == agentv1.EgressOutcome_EGRESS_OUTCOME_FAILED {
 			c.rec.Outcome = outcomeFailed
 		}
-		c.rec.Error = printable(err.Error(), 1024)
+		c.rec.Error = protocol.CleanText(err.Error(), 1024)
 		return nil, &agentv1.EgressVerdict{Id: c.req.Id, Outcome: outcome, Reason: c.rec.Error}
 	}
 	denied, failed := agentv1.EgressOutcome_EGRESS_OUTCOME_DENIED, agentv1.EgressOutcome_EGRESS_OUTCOME_FAILED
@@ -533,18 +533,4 @@ func (e *guestError) Error() string { return "guest broke the egress protocol: "
 
 func errGuest(format string, args ...any) error {
 	return &guestError{msg: fmt.Sprintf(format, args...)}
-}
-
-// printable is s cut to n bytes of valid UTF-8 without control
-// characters: what the guest sends goes into logs and records.
-func printable(s string, n int) string {
-	if len(s) > n {
-		s = s[:n]
-	}
-	return strings.Map(func(r rune) rune {
-		if r < ' ' || r == 0x7f || (r >= 0x80 && r < 0xa0) {
-			return -1
-		}
-		return r
-	}, strings.ToValidUTF8(s, ""))
 }

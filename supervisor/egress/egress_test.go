@@ -521,7 +521,7 @@ func TestHostileGuest(t *testing.T) {
 	if !errors.As(err, &r) || !strings.Contains(r.msg, `"other.test" does not match`) || <-got != 0 || s.sent != 2 {
 		t.Errorf("a ClientHello for other.test in a plain http tunnel: %v; %d messages to the guest", err, s.sent)
 	}
-	if got := printable("a\x00b\x1b[31m\xffc", 255); got != "ab[31mc" {
+	if got := protocol.CleanText("a\x00b\x1b[31m\xffc", 255); got != "ab[31mc" {
 		t.Errorf("printable: %q", got)
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"connectrpc.com/connect"
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
 // refusalLinger bounds the wait for the guest to pass a refusal on.
@@ -210,7 +211,7 @@ func (c *conn) copyUp(ctx context.Context, bs guestStream, up net.Conn, g *toGue
 				case err != nil:
 					return c.refuseHello(g, fmt.Sprintf("the tunnel's first bytes are TLS but not a well-formed ClientHello: %v", err))
 				default:
-					c.rec.SNI = printable(h.ServerName, 255)
+					c.rec.SNI = protocol.CleanText(h.ServerName, 255)
 					if why := c.checkSNI(h); why != "" {
 						return c.refuseHello(g, why)
 					}

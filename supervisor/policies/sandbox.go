@@ -3,11 +3,11 @@ package policies
 import (
 	"context"
 	"fmt"
-	"strings"
 
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
@@ -55,15 +55,5 @@ func checkSandboxReply(r *agentv1.SetSandboxResponse) (landlock bool, abi int32,
 	if !landlock {
 		abi = 0
 	}
-	detail = r.GetDetail()
-	if len(detail) > maxSandboxDetail {
-		detail = detail[:maxSandboxDetail]
-	}
-	detail = strings.Map(func(c rune) rune {
-		if c < ' ' || c == 0x7f || (c >= 0x80 && c < 0xa0) {
-			return -1
-		}
-		return c
-	}, strings.ToValidUTF8(detail, ""))
-	return landlock, abi, detail
+	return landlock, abi, protocol.CleanText(r.GetDetail(), maxSandboxDetail)
 }

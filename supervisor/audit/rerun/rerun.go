@@ -22,6 +22,7 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/audit/review"
 	"github.com/carrel-os/carrel/supervisor/client"
@@ -468,7 +469,7 @@ func runFile(ctx context.Context, c *client.Client, vm string, st Step) Result {
 
 func forVM[T any](vm string, msg *T) *connect.Request[T] {
 	req := connect.NewRequest(msg)
-	req.Header().Set("Carrel-Vm", vm)
+	req.Header().Set(protocol.VMHeader, vm)
 	return req
 }
 
