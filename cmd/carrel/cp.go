@@ -12,7 +12,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
-	"github.com/carrel-os/carrel/supervisor/registry"
+	"github.com/carrel-os/carrel/supervisor/client"
 )
 
 func newCpCmd(g *globals) *cobra.Command {
@@ -50,7 +50,7 @@ nowhere else, whatever the archive says.`,
 // ./like:this.
 func splitGuest(arg string) (vm, p string, ok bool) {
 	name, rest, found := strings.Cut(arg, ":")
-	if !found || registry.ValidName(name) != nil || !strings.HasPrefix(rest, "/") {
+	if !found || client.ValidVMName(name) != nil || !strings.HasPrefix(rest, "/") {
 		return "", arg, false
 	}
 	return name, rest, true

@@ -1,6 +1,8 @@
 // Package protocol holds what carreld and carrel-agent must agree on to talk:
 // where the agent listens, how large a message may be, and the HTTP/2 settings
-// that carry connect RPCs over a single vsock or virtio-serial stream.
+// that carry connect RPCs over a single vsock or virtio-serial stream. It also
+// holds what carreld and its clients share: the Carrel-Vm header and the rule
+// for VM names.
 //
 // Both ends speak connect (gRPC protocol) over cleartext HTTP/2. HTTP/2 gives
 // multiplexing and flow control over one byte stream, which is all a

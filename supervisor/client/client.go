@@ -16,11 +16,17 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 )
 
 // DefaultSocket is where carreld listens unless told otherwise.
 const DefaultSocket = "/run/carrel/carrel.sock"
+
+// ValidVMName reports whether name can name a VM: 1-63 characters of
+// lower-case letters, digits and '-', starting with a letter. carreld
+// applies the same rule.
+func ValidVMName(name string) error { return protocol.ValidVMName(name) }
 
 // SocketFromEnv returns $CARREL_SOCKET, or DefaultSocket.
 func SocketFromEnv() string {

@@ -9,10 +9,10 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"sort"
 	"time"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/atomicfile"
 	"github.com/carrel-os/carrel/supervisor/driver"
 )
@@ -79,17 +79,6 @@ func (r *Record) PolicyName() string {
 	return r.Policy
 }
 
-var nameRE = regexp.MustCompile(`^[a-z][a-z0-9-]{0,62}$`)
-
-// ValidName reports whether name can name a VM: 1-63 characters of
-// lower-case letters, digits and '-', starting with a letter.
-func ValidName(name string) error {
-	if !nameRE.MatchString(name) {
-		return fmt.Errorf("invalid vm name %q: use 1-63 lower-case letters, digits and '-', starting with a letter", name)
-	}
-	return nil
-}
-
 // maxRecordBytes caps a record file; anything larger is corrupt.
 const maxRecordBytes = 1 << 20
 
@@ -112,7 +101,7 @@ func (r *Registry) Dir(name string) string { return filepath.Join(r.dir, name) }
 
 // Put writes rec atomically, creating the VM's directory if needed.
 func (r *Registry) Put(rec *Record) error {
-	if err := ValidName(rec.Name); err != nil {
+	if err := protocol.ValidVMName(rec.Name); err != nil {
 		return err
 	}
 	dir := r.Dir(rec.Name)
@@ -132,7 +121,7 @@ func (r *Registry) Put(rec *Record) error {
 
 // Get reads the record of the VM called name.
 func (r *Registry) Get(name string) (*Record, error) {
-	if err := ValidName(name); err != nil {
+	if err := protocol.ValidVMName(name); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrNotFound, err)
 	}
 	path := filepath.Join(r.Dir(name), "vm.json")
@@ -182,7 +171,7 @@ func (r *Registry) List() ([]*Record, error) {
 	var recs []*Record
 	var errs []error
 	for _, e := range ents {
-		if !e.IsDir() || ValidName(e.Name()) != nil {
+		if !e.IsDir() || protocol.ValidVMName(e.Name()) != nil {
 			continue
 		}
 		rec, err := r.Get(e.Name())
@@ -202,7 +191,7 @@ func (r *Registry) List() ([]*Record, error) {
 // Delete removes the VM's directory and everything in it. It returns nil
 // if the VM does not exist.
 func (r *Registry) Delete(name string) error {
-	if err := ValidName(name); err != nil {
+	if err := protocol.ValidVMName(name); err != nil {
 		return err
 	}
 	if err := os.RemoveAll(r.Dir(name)); err != nil {

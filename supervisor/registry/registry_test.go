@@ -46,19 +46,6 @@ func TestPutGetListDelete(t *testing.T) {
 	}
 }
 
-func TestValidName(t *testing.T) {
-	for _, ok := range []string{"a", "demo", "vm-1", strings.Repeat("a", 63)} {
-		if err := ValidName(ok); err != nil {
-			t.Errorf("%q: %v", ok, err)
-		}
-	}
-	for _, bad := range []string{"", "1vm", "Demo", "a_b", "a/b", "..", "a.b", strings.Repeat("a", 64), "-x", "vm\n"} {
-		if err := ValidName(bad); err == nil {
-			t.Errorf("%q accepted", bad)
-		}
-	}
-}
-
 func TestCorruptRecordIsAnError(t *testing.T) {
 	dir := t.TempDir()
 	r, _ := Open(dir)

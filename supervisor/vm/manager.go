@@ -205,7 +205,7 @@ type CreateParams struct {
 }
 
 func (p *CreateParams) validate() error {
-	if err := registry.ValidName(p.Name); err != nil {
+	if err := protocol.ValidVMName(p.Name); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	if p.Image == "" {
