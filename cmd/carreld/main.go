@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/supervisor/daemon"
-	"github.com/carrel-os/carrel/supervisor/flagfile"
 )
 
 func main() {
@@ -43,7 +42,7 @@ func main() {
 		return
 	}
 	if *config != "" {
-		if err := flagfile.Apply(flag.CommandLine, *config, "config", "version"); err != nil {
+		if err := applyConfig(flag.CommandLine, *config, "config", "version"); err != nil {
 			fmt.Fprintln(os.Stderr, "carreld:", err)
 			os.Exit(2)
 		}

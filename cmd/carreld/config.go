@@ -1,11 +1,12 @@
-// Package flagfile reads a program's settings from a JSON file whose keys
-// are the program's flag names, so that a config file and a command line
-// say the same things the same way:
+package main
+
+// carreld's --config file is a JSON object whose keys are carreld's flag
+// names, so that a config file and a command line say the same things the
+// same way:
 //
 //	{"driver": "libvirt", "libvirt-uri": "qemu:///system", "boot-timeout": "2m"}
 //
 // A flag given on the command line wins over the file.
-package flagfile
 
 import (
 	"bytes"
@@ -19,30 +20,30 @@ import (
 	"sort"
 )
 
-// MaxSize bounds a config file.
-const MaxSize = 1 << 20
+// maxConfigBytes bounds a config file.
+const maxConfigBytes = 1 << 20
 
-// Apply sets, from the JSON object in the file at path, each flag of fs
+// applyConfig sets, from the JSON object in the file at path, each flag of fs
 // that the command line (already parsed into fs) did not set. Values are
 // JSON strings, numbers or booleans, parsed as the flag parses its
 // command-line value. A key that is not a flag of fs, or is one of
 // notInFile (such as the flag that names the file), is an error, found
 // before any flag is set; so is a value a flag refuses, after the flags
 // before it (in key order) are set. A caller stops on any error.
-func Apply(fs *flag.FlagSet, path string, notInFile ...string) error {
+func applyConfig(fs *flag.FlagSet, path string, notInFile ...string) error {
 	f, err := os.Open(path)
 	if err != nil {
 		return fmt.Errorf("config file: %w", err)
 	}
 	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, MaxSize+1))
+	b, err := io.ReadAll(io.LimitReader(f, maxConfigBytes+1))
 	if err != nil {
 		return fmt.Errorf("config file %s: %w", path, err)
 	}
-	if len(b) > MaxSize {
-		return fmt.Errorf("config file %s: larger than %d bytes", path, MaxSize)
+	if len(b) > maxConfigBytes {
+		return fmt.Errorf("config file %s: larger than %d bytes", path, maxConfigBytes)
 	}
-	values, err := parse(b)
+	values, err := parseConfig(b)
 	if err != nil {
 		return fmt.Errorf("config file %s: %w", path, err)
 	}
@@ -75,9 +76,9 @@ func Apply(fs *flag.FlagSet, path string, notInFile ...string) error {
 	return nil
 }
 
-// parse reads one JSON object of scalars, each value as the text a command
+// parseConfig reads one JSON object of scalars, each value as the text a command
 // line would give.
-func parse(b []byte) (map[string]string, error) {
+func parseConfig(b []byte) (map[string]string, error) {
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.UseNumber()
 	var raw map[string]any

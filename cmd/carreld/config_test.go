@@ -1,4 +1,4 @@
-package flagfile
+package main
 
 import (
 	"flag"
@@ -10,17 +10,17 @@ import (
 	"time"
 )
 
-type settings struct {
+type testSettings struct {
 	driver, uri, level string
 	timeout            time.Duration
 	debug              bool
 	n                  int
 }
 
-func flags(args ...string) (*flag.FlagSet, *settings) {
+func testFlags(args ...string) (*flag.FlagSet, *testSettings) {
 	fs := flag.NewFlagSet("carreld", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
-	s := &settings{}
+	s := &testSettings{}
 	fs.StringVar(&s.driver, "driver", "qemu", "")
 	fs.StringVar(&s.uri, "libvirt-uri", "qemu:///system", "")
 	fs.StringVar(&s.level, "log-level", "info", "")
@@ -34,7 +34,7 @@ func flags(args ...string) (*flag.FlagSet, *settings) {
 	return fs, s
 }
 
-func write(t *testing.T, content string) string {
+func writeConfig(t *testing.T, content string) string {
 	t.Helper()
 	p := filepath.Join(t.TempDir(), "carreld.json")
 	if err := os.WriteFile(p, []byte(content), 0o600); err != nil {
@@ -44,20 +44,20 @@ func write(t *testing.T, content string) string {
 }
 
 func TestFileSetsFlagsAndCommandLineWins(t *testing.T) {
-	p := write(t, `{"driver": "libvirt", "libvirt-uri": "qemu+unix:///system?socket=/x", "boot-timeout": "2m", "debug": true, "n": 3, "log-level": "warn"}`)
-	fs, s := flags("--log-level", "debug", "--config", p)
-	if err := Apply(fs, p, "config"); err != nil {
+	p := writeConfig(t, `{"driver": "libvirt", "libvirt-uri": "qemu+unix:///system?socket=/x", "boot-timeout": "2m", "debug": true, "n": 3, "log-level": "warn"}`)
+	fs, s := testFlags("--log-level", "debug", "--config", p)
+	if err := applyConfig(fs, p, "config"); err != nil {
 		t.Fatal(err)
 	}
-	want := settings{driver: "libvirt", uri: "qemu+unix:///system?socket=/x", level: "debug", timeout: 2 * time.Minute, debug: true, n: 3}
+	want := testSettings{driver: "libvirt", uri: "qemu+unix:///system?socket=/x", level: "debug", timeout: 2 * time.Minute, debug: true, n: 3}
 	if *s != want {
 		t.Errorf("settings %+v, want %+v", *s, want)
 	}
 }
 
 func TestEmptyFileChangesNothing(t *testing.T) {
-	fs, s := flags()
-	if err := Apply(fs, write(t, "{}\n"), "config"); err != nil {
+	fs, s := testFlags()
+	if err := applyConfig(fs, writeConfig(t, "{}\n"), "config"); err != nil {
 		t.Fatal(err)
 	}
 	if s.driver != "qemu" || s.timeout != 90*time.Second {
@@ -83,8 +83,8 @@ func TestBadFiles(t *testing.T) {
 		{`driver = "libvirt"`, "not a JSON object"},
 		{``, "not a JSON object"},
 	} {
-		fs, s := flags()
-		err := Apply(fs, write(t, c.content), "config")
+		fs, s := testFlags()
+		err := applyConfig(fs, writeConfig(t, c.content), "config")
 		if err == nil || !strings.Contains(err.Error(), c.want) || !strings.Contains(err.Error(), "carreld.json") {
 			t.Errorf("%s: error %v, want one naming the file and %q", c.content, err, c.want)
 		}
@@ -95,9 +95,9 @@ func TestBadFiles(t *testing.T) {
 }
 
 func TestUnknownKeyIsFoundBeforeAnythingIsSet(t *testing.T) {
-	fs, s := flags()
+	fs, s := testFlags()
 	// "driver" sorts before "zzz": it must not be set either.
-	if err := Apply(fs, write(t, `{"driver": "libvirt", "zzz": 1}`), "config"); err == nil {
+	if err := applyConfig(fs, writeConfig(t, `{"driver": "libvirt", "zzz": 1}`), "config"); err == nil {
 		t.Fatal("no error")
 	}
 	if s.driver != "qemu" {
@@ -106,12 +106,12 @@ func TestUnknownKeyIsFoundBeforeAnythingIsSet(t *testing.T) {
 }
 
 func TestMissingAndHugeFiles(t *testing.T) {
-	fs, _ := flags()
-	if err := Apply(fs, filepath.Join(t.TempDir(), "none.json"), "config"); err == nil || !strings.Contains(err.Error(), "none.json") {
+	fs, _ := testFlags()
+	if err := applyConfig(fs, filepath.Join(t.TempDir(), "none.json"), "config"); err == nil || !strings.Contains(err.Error(), "none.json") {
 		t.Errorf("missing file: %v", err)
 	}
-	huge := `{"driver": "` + strings.Repeat("x", MaxSize) + `"}`
-	if err := Apply(fs, write(t, huge), "config"); err == nil || !strings.Contains(err.Error(), "larger than") {
+	huge := `{"driver": "` + strings.Repeat("x", maxConfigBytes) + `"}`
+	if err := applyConfig(fs, writeConfig(t, huge), "config"); err == nil || !strings.Contains(err.Error(), "larger than") {
 		t.Errorf("huge file: %v", err)
 	}
 }
