@@ -38,7 +38,7 @@ const (
 // Kinds lists every kind; a bundle must decide each.
 var Kinds = []Kind{KindAPI, KindExec, KindFS, KindNet, KindGuest}
 
-// An Input is one of the typed input documents below. Normalize checks it
+// An Input is one of the typed input documents (input_*.go). Normalize checks it
 // and puts it in canonical form; Decide calls it before evaluation.
 type Input interface {
 	Kind() Kind
