@@ -118,9 +118,8 @@ func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driv
 	decisions := &auditrec.Decisions{Log: alog}
 	pols.Record = decisions.Record
 	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second,
-		PolicyExists: func(n string) error { _, err := pols.Get(n); return err },
-		AgentReady:   pols.GiveSandbox,
-		OnEvent:      auditrec.Lifecycle(alog, pols, nil),
+		Policies: pols,
+		OnEvent:  auditrec.Lifecycle(alog, pols, nil),
 	})
 	decisions.Session = m.SessionOf
 	t.Cleanup(func() { m.Close() })

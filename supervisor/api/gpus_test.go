@@ -70,9 +70,8 @@ func gpuAPI(t *testing.T) gpuEnv {
 	decisions := &auditrec.Decisions{Log: alog}
 	pols.Record = decisions.Record
 	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second,
-		PolicyExists: func(n string) error { _, err := pols.Get(n); return err },
-		AgentReady:   pols.GiveSandbox,
-		OnEvent:      auditrec.Lifecycle(alog, pols, nil),
+		Policies: pols,
+		OnEvent:  auditrec.Lifecycle(alog, pols, nil),
 		CheckGPUs: func(want []string, held map[string][]string) error {
 			_, err := gpus.Check(want, held)
 			return err

@@ -137,8 +137,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock,
 		QEMUImg:      workspace.QEMUImg(cfg.QEMUBinary),
 		DiskTemplate: filepath.Join(cfg.StateDir, "disk-template.img"),
-		PolicyExists: func(name string) error { _, err := pols.Get(name); return err },
-		AgentReady:   pols.GiveSandbox,
+		Policies:     pols,
 		OnEvent:      auditrec.Lifecycle(auditLog, pols, images.ManifestBytes),
 		CheckGPUs: func(want []string, held map[string][]string) error {
 			_, err := gpus.Check(want, held)

@@ -73,12 +73,11 @@ type Config struct {
 	// layer disks of VMs whose image brings none (image/workspace); it is
 	// made when first needed.
 	DiskTemplate string
-	// PolicyExists, when set, vets a policy name at create and rebind.
-	PolicyExists func(name string) error
-	// AgentReady, when set, runs once a VM's agent answers and before the
-	// VM counts as running (carreld gives the guest its sandbox here). An
-	// error fails the boot: a VM must not run without its sandbox.
-	AgentReady func(ctx context.Context, rec registry.Record, link *agentlink.Link) error
+	// Policies, when set, vets a policy name at create and rebind, and
+	// gives each VM's guest the sandbox its policy derives once its agent
+	// answers, before the VM counts as running (sandbox.go). A sandbox
+	// that cannot be set fails the boot: a VM must not run without it.
+	Policies Policies
 	// OnEvent, when set, hears of every step in a VM's life (carreld
 	// records them in the audit log). An error before QEMU starts
 	// (EventCreated, EventStarting) stops the create or start.
@@ -255,8 +254,8 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 	if err := p.validate(); err != nil {
 		return registry.Record{}, err
 	}
-	if m.cfg.PolicyExists != nil {
-		if err := m.cfg.PolicyExists(p.Policy); err != nil {
+	if m.cfg.Policies != nil {
+		if _, err := m.cfg.Policies.Get(p.Policy); err != nil {
 			return registry.Record{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 		}
 	}
@@ -461,8 +460,8 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 	case <-exited:
 		err = errors.New("qemu exited before the guest agent became ready")
 	}
-	if err == nil && m.cfg.AgentReady != nil {
-		err = m.cfg.AgentReady(ctx, mc.snapshot(), link)
+	if err == nil {
+		err = m.giveSandbox(ctx, mc.snapshot(), link)
 	}
 	if err != nil {
 		link.Close()

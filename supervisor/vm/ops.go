@@ -276,11 +276,11 @@ func (m *Manager) Delete(ctx context.Context, name string, force bool) error {
 
 // SetPolicy binds a VM to another policy. The record is written first and
 // the live VM switches with it; a running guest then gets the new policy's
-// sandbox through Config.AgentReady. If that fails the binding still
+// sandbox (Config.Policies). If that fails the binding still
 // stands (the host decides every call by it) and the error says so.
 func (m *Manager) SetPolicy(ctx context.Context, name, policy string) error {
-	if m.cfg.PolicyExists != nil {
-		if err := m.cfg.PolicyExists(policy); err != nil {
+	if m.cfg.Policies != nil {
+		if _, err := m.cfg.Policies.Get(policy); err != nil {
 			return fmt.Errorf("%w: %w", ErrInvalid, err)
 		}
 	}
@@ -303,10 +303,10 @@ func (m *Manager) ResyncSandbox(ctx context.Context, name string) error {
 	mc.mu.Lock()
 	rec, link := mc.rec, mc.link
 	mc.mu.Unlock()
-	if rec.State != registry.StateRunning || link == nil || m.cfg.AgentReady == nil {
+	if rec.State != registry.StateRunning || link == nil {
 		return nil
 	}
-	if err := m.cfg.AgentReady(ctx, rec, link); err != nil {
+	if err := m.giveSandbox(ctx, rec, link); err != nil {
 		return fmt.Errorf("vm %q: the host enforces its new policy, but the guest's sandbox was not updated: %w", name, err)
 	}
 	return nil
@@ -456,10 +456,8 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 			log.Warn("adopted vm's agent is not answering", "err", err)
 			return
 		}
-		if m.cfg.AgentReady != nil {
-			if err := m.cfg.AgentReady(rctx, mc.snapshot(), link); err != nil && live.Err() == nil {
-				log.Error("adopted vm's sandbox could not be set; its calls are still decided on the host", "err", err)
-			}
+		if err := m.giveSandbox(rctx, mc.snapshot(), link); err != nil && live.Err() == nil {
+			log.Error("adopted vm's sandbox could not be set; its calls are still decided on the host", "err", err)
 		}
 	}()
 	_ = m.event(ctx, mc, EventAdopted, "")

@@ -1,4 +1,4 @@
-package policies
+package vm
 
 import (
 	"context"
@@ -8,15 +8,24 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
-// GiveSandbox sends a VM's guest the sandbox its policy derives: the fs
+// Policies finds a policy by name: the policy store (supervisor/policies).
+type Policies interface {
+	Get(name string) (*policy.Policy, error)
+}
+
+// giveSandbox sends a VM's guest the sandbox its policy derives: the fs
 // roots the agent's file service and, under Landlock, its commands stay
-// within. It is the VM manager's AgentReady hook.
-func (s *Store) GiveSandbox(ctx context.Context, rec registry.Record, link *agentlink.Link) error {
-	p, err := s.Get(rec.PolicyName())
+// within. Without Config.Policies there is none to give.
+func (m *Manager) giveSandbox(ctx context.Context, rec registry.Record, link *agentlink.Link) error {
+	if m.cfg.Policies == nil {
+		return nil
+	}
+	p, err := m.cfg.Policies.Get(rec.PolicyName())
 	if err != nil {
 		return err
 	}
@@ -32,7 +41,7 @@ func (s *Store) GiveSandbox(ctx context.Context, rec registry.Record, link *agen
 		return fmt.Errorf("set the guest's sandbox: %w", done(ctx, err))
 	}
 	landlock, abi, detail := checkSandboxReply(resp.Msg)
-	log := s.log.With("vm", rec.Name, "policy", p.Name, "revision", p.Revision)
+	log := m.log.With("vm", rec.Name, "policy", p.Name, "revision", p.Revision)
 	if landlock {
 		log.Info("guest sandbox set", "landlock_abi", abi)
 	} else {
