@@ -14,7 +14,7 @@ import (
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/identity"
-	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/policystore"
 )
 
 // authzInterceptor authenticates every call and has policy decide it
@@ -159,7 +159,7 @@ func (cfg Config) decision(ctx context.Context, in policy.Input) (policy.Decisio
 	}
 	d, err := cfg.Policies.Decide(ctx, cfg.policyFor(in.VMName()), in)
 	switch {
-	case errors.Is(err, policies.ErrNotRecorded):
+	case errors.Is(err, policystore.ErrNotRecorded):
 		return d, connect.NewError(connect.CodeUnavailable, err)
 	case errors.Is(err, policy.ErrInvalidInput):
 		return d, connect.NewError(connect.CodeInvalidArgument, err)

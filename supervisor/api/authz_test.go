@@ -24,7 +24,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/supervisor/identity"
-	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/policystore"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
@@ -88,20 +88,20 @@ func TestEveryRPCHasAPolicyRule(t *testing.T) {
 
 // authzAPI serves the API with the real policy store and token file, over
 // a unix socket (so SO_PEERCRED is real), on a fake driver.
-func authzAPI(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *policies.Store) {
+func authzAPI(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *policystore.Store) {
 	sock, tokens, drv, pols, _ := authzAPIWithAudit(t)
 	return sock, tokens, drv, pols
 }
 
 // authzAPIWithAudit is authzAPI with a real audit log, which it returns.
-func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *policies.Store, *audit.Log) {
+func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driver, *policystore.Store, *audit.Log) {
 	t.Helper()
 	dir := t.TempDir()
 	img, _ := storetest.WithFakeImage(t, dir, "dev")
 	reg, _ := registry.Open(filepath.Join(dir, "vms"))
 	drv := drivertest.New()
 	ctx := context.Background()
-	pols, err := policies.Open(ctx, filepath.Join(dir, "policies"), nil)
+	pols, err := policystore.Open(ctx, filepath.Join(dir, "policies"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

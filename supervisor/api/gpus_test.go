@@ -24,7 +24,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/gpu/gputest"
 	"github.com/carrel-os/carrel/supervisor/identity"
-	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/policystore"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
@@ -32,7 +32,7 @@ import (
 type gpuEnv struct {
 	sock   string
 	drv    *drivertest.Driver
-	pols   *policies.Store
+	pols   *policystore.Store
 	alog   *audit.Log
 	tokens *identity.Tokens
 }
@@ -54,7 +54,7 @@ func gpuAPI(t *testing.T) gpuEnv {
 	reg, _ := registry.Open(filepath.Join(dir, "vms"))
 	drv := drivertest.New()
 	ctx := context.Background()
-	pols, err := policies.Open(ctx, filepath.Join(dir, "policies"), nil)
+	pols, err := policystore.Open(ctx, filepath.Join(dir, "policies"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -96,7 +96,7 @@ func gpuAPI(t *testing.T) gpuEnv {
 }
 
 // allowGPUs applies the default policy again with settings.gpu set.
-func allowGPUs(t *testing.T, pols *policies.Store, gpuSettings string) {
+func allowGPUs(t *testing.T, pols *policystore.Store, gpuSettings string) {
 	t.Helper()
 	def, err := policy.Builtin(policy.DefaultName)
 	if err != nil {

@@ -11,14 +11,14 @@ import (
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/identity"
-	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/policystore"
 )
 
 type policyService struct{ cfg Config }
 
 var _ apiv1connect.PolicyServiceHandler = (*policyService)(nil)
 
-func (s *policyService) store() (*policies.Store, error) {
+func (s *policyService) store() (*policystore.Store, error) {
 	if s.cfg.Policies == nil {
 		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("this carreld has no policy engine"))
 	}
@@ -179,7 +179,7 @@ func policyErr(err error) error {
 	switch {
 	case errors.Is(err, policy.ErrNoSuchPolicy):
 		return connect.NewError(connect.CodeNotFound, err)
-	case errors.Is(err, policy.ErrInvalidBundle), errors.Is(err, policies.ErrInvalidName):
+	case errors.Is(err, policy.ErrInvalidBundle), errors.Is(err, policystore.ErrInvalidName):
 		return connect.NewError(connect.CodeInvalidArgument, err)
 	}
 	return connect.NewError(connect.CodeInternal, err)

@@ -25,7 +25,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/identity"
-	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/policystore"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
 
@@ -56,7 +56,7 @@ type Config struct {
 	Logger  *slog.Logger
 	// Policies decides every call; nil turns authorization off (unit tests
 	// of the handlers alone; carreld always sets it).
-	Policies *policies.Store
+	Policies *policystore.Store
 	// Tokens verifies bearer tokens; nil means peer credentials only.
 	Tokens *identity.Tokens
 	// DaemonUID is carreld's own uid: the default policy lets that user

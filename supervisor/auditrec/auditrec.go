@@ -11,7 +11,7 @@ import (
 	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
-	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/policystore"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
 
@@ -87,7 +87,7 @@ type Manifests func(digest string) ([]byte, error)
 // manifest as a blob, so that a reviewer sees which image, root hash and
 // packages the session ran on, offline. A GPU attach or detach gets a
 // record of its own kind. manifests may be nil.
-func Lifecycle(l *audit.Log, pols *policies.Store, manifests Manifests) func(context.Context, vm.Event) error {
+func Lifecycle(l *audit.Log, pols *policystore.Store, manifests Manifests) func(context.Context, vm.Event) error {
 	return func(ctx context.Context, ev vm.Event) error {
 		r := ev.Record
 		switch ev.Kind {

@@ -27,7 +27,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/auditrec"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/identity"
-	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/policystore"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/systemd"
 	"github.com/carrel-os/carrel/supervisor/vm"
@@ -100,7 +100,7 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	defer closeDrivers()
-	pols, err := policies.Open(ctx, filepath.Join(cfg.StateDir, "policies"), log.With("subsystem", "policy"))
+	pols, err := policystore.Open(ctx, filepath.Join(cfg.StateDir, "policies"), log.With("subsystem", "policy"))
 	if err != nil {
 		return err
 	}

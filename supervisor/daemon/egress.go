@@ -5,15 +5,15 @@ import (
 
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/egress"
-	"github.com/carrel-os/carrel/supervisor/policies"
+	"github.com/carrel-os/carrel/supervisor/policystore"
 )
 
-var _ egress.Policies = (*policies.Store)(nil)
+var _ egress.Policies = (*policystore.Store)(nil)
 
 // newEgress makes the egress proxy every live VM's traffic goes through.
 // policyOf names a VM's policy now; hostsFile, when set, replaces DNS for
 // the names VMs reach (--egress-hosts).
-func newEgress(hostsFile string, pols *policies.Store, policyOf func(vm string) (string, error), rec *audit.Log, log *slog.Logger) (*egress.Proxy, error) {
+func newEgress(hostsFile string, pols *policystore.Store, policyOf func(vm string) (string, error), rec *audit.Log, log *slog.Logger) (*egress.Proxy, error) {
 	cfg := egress.Config{Policies: pols, PolicyOf: policyOf, Audit: rec, Log: log}
 	if hostsFile != "" {
 		h, err := egress.LoadHosts(hostsFile)

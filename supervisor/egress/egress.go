@@ -62,7 +62,7 @@ type Link interface {
 }
 
 // Policies decides (and records the decision) with a named policy:
-// *policies.Store.
+// *policystore.Store.
 type Policies interface {
 	Decide(ctx context.Context, name string, in policy.Input) (policy.Decision, error)
 	Get(name string) (*policy.Policy, error)

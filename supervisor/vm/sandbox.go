@@ -13,7 +13,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
-// Policies finds a policy by name: the policy store (supervisor/policies).
+// Policies finds a policy by name: the policy store (supervisor/policystore).
 type Policies interface {
 	Get(name string) (*policy.Policy, error)
 }

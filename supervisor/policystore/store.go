@@ -1,11 +1,11 @@
-// Package policies keeps carreld's named policies: the built-ins, those an
+// Package policystore keeps carreld's named policies: the built-ins, those an
 // operator applied (stored under the state directory), their compiled
 // forms, and the most recent decisions.
 //
 // A policy is replaced by compiling and testing the new bundle first and
 // only then swapping one pointer, so every decision sees either the old
 // policy or the new one, and a bundle that fails leaves the old serving.
-package policies
+package policystore
 
 import (
 	"context"
