@@ -18,8 +18,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/proctable"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
-	"github.com/carrel-os/carrel/guest-agent/session"
 )
 
 // procCall is the client side of one Process call.
@@ -375,7 +375,7 @@ func TestDetachAttach(t *testing.T) {
 	if a.started.Id != id || a.started.Pid != pid {
 		t.Fatalf("attach started %v, want id %s pid %d", a.started, id, pid)
 	}
-	if h := a.s.ResponseHeader().Get(session.DroppedHeader); h != "0" {
+	if h := a.s.ResponseHeader().Get(proctable.DroppedHeader); h != "0" {
 		t.Fatalf("dropped header %q", h)
 	}
 	a.waitStdout("one\n")
@@ -412,7 +412,7 @@ func TestDetachedStarterSeesExit(t *testing.T) {
 }
 
 // TestDetachedOutputDropsOldest: output written while nobody is attached
-// is kept up to session.OutputBytes, the newest bytes.
+// is kept up to proctable.OutputBytes, the newest bytes.
 func TestDetachedOutputDropsOldest(t *testing.T) {
 	f := serve(t)
 	c := startProcess(t, f, detached(sh("sleep 0.5; seq 1 400000; exit 3")))
@@ -428,12 +428,12 @@ func TestDetachedOutputDropsOldest(t *testing.T) {
 	for i := 1; i <= 400000; i++ {
 		fmt.Fprintf(&all, "%d\n", i)
 	}
-	want := all.String()[all.Len()-session.OutputBytes:]
-	if a.stdout.Len() != session.OutputBytes || a.stdout.String() != want {
-		t.Fatalf("got %d bytes ending %q, want the last %d", a.stdout.Len(), a.stdout.String()[max(0, a.stdout.Len()-20):], session.OutputBytes)
+	want := all.String()[all.Len()-proctable.OutputBytes:]
+	if a.stdout.Len() != proctable.OutputBytes || a.stdout.String() != want {
+		t.Fatalf("got %d bytes ending %q, want the last %d", a.stdout.Len(), a.stdout.String()[max(0, a.stdout.Len()-20):], proctable.OutputBytes)
 	}
-	if h := a.s.ResponseHeader().Get(session.DroppedHeader); h != strconv.Itoa(all.Len()-session.OutputBytes) {
-		t.Fatalf("dropped header %q, want %d", h, all.Len()-session.OutputBytes)
+	if h := a.s.ResponseHeader().Get(proctable.DroppedHeader); h != strconv.Itoa(all.Len()-proctable.OutputBytes) {
+		t.Fatalf("dropped header %q, want %d", h, all.Len()-proctable.OutputBytes)
 	}
 }
 

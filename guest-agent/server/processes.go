@@ -14,7 +14,7 @@ import (
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/procs"
-	"github.com/carrel-os/carrel/guest-agent/session"
+	"github.com/carrel-os/carrel/guest-agent/proctable"
 )
 
 // procRoot is where ListProcesses reads processes.
@@ -105,7 +105,7 @@ func (s *service) ListProcesses(context.Context, *connect.Request[agentv1.ListPr
 // Signal signals one process by pid (never PID 1 or the agent itself), or
 // the process group of a running command by its id.
 func (s *service) Signal(_ context.Context, req *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
-	sig, err := session.Signal(req.Msg.GetSignal())
+	sig, err := proctable.Signal(req.Msg.GetSignal())
 	if err != nil {
 		return nil, err
 	}

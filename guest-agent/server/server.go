@@ -25,10 +25,10 @@ import (
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/ports"
+	"github.com/carrel-os/carrel/guest-agent/proctable"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
 	"github.com/carrel-os/carrel/guest-agent/sandbox"
-	"github.com/carrel-os/carrel/guest-agent/session"
 )
 
 // Version is the agent's build version, set with
@@ -94,7 +94,7 @@ func Serve(ctx context.Context, l net.Listener, cfg Config) error {
 	if cfg.Ports == nil {
 		cfg.Ports = ports.New(ports.Options{Log: cfg.Log})
 	}
-	svc := &service{cfg: cfg, sessions: session.New(cfg.Runner), shutdown: make(chan bool, 1)}
+	svc := &service{cfg: cfg, sessions: proctable.New(cfg.Runner), shutdown: make(chan bool, 1)}
 	h := NewHandler(svc, cfg.Files, cfg.Ports)
 	if cfg.Egress != nil {
 		mux := http.NewServeMux()
@@ -144,7 +144,7 @@ func NewHandler(agent agentv1connect.AgentServiceHandler, fs agentv1connect.File
 
 type service struct {
 	cfg      Config
-	sessions *session.Table
+	sessions *proctable.Table
 	shutdown chan bool // the reboot flag of the first Shutdown call
 }
 

@@ -65,17 +65,17 @@ type Link struct {
 	dial func(ctx context.Context) (net.Conn, error)
 
 	mu      sync.Mutex
-	cur     *session
+	cur     *channel
 	state   State
 	lastErr error
 	info    *agentv1.HealthResponse
 	closed  bool
 }
 
-// session is one HTTP/2 connection to the agent and the client bound to
-// it. A broken session is dropped whole and the next call makes a new one,
+// channel is one HTTP/2 connection to the agent and the client bound to
+// it. A broken channel is dropped whole and the next call makes a new one,
 // so no call is ever handed to a connection already known to be dead.
-type session struct {
+type channel struct {
 	transport *http.Transport
 	client    agentv1connect.AgentServiceClient
 	files     agentv1connect.FileServiceClient
@@ -95,12 +95,12 @@ func New(dial func(ctx context.Context) (net.Conn, error), log *slog.Logger) *Li
 	return &Link{log: log, dial: dial}
 }
 
-// session returns the current session, making one if needed.
-func (l *Link) session() *session {
+// channel returns the current channel, making one if needed.
+func (l *Link) channel() *channel {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.cur == nil {
-		s := &session{}
+		s := &channel{}
 		httpClient, t := protocol.NewHTTPClient(func(ctx context.Context) (net.Conn, error) {
 			return l.dialFor(ctx, s)
 		})
@@ -114,7 +114,7 @@ func (l *Link) session() *session {
 	return l.cur
 }
 
-func (l *Link) dialFor(ctx context.Context, s *session) (net.Conn, error) {
+func (l *Link) dialFor(ctx context.Context, s *channel) (net.Conn, error) {
 	l.mu.Lock()
 	closed := l.closed
 	l.mu.Unlock()
@@ -142,11 +142,11 @@ func (l *Link) dialFor(ctx context.Context, s *session) (net.Conn, error) {
 // frame) or a keepalive ping that went unanswered.
 var errTransportClosed = errors.New("the connection was closed by the HTTP/2 transport (protocol error or no answer to keepalive)")
 
-// connBroken is called when connection c of session s ends without the
+// connBroken is called when connection c of channel s ends without the
 // link having ended it: the guest closed it, or broke the protocol. That
 // makes the agent unhealthy even when no call was in flight to notice. A
 // connection the transport has already replaced is not the link's.
-func (l *Link) connBroken(s *session, c net.Conn, err error) {
+func (l *Link) connBroken(s *channel, c net.Conn, err error) {
 	s.mu.Lock()
 	current := !s.dead && s.conn == c
 	s.mu.Unlock()
@@ -180,7 +180,7 @@ func (c *watchedConn) Close() error {
 	return c.Conn.Close()
 }
 
-func (s *session) close() {
+func (s *channel) close() {
 	s.mu.Lock()
 	s.dead = true
 	c := s.conn
@@ -192,8 +192,8 @@ func (s *session) close() {
 	s.transport.CloseIdleConnections()
 }
 
-// drop ends session s if it is still the current one.
-func (l *Link) drop(s *session) {
+// drop ends channel s if it is still the current one.
+func (l *Link) drop(s *channel) {
 	l.mu.Lock()
 	if l.cur == s {
 		l.cur = nil
@@ -229,9 +229,9 @@ func (l *Link) markReady(info *agentv1.HealthResponse) {
 	l.state, l.lastErr = Ready, nil
 }
 
-// fail ends session s and marks the agent unhealthy; the transition is
+// fail ends channel s and marks the agent unhealthy; the transition is
 // logged once.
-func (l *Link) fail(s *session, err error) {
+func (l *Link) fail(s *channel, err error) {
 	l.drop(s)
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -246,7 +246,7 @@ func (l *Link) fail(s *session, err error) {
 // error of its own) leaves the link alone. An error raised on this side,
 // i.e. a broken connection, an oversized frame or message, or bytes that
 // do not decode, means the stream can no longer be trusted: it ends.
-func (l *Link) check(ctx context.Context, s *session, err error) error {
+func (l *Link) check(ctx context.Context, s *channel, err error) error {
 	if err == nil {
 		return nil
 	}
@@ -264,7 +264,7 @@ func (l *Link) check(ctx context.Context, s *session, err error) error {
 func (l *Link) Health(ctx context.Context) (*agentv1.HealthResponse, error) {
 	ctx, cancel := context.WithTimeout(ctx, HealthTimeout)
 	defer cancel()
-	s := l.session()
+	s := l.channel()
 	resp, err := s.client.Health(ctx, connect.NewRequest(&agentv1.HealthRequest{}))
 	if err := l.check(ctx, s, err); err != nil {
 		return nil, err
@@ -283,7 +283,7 @@ func (l *Link) WaitReady(ctx context.Context) error {
 	var last error
 	attempt := firstAttempt
 	for {
-		s := l.session()
+		s := l.channel()
 		pctx, cancel := context.WithTimeout(ctx, attempt)
 		resp, err := s.client.Health(pctx, connect.NewRequest(&agentv1.HealthRequest{}))
 		cancel()
@@ -336,14 +336,14 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 // ExecStream is an exec call's stream of events from the guest.
 type ExecStream struct {
 	l      *Link
-	s      *session
+	s      *channel
 	ctx    context.Context
 	stream *connect.ServerStreamForClient[agentv1.ExecResponse]
 }
 
 // Exec starts a command in the guest.
 func (l *Link) Exec(ctx context.Context, req *agentv1.ExecRequest) (*ExecStream, error) {
-	s := l.session()
+	s := l.channel()
 	st, err := s.client.Exec(ctx, connect.NewRequest(req))
 	if err := l.check(ctx, s, err); err != nil {
 		return nil, err
@@ -368,34 +368,34 @@ func (s *ExecStream) Close() error { return s.stream.Close() }
 // it (including a stream's final error): done ends the connection when the
 // error means the guest broke the protocol, as for the link's own calls.
 func (l *Link) Files() (client agentv1connect.FileServiceClient, done func(ctx context.Context, err error) error) {
-	s := l.session()
+	s := l.channel()
 	return s.files, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
 // Ports returns the guest's port service on the current connection, and
 // done, to be passed every error of the calls made with it (see Files).
 func (l *Link) Ports() (client agentv1connect.PortServiceClient, done func(ctx context.Context, err error) error) {
-	s := l.session()
+	s := l.channel()
 	return s.ports, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
 // Egress returns the guest's egress service on the current connection,
 // and done, to be passed every error of the calls made with it (see Files).
 func (l *Link) Egress() (client agentv1connect.EgressServiceClient, done func(ctx context.Context, err error) error) {
-	s := l.session()
+	s := l.channel()
 	return s.egress, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
 // Agent returns the guest's agent service on the current connection, and
 // done, to be passed every error of the calls made with it (see Files).
 func (l *Link) Agent() (client agentv1connect.AgentServiceClient, done func(ctx context.Context, err error) error) {
-	s := l.session()
+	s := l.channel()
 	return s.client, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
 // Shutdown asks the guest to power off (or reboot).
 func (l *Link) Shutdown(ctx context.Context, reboot bool) error {
-	s := l.session()
+	s := l.channel()
 	_, err := s.client.Shutdown(ctx, connect.NewRequest(&agentv1.ShutdownRequest{Reboot: reboot}))
 	return l.check(ctx, s, err)
 }

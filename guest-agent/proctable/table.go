@@ -1,10 +1,10 @@
 //go:build linux
 
-// Package session serves the interactive Process stream: it feeds a
+// Package proctable serves the interactive Process stream: it feeds a
 // command's stdin, signals and terminal size from the client, and keeps
 // detached commands, with their latest output, for a later attach. It also
 // signals commands by id for the Signal call.
-package session
+package proctable
 
 import (
 	"context"
