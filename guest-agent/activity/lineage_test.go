@@ -175,9 +175,13 @@ func TestQueueBoundsAndBatches(t *testing.T) {
 	}
 
 	// A newer subscriber ends the older one's wait.
+	waiting := make(chan struct{}, 1)
+	q.mu.Lock()
+	q.waiting = func() { waiting <- struct{}{} }
+	q.mu.Unlock()
 	done := make(chan error, 1)
 	go func() { _, err := q.next(context.Background(), s); done <- err }()
-	time.Sleep(10 * time.Millisecond)
+	<-waiting
 	q.subscribe()
 	if err := <-done; !errors.Is(err, ErrSuperseded) {
 		t.Errorf("older subscriber: %v, want ErrSuperseded", err)

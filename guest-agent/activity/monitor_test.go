@@ -100,6 +100,27 @@ func (c *collector) waitFor(t *testing.T, want []string) []string {
 	}
 }
 
+// waitQueued waits until the monitor's queue holds an event for path: it
+// happened while no stream was open.
+func waitQueued(t *testing.T, m *Monitor, path string) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		m.q.mu.Lock()
+		queued := slices.ContainsFunc(m.q.events, func(e Event) bool { return e.Path == path })
+		notify := m.q.notify
+		m.q.mu.Unlock()
+		if queued {
+			return
+		}
+		select {
+		case <-notify:
+		case <-deadline:
+			t.Fatalf("no event for %s was queued", path)
+		}
+	}
+}
+
 func containsInOrder(got, want []string) bool {
 	i := 0
 	for _, g := range got {
@@ -221,7 +242,7 @@ func TestServeKeepsEventsForTheNextStream(t *testing.T) {
 	ws := workspace(t)
 	m := startMonitor(t, ws)
 	command(t, m, ws, "early", "/bin/sh", "-c", "echo 1 > early")
-	time.Sleep(100 * time.Millisecond)
+	waitQueued(t, m, filepath.Join(ws, "early"))
 	first := collect(t, m)
 	first.waitFor(t, []string{"create " + filepath.Join(ws, "early") + " early"})
 	second := collect(t, m)

@@ -76,6 +76,9 @@ type queue struct {
 	notify  chan struct{} // closed and replaced when events arrive
 	sub     *subscriber
 	closed  bool
+
+	// waiting, when a test sets it, is called as next begins to wait.
+	waiting func()
 }
 
 type subscriber struct {
@@ -173,8 +176,11 @@ func (q *queue) next(ctx context.Context, s *subscriber) (Batch, error) {
 			q.mu.Unlock()
 			return b, nil
 		}
-		notify := q.notify
+		notify, waiting := q.notify, q.waiting
 		q.mu.Unlock()
+		if waiting != nil {
+			waiting()
+		}
 		select {
 		case <-ctx.Done():
 			return Batch{}, ctx.Err()

@@ -5,19 +5,20 @@ package files
 import (
 	"archive/tar"
 	"bytes"
+	"fmt"
 	"io"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
-	"time"
 
 	"connectrpc.com/connect"
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/sandbox"
+	"github.com/carrel-os/carrel/guest-agent/watch"
 )
 
 // box is a sandboxed file service over temporary directories:
@@ -416,11 +417,18 @@ func TestSandboxWatchLeavesSecretsOut(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	mustWrite(t, filepath.Join(b.keys, "new"), "x")
-	time.Sleep(50 * time.Millisecond)
+	// A full batch is sent at once: this fills at least one with secrets
+	// alone, which must not be sent at all, before the visible file's.
+	for i := range watch.DefaultMaxBatch {
+		mustWrite(t, filepath.Join(b.keys, fmt.Sprintf("new%d", i)), "x")
+	}
 	mustWrite(t, filepath.Join(b.rw, "visible"), "x")
 	for s.Receive() {
-		for _, e := range s.Msg().Events {
+		m := s.Msg()
+		if len(m.Events) == 0 && m.Dropped == 0 && m.UnwatchedDirs == 0 {
+			t.Fatal("an empty message: a batch of secrets alone was sent")
+		}
+		for _, e := range m.Events {
 			if strings.Contains(e.Path, ".keys") {
 				t.Fatalf("an event for a secret path: %v", e)
 			}

@@ -330,16 +330,18 @@ func TestSendErrorEndsRun(t *testing.T) {
 	dir := t.TempDir()
 	boom := errors.New("client gone")
 	done := make(chan error, 1)
+	ready := make(chan struct{})
 	var n int
 	go func() {
 		done <- Run(context.Background(), dir, Options{}, func(Batch) error {
 			if n++; n > 1 {
 				return boom
 			}
+			close(ready) // the first batch: the watch is in place
 			return nil
 		})
 	}()
-	time.Sleep(100 * time.Millisecond)
+	<-ready
 	must(t, os.WriteFile(filepath.Join(dir, "x"), nil, 0o644))
 	select {
 	case err := <-done:

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -29,6 +30,8 @@ type guest struct {
 	mu      sync.Mutex
 	streams []func(ctx context.Context, send func(*agentv1.ActivityResponse) error) error
 	calls   int
+	starts  []time.Time   // when each call began
+	called  chan struct{} // if set, told of each call (without blocking)
 }
 
 func (g *guest) Health(context.Context, *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error) {
@@ -39,7 +42,14 @@ func (g *guest) Activity(ctx context.Context, _ *connect.Request[agentv1.Activit
 	g.mu.Lock()
 	i := min(g.calls, len(g.streams)-1)
 	g.calls++
+	g.starts = append(g.starts, time.Now())
 	g.mu.Unlock()
+	if g.called != nil {
+		select {
+		case g.called <- struct{}{}:
+		default:
+		}
+	}
 	return g.streams[i](ctx, s.Send)
 }
 
@@ -47,6 +57,26 @@ func (g *guest) callCount() int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	return g.calls
+}
+
+// waitCalls waits until n calls have begun (g.called must be set) and
+// returns when each began.
+func (g *guest) waitCalls(t *testing.T, n int) []time.Time {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		g.mu.Lock()
+		starts := slices.Clone(g.starts)
+		g.mu.Unlock()
+		if len(starts) >= n {
+			return starts
+		}
+		select {
+		case <-g.called:
+		case <-deadline:
+			t.Fatalf("%d Activity calls, want %d", len(starts), n)
+		}
+	}
 }
 
 // serveGuest serves g over a unix socket, as the agent serves the host,
@@ -364,7 +394,7 @@ func TestRunStopsForAnOldAgent(t *testing.T) {
 // TestRunEndsAFloodOfMessages checks that a guest sending empty messages
 // as fast as it can has its stream ended, and that Run backs off.
 func TestRunEndsAFloodOfMessages(t *testing.T) {
-	g := &guest{streams: []func(context.Context, func(*agentv1.ActivityResponse) error) error{
+	g := &guest{called: make(chan struct{}, 1), streams: []func(context.Context, func(*agentv1.ActivityResponse) error) error{
 		func(ctx context.Context, send func(*agentv1.ActivityResponse) error) error {
 			for ctx.Err() == nil {
 				if err := send(&agentv1.ActivityResponse{}); err != nil {
@@ -377,11 +407,16 @@ func TestRunEndsAFloodOfMessages(t *testing.T) {
 	log, _ := openLog(t)
 	run(t, Config{Agent: serveGuest(t, g), Audit: log, VM: "flood", RecordRate: 5, Window: time.Second,
 		MinBackoff: 100 * time.Millisecond, MaxBackoff: time.Second})
-	time.Sleep(time.Second)
 	// 20 messages a second are allowed; each stream is ended within the
-	// budget and the next waits 100 ms, 200 ms, 400 ms...
-	if n := g.callCount(); n < 2 || n > 5 {
-		t.Errorf("%d streams in a second; want a few, backing off", n)
+	// budget (else no next call begins) and the next waits 100 ms, 200 ms,
+	// 400 ms...
+	starts := g.waitCalls(t, 4)
+	backoff := 100 * time.Millisecond
+	for i := 1; i < len(starts); i++ {
+		if gap := starts[i].Sub(starts[i-1]); gap < backoff {
+			t.Errorf("call %d began %v after the one before; want a backoff of at least %v", i+1, gap, backoff)
+		}
+		backoff *= 2
 	}
 }
 
