@@ -73,6 +73,8 @@ type serialConfig struct {
 	sysDir, devDir string
 	open           func(path string) (fd int, err error)
 	waitHost       func(fd int, stop <-chan struct{}) error
+	// slotWait, if set, is called as Accept begins to wait for the slot.
+	slotWait func()
 }
 
 type serialListener struct {
@@ -106,6 +108,9 @@ func (l *serialListener) Accept() (net.Conn, error) {
 	case <-l.closed:
 		return nil, net.ErrClosed
 	default:
+	}
+	if l.cfg.slotWait != nil {
+		l.cfg.slotWait()
 	}
 	select {
 	case <-l.closed:

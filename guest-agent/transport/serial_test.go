@@ -188,8 +188,21 @@ func TestSerialOneConnectionAtATime(t *testing.T) {
 	}
 
 	// Close unblocks an Accept waiting for the slot.
+	waiting := make(chan struct{}, 1)
+	l.cfg.slotWait = func() { waiting <- struct{}{} }
 	blocked := acceptAsync(l)
-	time.Sleep(20 * time.Millisecond)
+	select {
+	case <-waiting:
+	case r := <-blocked:
+		t.Fatalf("Accept returned %v, %v before waiting for the slot", r.c, r.err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("Accept did not begin to wait for the slot")
+	}
+	select {
+	case r := <-blocked:
+		t.Fatalf("Accept returned %v, %v while c2 holds the slot", r.c, r.err)
+	case <-time.After(20 * time.Millisecond):
+	}
 	l.Close()
 	select {
 	case r := <-blocked:

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -144,7 +145,7 @@ func TestPortConnDeadlines(t *testing.T) {
 	// Close wakes a blocked Read.
 	done := make(chan error, 1)
 	go func() { _, err := conn.Read(make([]byte, 1)); done <- err }()
-	time.Sleep(20 * time.Millisecond)
+	waitParked(t, "github.com/carrel-os/carrel/supervisor/client.(*portConn).Read", done)
 	conn.Close()
 	select {
 	case err := <-done:
@@ -153,6 +154,34 @@ func TestPortConnDeadlines(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("Close did not wake Read")
+	}
+}
+
+// waitParked waits until a goroutine is parked in fn (a function's name
+// as a stack trace prints it); the client has no event to say so. It fails
+// if done yields first: the call returned without blocking.
+func waitParked(t *testing.T, fn string, done <-chan error) {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	buf := make([]byte, 1<<20)
+	for {
+		n := runtime.Stack(buf, true)
+		for _, g := range strings.Split(string(buf[:n]), "\n\n") {
+			state, _, _ := strings.Cut(g, "\n")
+			parked := strings.Contains(state, "[select") || strings.Contains(state, "[chan receive")
+			if parked && strings.Contains(g, "\n"+fn+"(") {
+				return
+			}
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("%s returned %v without blocking", fn, err)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no goroutine parked in %s", fn)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
 
