@@ -596,15 +596,32 @@ func readDirNames(t *testing.T, dir string) []string {
 	return names
 }
 
+// needImageTest skips a test that builds a real image (what it does is
+// what), unless CARREL_IMAGE_TEST=1 asks for it and the host has apt-get.
+// Under CARREL_REQUIRE_VM=1 it fails instead. make integration sets both
+// for TestBuildDebian, which needs no network once the cache holds the
+// kernel and busybox.
+func needImageTest(t *testing.T, what string) {
+	t.Helper()
+	skip := func(why string) {
+		t.Helper()
+		if os.Getenv("CARREL_REQUIRE_VM") == "1" {
+			t.Fatal(why + "; CARREL_REQUIRE_VM=1 makes that a failure")
+		}
+		t.Skip(why)
+	}
+	if os.Getenv("CARREL_IMAGE_TEST") != "1" {
+		skip("CARREL_IMAGE_TEST=1 is not set: it would " + what)
+	}
+	if _, err := exec.LookPath("apt-get"); err != nil {
+		skip("apt-get not found; the dev image builder needs a Debian host")
+	}
+}
+
 // TestBuildDebian does the real download, unpack and build. It needs a
 // Debian host with network access to its mirror.
 func TestBuildDebian(t *testing.T) {
-	if os.Getenv("CARREL_IMAGE_TEST") != "1" {
-		t.Skip("set CARREL_IMAGE_TEST=1 to download Debian's kernel and busybox and build a real dev image")
-	}
-	if _, err := exec.LookPath("apt-get"); err != nil {
-		t.Skip("apt-get not found; the dev image builder needs a Debian host")
-	}
+	needImageTest(t, "download Debian's kernel and busybox and build a real dev image")
 	needAssembleTools(t)
 	dir := t.TempDir()
 	src := filepath.Join(dir, "main.go")
@@ -656,12 +673,7 @@ func TestBuildDebian(t *testing.T) {
 // runs the qemu-ga it installed, through the loader and libraries it
 // installed, on the host.
 func TestBuildDebianQemuGA(t *testing.T) {
-	if os.Getenv("CARREL_IMAGE_TEST") != "1" {
-		t.Skip("set CARREL_IMAGE_TEST=1 to download Debian's packages and build a real qemu-guest-agent variant")
-	}
-	if _, err := exec.LookPath("apt-get"); err != nil {
-		t.Skip("apt-get not found; the dev image builder needs a Debian host")
-	}
+	needImageTest(t, "download Debian's packages and build a real qemu-guest-agent variant")
 	needAssembleTools(t)
 	dir := t.TempDir()
 	agent := fakeAgent(t, dir)

@@ -5,6 +5,7 @@ import (
 	"compress/gzip"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -198,13 +199,45 @@ func TestCompressedModules(t *testing.T) {
 	}
 }
 
+// debianKernel unpacks the last (by name) Debian kernel package in the image cache
+// (CARREL_IMAGE_CACHE, else make's /var/cache/carrel; any dev image build
+// leaves one in debs/) into a temporary directory and returns its module
+// tree. Without one it skips, or fails under CARREL_REQUIRE_VM=1.
+func debianKernel(t *testing.T) string {
+	t.Helper()
+	skip := func(why string) {
+		t.Helper()
+		if os.Getenv("CARREL_REQUIRE_VM") == "1" {
+			t.Fatal(why + "; CARREL_REQUIRE_VM=1 makes that a failure")
+		}
+		t.Skip(why)
+	}
+	cache := os.Getenv("CARREL_IMAGE_CACHE")
+	if cache == "" {
+		cache = "/var/cache/carrel"
+	}
+	debs, _ := filepath.Glob(filepath.Join(cache, "debs", "linux-image-*.deb"))
+	if len(debs) == 0 {
+		skip("no linux-image-*.deb in " + filepath.Join(cache, "debs") + ": build a dev image first (make run, or make integration)")
+	}
+	if _, err := exec.LookPath("dpkg-deb"); err != nil {
+		skip("dpkg-deb not found: this test needs a Debian host")
+	}
+	slices.Sort(debs)
+	dir := t.TempDir()
+	if out, err := exec.Command("dpkg-deb", "-x", debs[len(debs)-1], dir).CombinedOutput(); err != nil {
+		t.Fatalf("unpack %s: %v\n%s", debs[len(debs)-1], err, out)
+	}
+	matches, _ := filepath.Glob(filepath.Join(dir, "lib", "modules", "*"))
+	if len(matches) != 1 {
+		t.Fatalf("%s holds %d module trees, want 1: %v", debs[len(debs)-1], len(matches), matches)
+	}
+	return matches[0]
+}
+
 // TestDebianKernel checks the closure against a real unpacked Debian kernel.
 func TestDebianKernel(t *testing.T) {
-	matches, _ := filepath.Glob("/tmp/k/x/lib/modules/*")
-	if len(matches) != 1 {
-		t.Skip("no unpacked Debian kernel at /tmp/k/x/lib/modules/<release>; unpack linux-image-*.deb there with dpkg-deb -x to run")
-	}
-	tr, err := kmod.Open(matches[0])
+	tr, err := kmod.Open(debianKernel(t))
 	if err != nil {
 		t.Fatal(err)
 	}
