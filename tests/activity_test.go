@@ -16,7 +16,6 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
-	"github.com/carrel-os/carrel/supervisor/activity"
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/tests/harness"
@@ -25,7 +24,7 @@ import (
 // activityLog is what the audit log says of a VM's workspace activity.
 type activityLog struct {
 	records  []audit.Record
-	events   []activity.Event
+	events   []audit.ActivityEvent
 	dropped  uint64
 	sessions map[string]bool // of the VM's host records
 	execIDs  []string        // of its exec.exit records
@@ -59,7 +58,7 @@ func readActivity(t *testing.T, dir, vm string) activityLog {
 		if r.Kind != audit.KindFileActivity {
 			return nil
 		}
-		var d activity.Data
+		var d audit.Activity
 		if err := json.Unmarshal(r.Data, &d); err != nil {
 			t.Fatalf("file.activity record %d: %v: %s", r.Seq, err, r.Data)
 		}
@@ -74,7 +73,7 @@ func readActivity(t *testing.T, dir, vm string) activityLog {
 // has reports whether an event of op on path by the command id was
 // recorded.
 func (a activityLog) has(op, path, id string) bool {
-	return slices.ContainsFunc(a.events, func(e activity.Event) bool {
+	return slices.ContainsFunc(a.events, func(e audit.ActivityEvent) bool {
 		return e.Op == op && e.Path == path && (id == "" || e.ExecID == id)
 	})
 }
@@ -82,7 +81,7 @@ func (a activityLog) has(op, path, id string) bool {
 func (a activityLog) String() string {
 	var b strings.Builder
 	for _, e := range a.events {
-		fmt.Fprintf(&b, "  %s %s pid=%d exec=%s ns=%d\n", e.Op, e.Path, e.Pid, e.ExecID, e.Ns)
+		fmt.Fprintf(&b, "  %s %s pid=%d exec=%s ns=%d\n", e.Op, e.Path, e.PID, e.ExecID, e.Ns)
 	}
 	fmt.Fprintf(&b, "  (dropped %d)", a.dropped)
 	return b.String()
@@ -175,7 +174,7 @@ cat from-host.txt >/dev/null
 		}
 	}
 	for _, e := range a.events {
-		if e.Pid <= 0 || e.ExecID == "" {
+		if e.PID <= 0 || e.ExecID == "" {
 			t.Errorf("event without a process or command: %+v", e)
 		}
 		if (e.Op == "create" || e.Op == "modify") && e.Path == w("from-host.txt") {
@@ -215,7 +214,7 @@ cat from-host.txt >/dev/null
 	pidOf := func(op, p string) int32 {
 		for _, e := range a.events {
 			if e.Op == op && e.Path == p && e.ExecID == id {
-				return e.Pid
+				return e.PID
 			}
 		}
 		return 0

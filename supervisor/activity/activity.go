@@ -231,11 +231,11 @@ func (r *recorder) message(ctx context.Context, msg *agentv1.ActivityResponse) e
 
 // write appends one record of events and the dropped count. A record that
 // cannot be written is counted as dropped in the next.
-func (r *recorder) write(ctx context.Context, events []Event) {
+func (r *recorder) write(ctx context.Context, events []audit.ActivityEvent) {
 	if events == nil {
-		events = []Event{}
+		events = []audit.ActivityEvent{}
 	}
-	data, err := json.Marshal(Data{Events: events, Dropped: r.dropped})
+	data, err := json.Marshal(audit.Activity{Events: events, Dropped: r.dropped})
 	if err == nil {
 		actx, cancel := context.WithTimeout(context.WithoutCancel(ctx), appendTimeout)
 		_, err = r.cfg.Audit.Append(actx, audit.Record{

@@ -131,9 +131,9 @@ func records(t *testing.T, dir string) []audit.Record {
 	return out
 }
 
-func data(t *testing.T, r audit.Record) Data {
+func data(t *testing.T, r audit.Record) audit.Activity {
 	t.Helper()
-	var d Data
+	var d audit.Activity
 	dec := json.NewDecoder(strings.NewReader(string(r.Data)))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&d); err != nil {
@@ -143,7 +143,7 @@ func data(t *testing.T, r audit.Record) Data {
 }
 
 // totals sums the events and dropped counts of records.
-func totals(t *testing.T, recs []audit.Record) (events []Event, dropped uint64) {
+func totals(t *testing.T, recs []audit.Record) (events []audit.ActivityEvent, dropped uint64) {
 	for _, r := range recs {
 		d := data(t, r)
 		events = append(events, d.Events...)
@@ -232,9 +232,9 @@ func TestRunRecordsBatches(t *testing.T) {
 		}
 	}
 	d0, d1 := data(t, recs[0]), data(t, recs[1])
-	want0 := []Event{
-		{Op: "create", Path: "/workspace/a", Pid: 42, ExecID: "0123456789abcdef", Ns: 1000},
-		{Op: "modify", Path: "/workspace/a", Pid: 42, ExecID: "0123456789abcdef", Ns: 1000},
+	want0 := []audit.ActivityEvent{
+		{Op: "create", Path: "/workspace/a", PID: 42, ExecID: "0123456789abcdef", Ns: 1000},
+		{Op: "modify", Path: "/workspace/a", PID: 42, ExecID: "0123456789abcdef", Ns: 1000},
 	}
 	if !equalEvents(d0.Events, want0) || d0.Dropped != 3+4 {
 		t.Errorf("first record: %+v, want events %+v and dropped 7", d0, want0)
@@ -247,7 +247,7 @@ func TestRunRecordsBatches(t *testing.T) {
 	}
 }
 
-func equalEvents(a, b []Event) bool {
+func equalEvents(a, b []audit.ActivityEvent) bool {
 	if len(a) != len(b) {
 		return false
 	}

@@ -38,26 +38,9 @@ var ops = map[agentv1.ActivityOp]string{
 	agentv1.ActivityOp_ACTIVITY_OP_MOVE_TO:   "move_to",
 }
 
-// Event is one event as recorded: an element of a file.activity record's
-// events.
-type Event struct {
-	Op     string `json:"op"`
-	Path   string `json:"path"`
-	Pid    int32  `json:"pid"`
-	ExecID string `json:"exec_id"`
-	// Ns is how long before the guest sent its batch it read the event.
-	Ns int64 `json:"ns"`
-}
-
-// Data is a file.activity record's data.
-type Data struct {
-	Events  []Event `json:"events"`
-	Dropped uint64  `json:"dropped"`
-}
-
 // checked is what is kept of one message.
 type checked struct {
-	events []Event
+	events []audit.ActivityEvent
 	// dropped is the guest's own count plus the events refused here.
 	dropped uint64
 	// refused names the first reason an event was refused, for the log.
@@ -79,7 +62,7 @@ func check(msg *agentv1.ActivityResponse) (checked, error) {
 	if n := proto.Size(msg); n > MaxMessageBytes {
 		return checked{}, errGuest(fmt.Sprintf("a message of %d bytes, the cap is %d", n, MaxMessageBytes))
 	}
-	c := checked{dropped: msg.GetDropped(), events: make([]Event, 0, len(msg.GetEvents()))}
+	c := checked{dropped: msg.GetDropped(), events: make([]audit.ActivityEvent, 0, len(msg.GetEvents()))}
 	for _, e := range msg.GetEvents() {
 		ev, why := checkEvent(e)
 		if why != "" {
@@ -95,25 +78,25 @@ func check(msg *agentv1.ActivityResponse) (checked, error) {
 }
 
 // checkEvent returns the event as recorded, or why it is refused.
-func checkEvent(e *agentv1.ActivityEvent) (Event, string) {
+func checkEvent(e *agentv1.ActivityEvent) (audit.ActivityEvent, string) {
 	if e == nil {
-		return Event{}, "a missing event"
+		return audit.ActivityEvent{}, "a missing event"
 	}
 	op, ok := ops[e.Op]
 	switch {
 	case !ok:
-		return Event{}, fmt.Sprintf("unknown op %d", int32(e.Op))
+		return audit.ActivityEvent{}, fmt.Sprintf("unknown op %d", int32(e.Op))
 	case e.Pid <= 0:
-		return Event{}, fmt.Sprintf("pid %d", e.Pid)
+		return audit.ActivityEvent{}, fmt.Sprintf("pid %d", e.Pid)
 	case e.AgeNs < 0 || e.AgeNs > maxAgeNs:
-		return Event{}, fmt.Sprintf("age %d ns", e.AgeNs)
+		return audit.ActivityEvent{}, fmt.Sprintf("age %d ns", e.AgeNs)
 	case !protocol.ValidExecID(e.ExecId):
-		return Event{}, "an invalid exec id"
+		return audit.ActivityEvent{}, "an invalid exec id"
 	}
 	if why := checkPath(e.Path); why != "" {
-		return Event{}, why
+		return audit.ActivityEvent{}, why
 	}
-	return Event{Op: op, Path: e.Path, Pid: e.Pid, ExecID: e.ExecId, Ns: e.AgeNs}, ""
+	return audit.ActivityEvent{Op: op, Path: e.Path, PID: e.Pid, ExecID: e.ExecId, Ns: e.AgeNs}, ""
 }
 
 // checkPath: absolute, clean, UTF-8, no NUL, at most MaxPathBytes.
@@ -129,14 +112,14 @@ func checkPath(p string) string {
 	return ""
 }
 
-// dataOverhead is the room Data takes besides its events:
+// dataOverhead is the room an audit.Activity takes besides its events:
 // {"events":[],"dropped":18446744073709551615}.
 const dataOverhead = len(`{"events":[],"dropped":18446744073709551615}`)
 
-// chunks splits events into runs whose Data, whatever its dropped count,
+// chunks splits events into runs whose audit.Activity, whatever its dropped count,
 // is at most audit.MaxDataSize bytes of JSON.
-func chunks(events []Event) ([][]Event, error) {
-	var out [][]Event
+func chunks(events []audit.ActivityEvent) ([][]audit.ActivityEvent, error) {
+	var out [][]audit.ActivityEvent
 	start, size := 0, dataOverhead
 	for i, e := range events {
 		b, err := json.Marshal(e)

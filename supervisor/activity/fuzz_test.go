@@ -83,7 +83,7 @@ func FuzzMessage(f *testing.F) {
 			if rec.Kind != audit.KindFileActivity || rec.Provenance != audit.Guest || len(rec.Data) > audit.MaxDataSize {
 				t.Fatalf("record %+v (%d bytes of data)", rec, len(rec.Data))
 			}
-			var d Data
+			var d audit.Activity
 			dec := json.NewDecoder(strings.NewReader(string(rec.Data)))
 			dec.DisallowUnknownFields()
 			if err := dec.Decode(&d); err != nil {
@@ -103,11 +103,11 @@ func FuzzMessage(f *testing.F) {
 	})
 }
 
-func validEvent(e Event) bool {
+func validEvent(e audit.ActivityEvent) bool {
 	known := false
 	for _, op := range ops {
 		known = known || op == e.Op
 	}
-	return known && e.Pid > 0 && e.Ns >= 0 && protocol.ValidExecID(e.ExecID) && len(e.Path) <= MaxPathBytes &&
+	return known && e.PID > 0 && e.Ns >= 0 && protocol.ValidExecID(e.ExecID) && len(e.Path) <= MaxPathBytes &&
 		utf8.ValidString(e.Path) && strings.HasPrefix(e.Path, "/") && path.Clean(e.Path) == e.Path && !strings.ContainsRune(e.Path, 0)
 }

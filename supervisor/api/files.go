@@ -16,6 +16,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
+	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
 // The file API is the agent's own carrel.agent.v1.FileService, relayed
@@ -103,7 +104,7 @@ func (r *fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatR
 	if err == nil {
 		err = checkInfo(resp.Msg.Info)
 	}
-	op := fileOp{Op: "stat", Path: req.Msg.Path}
+	op := audit.FileOp{Op: "stat", Path: req.Msg.Path}
 	if err == nil {
 		op.Size = resp.Msg.Info.Size
 	}
@@ -117,7 +118,7 @@ func (r *fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatR
 func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListRequest], out *connect.ServerStream[agentv1.ListResponse]) (err error) {
 	var n uint32
 	defer func() {
-		r.cfg.recordRead(ctx, req.Header(), fileOp{Op: "list", Path: req.Msg.Path, Entries: int(n)}, err)
+		r.cfg.recordRead(ctx, req.Header(), audit.FileOp{Op: "list", Path: req.Msg.Path, Entries: int(n)}, err)
 	}()
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpList, &req.Msg.Path, req.Msg.Recursive); err != nil {
 		return err
@@ -164,7 +165,7 @@ func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadR
 	var total int64
 	sum := sha256.New() // of what the client was sent
 	defer func() {
-		r.cfg.recordRead(ctx, req.Header(), fileOp{Op: "read", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
+		r.cfg.recordRead(ctx, req.Header(), audit.FileOp{Op: "read", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
 	}()
 	c, done, err := r.files(req.Header())
 	if err != nil {
@@ -216,11 +217,11 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 	if err := r.cfg.allowFile(ctx, in.RequestHeader(), policy.OpWrite, &hdr.Path, tree); err != nil {
 		return nil, err
 	}
-	act, err := r.cfg.beginFile(ctx, in.RequestHeader(), fileIntent{Action: "file.write", Path: hdr.Path, Mode: hdr.Mode, Tar: tree})
+	act, err := r.cfg.beginFile(ctx, in.RequestHeader(), audit.FileIntent{Action: "file.write", Path: hdr.Path, Mode: hdr.Mode, Tar: tree})
 	if err != nil {
 		return nil, err
 	}
-	op := fileOp{Op: "write", Path: hdr.Path}
+	op := audit.FileOp{Op: "write", Path: hdr.Path}
 	if tree {
 		op.Op = "write_tar"
 	}
@@ -280,7 +281,7 @@ func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.Re
 	var total int64
 	sum := sha256.New()
 	defer func() {
-		r.cfg.recordRead(ctx, req.Header(), fileOp{Op: "read_tar", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
+		r.cfg.recordRead(ctx, req.Header(), audit.FileOp{Op: "read_tar", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
 	}()
 	c, done, err := r.files(req.Header())
 	if err != nil {
@@ -303,7 +304,7 @@ func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.Re
 
 // unary relays a file action whose reply carries nothing to check: its
 // intent is recorded before the guest sees it, its outcome after.
-func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Request[Req], intent fileIntent,
+func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Request[Req], intent audit.FileIntent,
 	call func(agentv1connect.FileServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Resp], error)) (*connect.Response[Resp], error) {
 	c, done, err := r.files(req.Header())
 	if err != nil {
@@ -317,7 +318,7 @@ func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Reques
 	if err != nil {
 		err = relayErr(ctx, done, err)
 	}
-	act.end(ctx, fileOp{Op: strings.TrimPrefix(intent.Action, "file."), Path: intent.Path, To: intent.To}, "", err)
+	act.end(ctx, audit.FileOp{Op: strings.TrimPrefix(intent.Action, "file."), Path: intent.Path, To: intent.To}, "", err)
 	if err != nil {
 		return nil, err
 	}
@@ -328,14 +329,14 @@ func (r *fileRelay) MakeDir(ctx context.Context, req *connect.Request[agentv1.Ma
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.Path, req.Msg.Parents); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, fileIntent{Action: "file.mkdir", Path: req.Msg.Path, Mode: req.Msg.Mode, Recursive: req.Msg.Parents}, agentv1connect.FileServiceClient.MakeDir)
+	return unary(ctx, r, req, audit.FileIntent{Action: "file.mkdir", Path: req.Msg.Path, Mode: req.Msg.Mode, Recursive: req.Msg.Parents}, agentv1connect.FileServiceClient.MakeDir)
 }
 
 func (r *fileRelay) Remove(ctx context.Context, req *connect.Request[agentv1.RemoveRequest]) (*connect.Response[agentv1.RemoveResponse], error) {
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpDelete, &req.Msg.Path, req.Msg.Recursive); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, fileIntent{Action: "file.remove", Path: req.Msg.Path, Recursive: req.Msg.Recursive}, agentv1connect.FileServiceClient.Remove)
+	return unary(ctx, r, req, audit.FileIntent{Action: "file.remove", Path: req.Msg.Path, Recursive: req.Msg.Recursive}, agentv1connect.FileServiceClient.Remove)
 }
 
 func (r *fileRelay) Rename(ctx context.Context, req *connect.Request[agentv1.RenameRequest]) (*connect.Response[agentv1.RenameResponse], error) {
@@ -346,19 +347,19 @@ func (r *fileRelay) Rename(ctx context.Context, req *connect.Request[agentv1.Ren
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.To, true); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, fileIntent{Action: "file.rename", Path: req.Msg.From, To: req.Msg.To}, agentv1connect.FileServiceClient.Rename)
+	return unary(ctx, r, req, audit.FileIntent{Action: "file.rename", Path: req.Msg.From, To: req.Msg.To}, agentv1connect.FileServiceClient.Rename)
 }
 
 func (r *fileRelay) Chmod(ctx context.Context, req *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error) {
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, fileIntent{Action: "file.chmod", Path: req.Msg.Path, Mode: req.Msg.Mode}, agentv1connect.FileServiceClient.Chmod)
+	return unary(ctx, r, req, audit.FileIntent{Action: "file.chmod", Path: req.Msg.Path, Mode: req.Msg.Mode}, agentv1connect.FileServiceClient.Chmod)
 }
 
 func (r *fileRelay) Chown(ctx context.Context, req *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error) {
 	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
 		return nil, err
 	}
-	return unary(ctx, r, req, fileIntent{Action: "file.chown", Path: req.Msg.Path, UID: &req.Msg.Uid, GID: &req.Msg.Gid}, agentv1connect.FileServiceClient.Chown)
+	return unary(ctx, r, req, audit.FileIntent{Action: "file.chown", Path: req.Msg.Path, UID: &req.Msg.Uid, GID: &req.Msg.Gid}, agentv1connect.FileServiceClient.Chown)
 }

@@ -36,32 +36,9 @@ func (cfg Config) session(vm string) string {
 	return cfg.Manager.SessionOf(vm)
 }
 
-// execIntent is what an exec's intent record holds: the command as the
-// guest will run it, and who asked.
-type execIntent struct {
-	Action string            `json:"action"` // "exec"
-	Caller policy.Caller     `json:"caller"`
-	Argv   []string          `json:"argv"`
-	Env    map[string]string `json:"env,omitempty"`
-	Cwd    string            `json:"cwd"`
-	User   string            `json:"user"`
-	TTY    bool              `json:"tty,omitempty"`
-	Detach bool              `json:"detach,omitempty"`
-}
-
-// execOutcome is what its outcome record holds.
-type execOutcome struct {
-	Code   *int32 `json:"code,omitempty"`
-	Signal string `json:"signal,omitempty"`
-	// ExecID is the guest's id for the command, which its file.activity
-	// records name (as the guest reports it).
-	ExecID      string `json:"exec_id,omitempty"`
-	StdinBytes  int64  `json:"stdin_bytes"`
-	StdoutBytes int64  `json:"stdout_bytes"`
-	StderrBytes int64  `json:"stderr_bytes"`
-	// Error says why the call ended without an exit status (a detached
-	// command, a broken link, a timeout).
-	Error string `json:"error,omitempty"`
+// recordedCaller is callerOf as audit records name it.
+func recordedCaller(ctx context.Context) audit.Caller {
+	return audit.Caller(callerOf(ctx))
 }
 
 // maxRecordedArgs keeps an intent record under the log's data cap: a
@@ -106,15 +83,6 @@ type outputBuf struct {
 	offset int64      // bytes of the stream already recorded
 }
 
-// outputData is the data of an "exec.output" record.
-type outputData struct {
-	Exec   uint64     `json:"exec"`
-	Stream string     `json:"stream"`
-	Offset int64      `json:"offset"`
-	Size   int64      `json:"size"`
-	Chunks [][2]int64 `json:"chunks"`
-}
-
 // beginExec makes the command's intent ("action.intent", action "exec")
 // durable before it is forwarded. An intent that cannot be recorded stops
 // the command.
@@ -122,7 +90,7 @@ func (cfg Config) beginExec(ctx context.Context, vm string, req *agentv1.ExecReq
 	if cfg.Audit == nil {
 		return nil, nil
 	}
-	in := execIntent{Action: "exec", Caller: callerOf(ctx), Argv: req.Argv, Env: envMap(req.Env), Cwd: req.Cwd, User: req.User, TTY: req.Tty, Detach: detach}
+	in := audit.ExecIntent{Action: audit.ActionExec, Caller: recordedCaller(ctx), Argv: req.Argv, Env: envMap(req.Env), Cwd: req.Cwd, User: req.User, TTY: req.Tty, Detach: detach}
 	if in.Cwd == "" {
 		in.Cwd = policy.DefaultCwd
 	}
@@ -131,7 +99,7 @@ func (cfg Config) beginExec(ctx context.Context, vm string, req *agentv1.ExecReq
 	}
 	data, err := json.Marshal(in)
 	if err == nil && len(data) > maxRecordedArgs {
-		data, err = json.Marshal(map[string]any{"action": "exec", "caller": in.Caller, "truncated": true, "argv0": req.Argv[0], "args": len(req.Argv)})
+		data, err = json.Marshal(audit.ExecIntentTruncated{Action: audit.ActionExec, Args: len(req.Argv), Argv0: req.Argv[0], Caller: in.Caller, Truncated: true})
 	}
 	if err != nil {
 		return nil, err
@@ -180,7 +148,7 @@ func (e *execRecord) flushLocked(ctx context.Context, stream int) error {
 		if err != nil {
 			return err
 		}
-		data, err := json.Marshal(outputData{Exec: e.p.Seq(), Stream: streamNames[stream], Offset: s.offset, Size: int64(len(s.buf)), Chunks: s.chunks})
+		data, err := json.Marshal(audit.ExecOutput{Exec: e.p.Seq(), Stream: streamNames[stream], Offset: s.offset, Size: int64(len(s.buf)), Chunks: s.chunks})
 		if err != nil {
 			return err
 		}
@@ -221,7 +189,7 @@ func (e *execRecord) finish(ctx context.Context, chk *eventCheck, callErr error)
 	}
 	stdin = e.streams[streamStdin].offset
 	e.mu.Unlock()
-	out := execOutcome{ExecID: chk.id, StdinBytes: stdin, StdoutBytes: chk.stdout, StderrBytes: chk.stderr}
+	out := audit.ExecExit{ExecID: chk.id, StdinBytes: stdin, StdoutBytes: chk.stdout, StderrBytes: chk.stderr}
 	switch {
 	case chk.exit != nil:
 		out.Code, out.Signal = &chk.exit.Code, chk.exit.Signal
@@ -247,21 +215,16 @@ func (e *execRecord) event(ctx context.Context, ev *agentv1.ExecResponse) error 
 	return nil
 }
 
-// apiCall is the data of an "api.call" record: one call, after it ended.
+// apiCall is one call, for its "api.call" record once it ends.
 type apiCall struct {
-	Procedure string         `json:"procedure"`
-	Caller    *policy.Caller `json:"caller,omitempty"`
-	// VM is the VM the call named, if any.
-	VM         string `json:"-"`
-	Decision   string `json:"decision,omitempty"`
-	Code       string `json:"code"`
-	Error      string `json:"error,omitempty"`
-	DurationNs int64  `json:"duration_ns"`
-	start      time.Time
+	audit.APICall
+	// vm is the VM the call named, if any.
+	vm    string
+	start time.Time
 }
 
 func (cfg Config) newCall(procedure string) *apiCall {
-	return &apiCall{Procedure: procedure, start: time.Now()}
+	return &apiCall{APICall: audit.APICall{Procedure: procedure}, start: time.Now()}
 }
 
 // recordCall records a call once it has ended, before its reply (or its
@@ -277,11 +240,11 @@ func (cfg Config) recordCall(ctx context.Context, c *apiCall, err error) {
 		c.Code = connect.CodeOf(err).String()
 		c.Error = protocol.CleanText(err.Error(), 1024)
 	}
-	data, merr := json.Marshal(c)
+	data, merr := json.Marshal(c.APICall)
 	if merr != nil {
 		return
 	}
-	if _, err := cfg.Audit.Append(context.WithoutCancel(ctx), audit.Record{Kind: audit.KindAPICall, VM: c.VM, Session: cfg.session(c.VM), Provenance: audit.Host, Data: data}); err != nil {
+	if _, err := cfg.Audit.Append(context.WithoutCancel(ctx), audit.Record{Kind: audit.KindAPICall, VM: c.vm, Session: cfg.session(c.vm), Provenance: audit.Host, Data: data}); err != nil {
 		cfg.Logger.Error("api call not recorded", "procedure", c.Procedure, "err", err)
 	}
 }

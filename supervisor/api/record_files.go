@@ -13,7 +13,6 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
-	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
@@ -21,34 +20,6 @@ import (
 // keeps as a blob (a rerun replays it); a larger one is recorded by size
 // and digest only.
 const maxRecordedWrite = 16 << 20
-
-// fileIntent is the data of a file action's intent record.
-type fileIntent struct {
-	Action string        `json:"action"` // "file.write", "file.remove", ...
-	Caller policy.Caller `json:"caller"`
-	Path   string        `json:"path"`
-	To     string        `json:"to,omitempty"`
-	Mode   uint32        `json:"mode,omitempty"`
-	UID    *int64        `json:"uid,omitempty"`
-	GID    *int64        `json:"gid,omitempty"`
-	Tar    bool          `json:"tar,omitempty"`
-	// Recursive is set for a recursive remove and a mkdir with parents.
-	Recursive bool `json:"recursive,omitempty"`
-}
-
-// fileOp is the data of a "file.op" record: what a file action did, or a
-// read.
-type fileOp struct {
-	Op      string `json:"op"`
-	Path    string `json:"path"`
-	To      string `json:"to,omitempty"`
-	Size    int64  `json:"size"`
-	Digest  string `json:"digest,omitempty"`
-	Entries int    `json:"entries,omitempty"`
-	Error   string `json:"error,omitempty"`
-	// Content says why a write's content is not kept as a blob.
-	Content string `json:"content,omitempty"`
-}
 
 // actionRecord records one file action: its intent before the guest sees
 // it, its file.op after. A nil *actionRecord records nothing.
@@ -60,12 +31,12 @@ type actionRecord struct {
 
 // beginFile makes a file action's intent durable; the action must not be
 // forwarded when that fails.
-func (cfg Config) beginFile(ctx context.Context, h http.Header, in fileIntent) (*actionRecord, error) {
+func (cfg Config) beginFile(ctx context.Context, h http.Header, in audit.FileIntent) (*actionRecord, error) {
 	if cfg.Audit == nil {
 		return nil, nil
 	}
 	vm := h.Get(protocol.VMHeader)
-	in.Caller = callerOf(ctx)
+	in.Caller = recordedCaller(ctx)
 	data, err := json.Marshal(in)
 	if err != nil {
 		return nil, err
@@ -79,7 +50,7 @@ func (cfg Config) beginFile(ctx context.Context, h http.Header, in fileIntent) (
 }
 
 // end records the action's file.op, with err's text when it failed.
-func (a *actionRecord) end(ctx context.Context, op fileOp, blob string, err error) {
+func (a *actionRecord) end(ctx context.Context, op audit.FileOp, blob string, err error) {
 	if a == nil {
 		return
 	}
@@ -101,7 +72,7 @@ func (a *actionRecord) end(ctx context.Context, op fileOp, blob string, err erro
 
 // recordRead records a read, a stat or a listing after it: it changed
 // nothing, and its decision is already on record.
-func (cfg Config) recordRead(ctx context.Context, h http.Header, op fileOp, err error) {
+func (cfg Config) recordRead(ctx context.Context, h http.Header, op audit.FileOp, err error) {
 	if cfg.Audit == nil {
 		return
 	}
@@ -183,23 +154,6 @@ func (b *contentBlob) finish(abort bool) (string, string) {
 	return b.dig, ""
 }
 
-// watchEvent is one event of a "watch.event" record.
-type watchEvent struct {
-	Op      string `json:"op"`
-	Path    string `json:"path"`
-	OldPath string `json:"old_path,omitempty"`
-	Dir     bool   `json:"dir,omitempty"`
-	// TimeNs is when the guest says it saw the event (Unix ns).
-	TimeNs int64 `json:"time_ns"`
-}
-
-// watchData is the data of a "watch.event" record.
-type watchData struct {
-	Watch   string       `json:"watch"`
-	Events  []watchEvent `json:"events"`
-	Dropped uint64       `json:"dropped,omitempty"`
-}
-
 // watchRecordBytes bounds one watch.event record's data, under the log's
 // cap; a message with more is recorded as several.
 const watchRecordBytes = 48 << 10
@@ -212,7 +166,7 @@ func (cfg Config) recordWatch(ctx context.Context, h http.Header, root string, m
 	}
 	vm := h.Get(protocol.VMHeader)
 	session := cfg.session(vm)
-	flush := func(d watchData) error {
+	flush := func(d audit.Watch) error {
 		data, err := json.Marshal(d)
 		if err != nil {
 			return err
@@ -220,17 +174,17 @@ func (cfg Config) recordWatch(ctx context.Context, h http.Header, root string, m
 		_, err = cfg.Audit.Append(ctx, audit.Record{Kind: audit.KindWatchEvent, VM: vm, Session: session, Provenance: audit.Guest, Data: data})
 		return err
 	}
-	d := watchData{Watch: root, Dropped: msg.Dropped}
+	d := audit.Watch{Watch: root, Dropped: msg.Dropped}
 	size := 0
 	for _, e := range msg.Events {
-		ev := watchEvent{Op: strings.ToLower(strings.TrimPrefix(e.Op.String(), "WATCH_OP_")), Path: e.Path, OldPath: e.OldPath, Dir: e.IsDir, TimeNs: e.TimeUnixNano}
+		ev := audit.WatchEvent{Op: strings.ToLower(strings.TrimPrefix(e.Op.String(), "WATCH_OP_")), Path: e.Path, OldPath: e.OldPath, Dir: e.IsDir, TimeNs: e.TimeUnixNano}
 		// JSON may escape a byte as six.
 		n := 6*(len(ev.Path)+len(ev.OldPath)) + 96
 		if size+n > watchRecordBytes && len(d.Events) > 0 {
 			if err := flush(d); err != nil {
 				return err
 			}
-			d, size = watchData{Watch: root}, 0
+			d, size = audit.Watch{Watch: root}, 0
 		}
 		d.Events = append(d.Events, ev)
 		size += n
@@ -244,20 +198,6 @@ func (cfg Config) recordWatch(ctx context.Context, h http.Header, root string, m
 	return nil
 }
 
-// forwardIntent is the data of a port-forward's intent record.
-type forwardIntent struct {
-	Action string        `json:"action"` // "port.forward"
-	Caller policy.Caller `json:"caller"`
-	Host   string        `json:"host"`
-	Port   uint32        `json:"port"`
-}
-
-// forwardOutcome is the data of its "action.outcome".
-type forwardOutcome struct {
-	BytesFromGuest int64  `json:"bytes_from_guest"`
-	Error          string `json:"error,omitempty"`
-}
-
 // beginForward makes a forwarded connection's intent durable before the
 // guest is asked to open it.
 func (cfg Config) beginForward(ctx context.Context, h http.Header, host string, port uint32) (*actionRecord, error) {
@@ -265,7 +205,7 @@ func (cfg Config) beginForward(ctx context.Context, h http.Header, host string, 
 		return nil, nil
 	}
 	vm := h.Get(protocol.VMHeader)
-	data, err := json.Marshal(forwardIntent{Action: "port.forward", Caller: callerOf(ctx), Host: host, Port: port})
+	data, err := json.Marshal(audit.ForwardIntent{Action: audit.ActionForward, Caller: recordedCaller(ctx), Host: host, Port: port})
 	if err != nil {
 		return nil, err
 	}
@@ -282,7 +222,7 @@ func (a *actionRecord) endForward(ctx context.Context, fromGuest int64, err erro
 	if a == nil {
 		return
 	}
-	out := forwardOutcome{BytesFromGuest: fromGuest}
+	out := audit.ForwardOutcome{BytesFromGuest: fromGuest}
 	if err != nil {
 		out.Error = protocol.CleanText(err.Error(), 1024)
 	}

@@ -7,7 +7,6 @@ import (
 	"io"
 	"maps"
 	"slices"
-	"time"
 
 	"golang.org/x/mod/sumdb/note"
 	"golang.org/x/mod/sumdb/tlog"
@@ -34,33 +33,8 @@ type Recovery struct {
 	HashesFrom uint64
 }
 
-// RecoveryData is the data of an "audit.recovery" record.
-type RecoveryData struct {
-	// Cause is "restart" (Open repaired the log) or "fault" (writing
-	// failed for a while and works again).
-	Cause           string     `json:"cause"`
-	TruncatedAt     *int64     `json:"truncated_at,omitempty"`
-	TruncatedBytes  int64      `json:"truncated_bytes,omitempty"`
-	TailReason      string     `json:"tail_reason,omitempty"`
-	UnknownOutcomes int        `json:"unknown_outcomes,omitempty"`
-	Error           string     `json:"error,omitempty"`
-	Since           *time.Time `json:"since,omitempty"`
-	Refused         uint64     `json:"refused,omitempty"`
-}
-
-// OutcomeData is the data of the outcome Open appends for an intent that
-// was left open: Outcome is OutcomeUnknown.
-type OutcomeData struct {
-	Outcome string `json:"outcome"`
-	Reason  string `json:"reason"`
-}
-
-const (
-	// OutcomeUnknown is OutcomeData.Outcome for an intent a crash left
-	// open.
-	OutcomeUnknown = "unknown"
-	unknownReason  = "carreld stopped before the action finished"
-)
+// unknownReason is OutcomeData.Reason for an intent a crash left open.
+const unknownReason = "carreld stopped before the action finished"
 
 type openIntent struct{ vm, session string }
 

@@ -28,13 +28,8 @@ type Decisions struct {
 	Session func(vm string) string
 }
 
-type decisionData struct {
-	policy.Decision
-	Input json.RawMessage `json:"input,omitempty"`
-}
-
 func (r *Decisions) Record(ctx context.Context, d policy.Decision, in policy.Input) error {
-	data := decisionData{Decision: d}
+	data := decisionRecord(d)
 	if len(d.Input) <= maxRecordedInput {
 		data.Input = d.Input
 	}
@@ -50,32 +45,10 @@ func (r *Decisions) Record(ctx context.Context, d policy.Decision, in policy.Inp
 	return err
 }
 
-// lifecycleData is the data of a "vm.lifecycle" record.
-type lifecycleData struct {
-	Event       vm.EventKind `json:"event"`
-	ImageDigest string       `json:"image_digest"`
-	// ImageName and RootHash name the image and the dm-verity root hash
-	// of its root file system (empty for an image without one). A
-	// created or starting record also carries the image's manifest as a
-	// blob (its digest is ImageDigest), with the image's every package.
-	ImageName      string   `json:"image_name,omitempty"`
-	RootHash       string   `json:"root_hash,omitempty"`
-	Policy         string   `json:"policy"`
-	PolicyRevision string   `json:"policy_revision,omitempty"`
-	MemoryBytes    uint64   `json:"memory_bytes"`
-	CPUs           uint32   `json:"cpus"`
-	Driver         string   `json:"driver"`
-	Reason         string   `json:"reason,omitempty"`
-	GPUs           []string `json:"gpus,omitempty"`
-}
-
-// gpuData is the data of a "gpu.attach" or "gpu.detach" record.
-type gpuData struct {
-	// GPUs are the PCI addresses the VM was created with; the other
-	// functions of their slots go with them.
-	GPUs   []string `json:"gpus"`
-	Driver string   `json:"driver"`
-	Reason string   `json:"reason,omitempty"`
+// decisionRecord is d as its record holds it, without its input.
+func decisionRecord(d policy.Decision) audit.Decision {
+	return audit.Decision{ID: d.ID, Time: d.Time, Kind: string(d.Kind), VM: d.VM, Policy: d.Policy, Revision: d.Revision,
+		InputDigest: d.InputDigest, Allow: d.Allow, Rule: d.Rule, Reason: d.Reason, Cached: d.Cached}
 }
 
 // Manifests gives an image's manifest, as stored, by its digest.
@@ -96,14 +69,14 @@ func Lifecycle(l *audit.Log, pols *policystore.Store, manifests Manifests) func(
 			if ev.Kind == vm.EventGPUDetach {
 				kind = audit.KindGPUDetach
 			}
-			b, err := json.Marshal(gpuData{GPUs: r.GPUs, Driver: r.Driver, Reason: ev.Reason})
+			b, err := json.Marshal(audit.GPU{GPUs: r.GPUs, Driver: r.Driver, Reason: ev.Reason})
 			if err != nil {
 				return err
 			}
 			_, err = l.Append(ctx, audit.Record{Kind: kind, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b})
 			return err
 		}
-		data := lifecycleData{Event: ev.Kind, ImageDigest: r.ImageDigest, RootHash: r.RootHash, Policy: r.PolicyName(),
+		data := audit.Lifecycle{Event: string(ev.Kind), ImageDigest: r.ImageDigest, RootHash: r.RootHash, Policy: r.PolicyName(),
 			MemoryBytes: r.MemoryBytes, CPUs: r.CPUs, Driver: r.Driver, Reason: ev.Reason, GPUs: r.GPUs}
 		var blobs []string
 		if manifests != nil && (ev.Kind == vm.EventCreated || ev.Kind == vm.EventStarting) {

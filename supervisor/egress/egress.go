@@ -276,30 +276,6 @@ const (
 	outcomeFailed  = "failed"  // allowed, but it did not resolve or connect
 )
 
-// record is the data of a "net.egress" record.
-type record struct {
-	// ID is the agent's id of the request; PID the process it named (what
-	// the guest says).
-	ID       uint64 `json:"id"`
-	PID      int32  `json:"pid,omitempty"`
-	Host     string `json:"host"`
-	Port     uint32 `json:"port"`
-	Protocol string `json:"protocol"`
-	Outcome  string `json:"outcome"`
-	// Decisions are the ids of the policy decisions made for it: the name,
-	// then the name with its addresses. Rule is the last one's rule.
-	Decisions []string `json:"decisions,omitempty"`
-	Rule      string   `json:"rule,omitempty"`
-	// Addresses are what the name resolved to; IP the one connected to.
-	Addresses  []string `json:"addresses,omitempty"`
-	IP         string   `json:"ip,omitempty"`
-	SNI        string   `json:"sni,omitempty"`
-	BytesUp    int64    `json:"bytes_up"`
-	BytesDown  int64    `json:"bytes_down"`
-	DurationNs int64    `json:"duration_ns"`
-	Error      string   `json:"error,omitempty"`
-}
-
 // conn is one request, from its decision to the end of its connection.
 type conn struct {
 	p       *Proxy
@@ -309,7 +285,7 @@ type conn struct {
 	session string
 	req     *agentv1.EgressDialRequest
 	start   time.Time
-	rec     record
+	rec     audit.Egress
 	counted bool // it holds one of v.open
 
 	up, down atomic.Int64
@@ -323,7 +299,7 @@ func (r *refusal) Error() string { return r.msg }
 // run decides, connects, answers the guest, carries the bytes and
 // records the outcome.
 func (c *conn) run(ctx context.Context) {
-	c.rec = record{ID: c.req.Id, PID: max(0, c.req.Pid), Host: protocol.CleanText(c.req.Host, 255), Port: c.req.Port,
+	c.rec = audit.Egress{ID: c.req.Id, PID: max(0, c.req.Pid), Host: protocol.CleanText(c.req.Host, 255), Port: c.req.Port,
 		Protocol: kindNames[c.req.Kind], Outcome: outcomeDenied}
 	if c.rec.Protocol == "" {
 		c.rec.Protocol = fmt.Sprintf("unknown (%d)", c.req.Kind)

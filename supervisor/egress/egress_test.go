@@ -100,17 +100,17 @@ func (m *memRecorder) Append(_ context.Context, r audit.Record) (uint64, error) 
 }
 
 // egress returns the net.egress records' data.
-func (m *memRecorder) egress(t *testing.T) []record {
+func (m *memRecorder) egress(t *testing.T) []audit.Egress {
 	t.Helper()
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	var out []record
+	var out []audit.Egress
 	for _, r := range m.recs {
 		if r.Kind != audit.KindNetEgress || r.VM != "demo" || r.Session != "ses_1" || r.Provenance != audit.Host {
 			t.Errorf("record %+v", r)
 			continue
 		}
-		var d record
+		var d audit.Egress
 		if err := json.Unmarshal(r.Data, &d); err != nil {
 			t.Fatal(err)
 		}
@@ -121,7 +121,7 @@ func (m *memRecorder) egress(t *testing.T) []record {
 
 // waitRecords waits for n net.egress records (each is written as its
 // connection ends).
-func (m *memRecorder) waitRecords(t *testing.T, n int) []record {
+func (m *memRecorder) waitRecords(t *testing.T, n int) []audit.Egress {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
@@ -320,7 +320,7 @@ func TestAllowedConnections(t *testing.T) {
 		t.Fatalf("https through CONNECT: %d %q %v", code, body, err)
 	}
 	recs := w.rec.waitRecords(t, 2)
-	byProto := map[string]record{}
+	byProto := map[string]audit.Egress{}
 	for _, r := range recs {
 		byProto[r.Protocol] = r
 	}
@@ -488,7 +488,7 @@ func TestBandwidthLimit(t *testing.T) {
 // loses the connection, and what it claims is cleaned for the record.
 func TestHostileGuest(t *testing.T) {
 	w := newWorld(t)
-	c := &conn{p: w.proxy, v: &vmState{up: newBucket(), down: newBucket()}, req: nil, rec: record{Host: "allowed.test", IP: "127.0.0.1"}}
+	c := &conn{p: w.proxy, v: &vmState{up: newBucket(), down: newBucket()}, req: nil, rec: audit.Egress{Host: "allowed.test", IP: "127.0.0.1"}}
 	for _, msgs := range [][]any{
 		{make([]byte, maxChunk+1)},
 		{"close", "close"},

@@ -77,51 +77,6 @@ type Step struct {
 	Failed    string
 }
 
-type lifecycleData struct {
-	Event          string `json:"event"`
-	ImageDigest    string `json:"image_digest"`
-	Policy         string `json:"policy"`
-	PolicyRevision string `json:"policy_revision"`
-	MemoryBytes    uint64 `json:"memory_bytes"`
-	CPUs           uint32 `json:"cpus"`
-}
-
-type intentData struct {
-	Action string            `json:"action"`
-	Argv   []string          `json:"argv"`
-	Env    map[string]string `json:"env"`
-	Cwd    string            `json:"cwd"`
-	User   string            `json:"user"`
-	TTY    bool              `json:"tty"`
-	Detach bool              `json:"detach"`
-	Path   string            `json:"path"`
-	Mode   uint32            `json:"mode"`
-	Tar    bool              `json:"tar"`
-	To     string            `json:"to"`
-	Trunc  bool              `json:"truncated"`
-	UID    *int64            `json:"uid"`
-	GID    *int64            `json:"gid"`
-	Rec    bool              `json:"recursive"`
-}
-
-type outputData struct {
-	Exec   uint64 `json:"exec"`
-	Stream string `json:"stream"`
-}
-
-type exitData struct {
-	Code   *int32 `json:"code"`
-	Signal string `json:"signal"`
-	Error  string `json:"error"`
-}
-
-type fileOpData struct {
-	Op      string `json:"op"`
-	Digest  string `json:"digest"`
-	Error   string `json:"error"`
-	Content string `json:"content"`
-}
-
 // Build reads a session's plan from its records.
 func Build(s *review.Session) (*Plan, error) {
 	p := &Plan{Session: s.ID, VM: s.VM}
@@ -131,34 +86,41 @@ func Build(s *review.Session) (*Plan, error) {
 		r := e.Record
 		switch r.Kind {
 		case audit.KindVMLifecycle:
-			var d lifecycleData
+			var d audit.Lifecycle
 			if json.Unmarshal(r.Data, &d) == nil && p.ImageDigest == "" && d.ImageDigest != "" {
 				p.ImageDigest, p.Policy, p.PolicyRevision, p.MemoryBytes, p.CPUs = d.ImageDigest, d.Policy, d.PolicyRevision, d.MemoryBytes, d.CPUs
 			}
 		case audit.KindIntent:
-			var d intentData
-			if err := json.Unmarshal(r.Data, &d); err != nil {
+			v, err := audit.DecodeIntent(r.Data)
+			if err != nil {
 				return nil, fmt.Errorf("record %d: %w", r.Seq, err)
 			}
-			switch {
-			case d.Action == "exec" && d.Trunc:
+			switch d := v.(type) {
+			case *audit.ExecIntentTruncated:
 				p.Skipped = append(p.Skipped, fmt.Sprintf("record %d: a command too large to record whole", r.Seq))
-			case d.Action == "exec" && d.Detach:
-				p.Skipped = append(p.Skipped, fmt.Sprintf("record %d: a detached command (%s)", r.Seq, firstArg(d.Argv)))
-			case d.Action == "exec":
+			case *audit.ExecIntent:
+				if d.Detach {
+					p.Skipped = append(p.Skipped, fmt.Sprintf("record %d: a detached command (%s)", r.Seq, firstArg(d.Argv)))
+					break
+				}
 				steps[r.Seq] = &Step{Seq: r.Seq, Kind: "exec", Argv: d.Argv, Env: d.Env, Cwd: d.Cwd, User: d.User, TTY: d.TTY}
 				order = append(order, r.Seq)
-			case d.Action == "file.write" && !d.Tar:
-				steps[r.Seq] = &Step{Seq: r.Seq, Kind: "write", Path: d.Path, Mode: d.Mode}
-				order = append(order, r.Seq)
-			case slices.Contains(fileActions, d.Action):
-				steps[r.Seq] = &Step{Seq: r.Seq, Kind: "file", Action: d.Action, Path: d.Path, To: d.To, Mode: d.Mode, UID: d.UID, GID: d.GID, Recursive: d.Rec}
-				order = append(order, r.Seq)
-			default:
-				p.Skipped = append(p.Skipped, fmt.Sprintf("record %d: %s %s is not replayed", r.Seq, d.Action, d.Path))
+			case *audit.ForwardIntent:
+				p.Skipped = append(p.Skipped, fmt.Sprintf("record %d: %s %s is not replayed", r.Seq, d.Action, ""))
+			case *audit.FileIntent:
+				switch {
+				case d.Action == "file.write" && !d.Tar:
+					steps[r.Seq] = &Step{Seq: r.Seq, Kind: "write", Path: d.Path, Mode: d.Mode}
+					order = append(order, r.Seq)
+				case slices.Contains(fileActions, d.Action):
+					steps[r.Seq] = &Step{Seq: r.Seq, Kind: "file", Action: d.Action, Path: d.Path, To: d.To, Mode: d.Mode, UID: d.UID, GID: d.GID, Recursive: d.Recursive}
+					order = append(order, r.Seq)
+				default:
+					p.Skipped = append(p.Skipped, fmt.Sprintf("record %d: %s %s is not replayed", r.Seq, d.Action, d.Path))
+				}
 			}
 		case audit.KindExecOutput:
-			var d outputData
+			var d audit.ExecOutput
 			if json.Unmarshal(r.Data, &d) != nil || len(r.Blobs) != 1 {
 				continue
 			}
@@ -175,7 +137,7 @@ func Build(s *review.Session) (*Plan, error) {
 				st.Stderr = append(st.Stderr, r.Blobs[0])
 			}
 		case audit.KindExecExit:
-			var d exitData
+			var d audit.ExecExit
 			if r.Intent == nil || json.Unmarshal(r.Data, &d) != nil {
 				continue
 			}
@@ -183,7 +145,7 @@ func Build(s *review.Session) (*Plan, error) {
 				st.Code, st.Signal = d.Code, d.Signal
 			}
 		case audit.KindFileOp:
-			var d fileOpData
+			var d audit.FileOp
 			if r.Intent == nil || json.Unmarshal(r.Data, &d) != nil {
 				continue
 			}

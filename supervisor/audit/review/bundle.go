@@ -93,7 +93,7 @@ func (m *Manifest) describe(entries []Entry) {
 		m.Last = e.Time
 		switch e.Kind {
 		case audit.KindVMLifecycle:
-			var d lifecycleData
+			var d audit.Lifecycle
 			if decodeData(e, &d) {
 				if m.ImageDigest == "" {
 					m.ImageDigest = d.ImageDigest
@@ -104,7 +104,7 @@ func (m *Manifest) describe(entries []Entry) {
 				m.addPolicy(d.Policy, d.PolicyRevision)
 			}
 		case audit.KindPolicyDecision:
-			var d decisionData
+			var d audit.Decision
 			if decodeData(e, &d) {
 				m.addPolicy(d.Policy, d.Revision)
 			}

@@ -109,7 +109,7 @@ func (f *bundleFiles) wantManifest(payload []byte) {
 		return
 	}
 	e := Entry{Record: rec}
-	var d lifecycleData
+	var d audit.Lifecycle
 	if decodeData(&e, &d) && slices.Contains(rec.Blobs, d.ImageDigest) {
 		f.wantManifests[d.ImageDigest] = true
 	}
@@ -242,10 +242,10 @@ func VerifyBundle(rd io.Reader, opts BundleVerifyOptions) (*BundleReport, error)
 			}
 		}
 		if e.Kind == audit.KindExecOutput {
-			var d outputData
-			if decodeData(e, &d) && d.Exec != nil {
-				if _, ok := present[*d.Exec]; !ok {
-					v.add(audit.Problem{Kind: audit.ProblemIntent, Seq: ptr(e.Seq), Detail: fmt.Sprintf("output of exec %d, whose intent is not in the bundle: a record was left out", *d.Exec)})
+			var d audit.ExecOutput
+			if decodeData(e, &d) {
+				if _, ok := present[d.Exec]; !ok {
+					v.add(audit.Problem{Kind: audit.ProblemIntent, Seq: ptr(e.Seq), Detail: fmt.Sprintf("output of exec %d, whose intent is not in the bundle: a record was left out", d.Exec)})
 				}
 			}
 		}

@@ -54,15 +54,15 @@ func LoadImage(r *audit.Reader, s *Session) *Image {
 // imageRecord is the session's first created or starting vm.lifecycle
 // record that names an image (the one that keeps its manifest), else its
 // first vm.lifecycle record that names one.
-func imageRecord(entries []Entry) (*Entry, lifecycleData, bool) {
+func imageRecord(entries []Entry) (*Entry, audit.Lifecycle, bool) {
 	var first *Entry
-	var firstData lifecycleData
+	var firstData audit.Lifecycle
 	for i := range entries {
 		e := &entries[i]
 		if e.Kind != audit.KindVMLifecycle {
 			continue
 		}
-		var d lifecycleData
+		var d audit.Lifecycle
 		if !decodeData(e, &d) || d.ImageDigest == "" {
 			continue
 		}

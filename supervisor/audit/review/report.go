@@ -318,7 +318,7 @@ func (v *reportView) rows(s *Session) {
 		}
 		switch e.Kind {
 		case audit.KindPolicyDecision:
-			var d decisionData
+			var d audit.Decision
 			if decodeData(e, &d) {
 				row := decisionRow{Time: t, Seq: e.Seq, Verdict: verdict(d.Allow), Kind: f(d.Kind), Rule: f(d.Rule), Reason: clean(d.Reason, 1000), Policy: f(policyRef(d.Policy, d.Revision)), Cached: d.Cached}
 				v.Decisions = append(v.Decisions, row)
@@ -327,12 +327,9 @@ func (v *reportView) rows(s *Session) {
 				}
 			}
 		case audit.KindFileOp:
-			var d fileOpData
+			var d audit.FileOp
 			if decodeData(e, &d) {
-				row := fileRow{Time: t, Seq: e.Seq, Source: source, Guest: guest, Op: f(d.Op), Path: clean(d.Path, 1000), Detail: f(d.Digest)}
-				if d.Size != nil {
-					row.Size = bytesText(*d.Size)
-				}
+				row := fileRow{Time: t, Seq: e.Seq, Source: source, Guest: guest, Op: f(d.Op), Path: clean(d.Path, 1000), Detail: f(d.Digest), Size: bytesText(d.Size)}
 				if d.To != "" {
 					row.Path += " → " + clean(d.To, 1000)
 				}
@@ -348,15 +345,8 @@ func (v *reportView) rows(s *Session) {
 				v.Files = append(v.Files, row)
 			}
 		case audit.KindWatchEvent:
-			var d watchData
+			var d audit.Watch
 			if decodeData(e, &d) {
-				if d.Op != "" {
-					row := fileRow{Time: t, Seq: e.Seq, Source: source + " (watch)", Guest: guest, Op: f(d.Op), Path: clean(d.Path, 1000)}
-					if d.Size != nil {
-						row.Size = bytesText(*d.Size)
-					}
-					v.Files = append(v.Files, row)
-				}
 				for _, ev := range d.Events {
 					row := fileRow{Time: t, Seq: e.Seq, Source: source + " (watch)", Guest: guest, Op: f(ev.Op), Path: clean(ev.Path, 1000)}
 					if ev.OldPath != "" {
@@ -368,8 +358,8 @@ func (v *reportView) rows(s *Session) {
 					v.Files = append(v.Files, fileRow{Time: t, Seq: e.Seq, Source: source + " (watch)", Guest: guest, Op: "dropped", Detail: fmt.Sprintf("%d events were dropped", d.Dropped)})
 				}
 			}
-		case "file.activity":
-			var d activityData
+		case audit.KindFileActivity:
+			var d audit.Activity
 			if decodeData(e, &d) {
 				for _, ev := range d.Events {
 					detail := fmt.Sprintf("pid %d", ev.PID)
@@ -392,7 +382,7 @@ func (v *reportView) commands(dir string, cmds []*Command, maxOut int64) error {
 		row := commandRow{Seq: c.Seq, Time: c.Start.UTC().Format(timeLayout), Line: c.Line, Exit: c.ExitText(), ExitClass: "muted"}
 		if c.intent != nil {
 			row.Cwd, row.User, row.TTY = clean(c.intent.Cwd, 1000), clean(c.intent.User, maxField), c.intent.TTY
-			row.Caller = callerText(c.intent.Caller)
+			row.Caller = callerText(&c.intent.Caller)
 		}
 		if c.exit != nil {
 			row.Stdout, row.Stderr = bytesText(c.exit.StdoutBytes), bytesText(c.exit.StderrBytes)

@@ -1,7 +1,6 @@
 package review
 
 import (
-	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -71,9 +70,9 @@ func shellWord(s string) string {
 
 // CommandLine is an exec intent's argv as a shell command line, safe to
 // print, cut at max runes (-1 for no cap).
-func commandLine(d *intentData, max int) string {
-	if d.Truncated {
-		return clean(fmt.Sprintf("%s … (%d arguments, too large to record)", shellWord(d.Argv0), d.Args), max)
+func commandLine(d *execCommand, max int) string {
+	if t := d.Truncated; t != nil {
+		return clean(fmt.Sprintf("%s … (%d arguments, too large to record)", shellWord(t.Argv0), t.Args), max)
 	}
 	words := make([]string, len(d.Argv))
 	for i, a := range d.Argv {
@@ -110,7 +109,7 @@ func summary(e *Entry) (string, bool) {
 	sep := " "
 	switch e.Kind {
 	case audit.KindVMLifecycle:
-		var d lifecycleData
+		var d audit.Lifecycle
 		if !decodeData(e, &d) || d.Event == "" {
 			return "", false
 		}
@@ -129,7 +128,7 @@ func summary(e *Entry) (string, bool) {
 			add("%d cpus", d.CPUs)
 		}
 		if d.MemoryBytes > 0 {
-			add("%s memory", bytesText(d.MemoryBytes))
+			add("%s memory", bytesText(int64(d.MemoryBytes)))
 		}
 		if d.Driver != "" {
 			add("driver %s", f(d.Driver))
@@ -138,7 +137,7 @@ func summary(e *Entry) (string, bool) {
 			add("reason: %s", f(d.Reason))
 		}
 	case audit.KindAPICall:
-		var d apiCallData
+		var d audit.APICall
 		if !decodeData(e, &d) || d.Procedure == "" {
 			return "", false
 		}
@@ -149,14 +148,14 @@ func summary(e *Entry) (string, bool) {
 		if d.Error != "" {
 			add("(%s)", f(d.Error))
 		}
-		if d.DurationNS > 0 {
-			add("in %s", time.Duration(d.DurationNS).Round(time.Microsecond))
+		if d.DurationNs > 0 {
+			add("in %s", time.Duration(d.DurationNs).Round(time.Microsecond))
 		}
 		if c := callerText(d.Caller); c != "" {
 			add("by %s", c)
 		}
 	case audit.KindPolicyDecision:
-		var d decisionData
+		var d audit.Decision
 		if !decodeData(e, &d) {
 			return "", false
 		}
@@ -170,13 +169,17 @@ func summary(e *Entry) (string, bool) {
 			add("(cached)")
 		}
 	case audit.KindIntent:
-		var d intentData
-		if !decodeData(e, &d) || d.Action == "" {
+		if len(e.Data) == 0 {
 			return "", false
 		}
-		switch d.Action {
-		case "exec":
-			add("exec $ %s", commandLine(&d, maxField))
+		v, err := audit.DecodeIntent(e.Data)
+		if err != nil {
+			return "", false
+		}
+		var caller *audit.Caller
+		switch d := v.(type) {
+		case *audit.ExecIntent:
+			add("exec $ %s", commandLine(&execCommand{ExecIntent: *d}, maxField))
 			var opts []string
 			if d.Cwd != "" {
 				opts = append(opts, "cwd "+f(d.Cwd))
@@ -193,7 +196,18 @@ func summary(e *Entry) (string, bool) {
 			if len(opts) > 0 {
 				add("(%s)", strings.Join(opts, ", "))
 			}
-		default:
+			caller = &d.Caller
+		case *audit.ExecIntentTruncated:
+			add("exec $ %s", commandLine(&execCommand{Truncated: d}, maxField))
+			caller = &d.Caller
+		case *audit.ForwardIntent:
+			add("%s", f(d.Action))
+			add("port %d", d.Port)
+			caller = &d.Caller
+		case *audit.FileIntent:
+			if d.Action == "" {
+				return "", false
+			}
 			add("%s", f(d.Action))
 			if d.Path != "" {
 				add("%s", f(d.Path))
@@ -201,13 +215,14 @@ func summary(e *Entry) (string, bool) {
 			if d.To != "" {
 				add("-> %s", f(d.To))
 			}
-			for _, kv := range []struct {
-				k string
-				v json.RawMessage
-			}{{"mode", d.Mode}, {"uid", d.UID}, {"gid", d.GID}, {"port", d.Port}} {
-				if len(kv.v) > 0 && string(kv.v) != "null" {
-					add("%s %s", kv.k, f(string(kv.v)))
-				}
+			if d.Mode != 0 {
+				add("mode %d", d.Mode)
+			}
+			if d.UID != nil {
+				add("uid %d", *d.UID)
+			}
+			if d.GID != nil {
+				add("gid %d", *d.GID)
 			}
 			if d.Tar {
 				add("(tar)")
@@ -215,15 +230,13 @@ func summary(e *Entry) (string, bool) {
 			if d.Recursive {
 				add("(recursive)")
 			}
-			if d.Reason != "" {
-				add("reason: %s", f(d.Reason))
-			}
+			caller = &d.Caller
 		}
-		if c := callerText(d.Caller); c != "" {
+		if c := callerText(caller); c != "" {
 			add("by %s", c)
 		}
 	case audit.KindExecExit:
-		var d exitData
+		var d audit.ExecExit
 		if !decodeData(e, &d) {
 			return "", false
 		}
@@ -233,17 +246,17 @@ func summary(e *Entry) (string, bool) {
 			add("stdin %s", bytesText(d.StdinBytes))
 		}
 	case audit.KindExecOutput:
-		var d outputData
-		if !decodeData(e, &d) || d.Exec == nil {
+		var d audit.ExecOutput
+		if !decodeData(e, &d) {
 			return "", false
 		}
 		add("%s %s at %d", f(d.Stream), bytesText(d.Size), d.Offset)
-		add("of exec %d", *d.Exec)
+		add("of exec %d", d.Exec)
 		if len(d.Chunks) > 1 {
 			add("(%d chunks)", len(d.Chunks))
 		}
 	case audit.KindFileOp:
-		var d fileOpData
+		var d audit.FileOp
 		if !decodeData(e, &d) || d.Op == "" {
 			return "", false
 		}
@@ -251,9 +264,7 @@ func summary(e *Entry) (string, bool) {
 		if d.To != "" {
 			add("-> %s", f(d.To))
 		}
-		if d.Size != nil {
-			add("%s", bytesText(*d.Size))
-		}
+		add("%s", bytesText(d.Size))
 		if d.Entries > 0 {
 			add("%d entries", d.Entries)
 		}
@@ -267,19 +278,11 @@ func summary(e *Entry) (string, bool) {
 			add("error: %s", f(d.Error))
 		}
 	case audit.KindWatchEvent:
-		var d watchData
-		if !decodeData(e, &d) || d.Op == "" && len(d.Events) == 0 {
+		var d audit.Watch
+		if !decodeData(e, &d) || len(d.Events) == 0 {
 			return "", false
 		}
-		if d.Op != "" {
-			add("%s %s", f(d.Op), f(d.Path))
-			if d.Size != nil {
-				add("%s", bytesText(*d.Size))
-			}
-		}
-		if len(d.Events) > 0 {
-			add("%d events", len(d.Events))
-		}
+		add("%d events", len(d.Events))
 		for i, ev := range d.Events {
 			if i == 3 {
 				add("…")
@@ -293,8 +296,8 @@ func summary(e *Entry) (string, bool) {
 		if d.Dropped > 0 {
 			add("(%d dropped)", d.Dropped)
 		}
-	case "file.activity":
-		var d activityData
+	case audit.KindFileActivity:
+		var d audit.Activity
 		if !decodeData(e, &d) {
 			return "", false
 		}
@@ -310,7 +313,7 @@ func summary(e *Entry) (string, bool) {
 			add("(%d dropped)", d.Dropped)
 		}
 	case audit.KindGPUAttach, audit.KindGPUDetach:
-		var d gpuData
+		var d audit.GPU
 		if !decodeData(e, &d) || len(d.GPUs) == 0 {
 			return "", false
 		}
@@ -324,7 +327,7 @@ func summary(e *Entry) (string, bool) {
 			add("reason: %s", f(d.Reason))
 		}
 	case audit.KindNetEgress:
-		var d egressData
+		var d audit.Egress
 		if !decodeData(e, &d) || d.Host == "" {
 			return "", false
 		}
@@ -345,30 +348,29 @@ func summary(e *Entry) (string, bool) {
 			add("error: %s", f(d.Error))
 		}
 	case audit.KindOutcome:
-		var d outcomeData
+		// Open's outcome for an intent left open says what it was; the
+		// other outcome carreld writes is a port-forward's.
+		var u audit.OutcomeData
+		if !decodeData(e, &u) {
+			return "", false
+		}
+		if u.Outcome != "" {
+			add("%s", f(u.Outcome))
+			if u.Reason != "" {
+				add("reason: %s", f(u.Reason))
+			}
+			break
+		}
+		var d audit.ForwardOutcome
 		if !decodeData(e, &d) {
 			return "", false
 		}
-		if d.Outcome != "" {
-			add("%s", f(d.Outcome))
-		}
-		if d.BytesIn != nil || d.BytesOut != nil {
-			add("in %s, out %s", bytesText(deref(d.BytesIn)), bytesText(deref(d.BytesOut)))
-		}
-		if d.BytesFromGuest != nil {
-			add("%s from the guest", bytesText(*d.BytesFromGuest))
-		}
+		add("%s from the guest", bytesText(d.BytesFromGuest))
 		if d.Error != "" {
 			add("error: %s", f(d.Error))
 		}
-		if d.Reason != "" {
-			add("reason: %s", f(d.Reason))
-		}
-		if len(parts) == 0 {
-			return "", false
-		}
 	case audit.KindRecovery:
-		var d recoveryData
+		var d audit.RecoveryData
 		if !decodeData(e, &d) || d.Cause == "" {
 			return "", false
 		}
@@ -396,13 +398,6 @@ func summary(e *Entry) (string, bool) {
 		s += fmt.Sprintf(" (intent %d)", *e.Intent)
 	}
 	return s, true
-}
-
-func deref(p *int64) int64 {
-	if p == nil {
-		return 0
-	}
-	return *p
 }
 
 // imageRef names an image in a line: its name, if recorded, and its
@@ -434,7 +429,7 @@ func policyRef(name, rev string) string {
 	return name + "@" + rev
 }
 
-func exitText(d *exitData) string {
+func exitText(d *audit.ExecExit) string {
 	switch {
 	case d.Code != nil:
 		return fmt.Sprintf("exit %d", *d.Code)
@@ -446,7 +441,7 @@ func exitText(d *exitData) string {
 	return "no exit status"
 }
 
-func callerText(c *callerData) string {
+func callerText(c *audit.Caller) string {
 	if c == nil {
 		return ""
 	}

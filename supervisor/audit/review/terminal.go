@@ -20,10 +20,10 @@ type Command struct {
 	Line   string
 	Argv   []string
 	TTY    bool
-	intent *intentData
+	intent *execCommand
 	// Exit is its exec.exit (or action.outcome) record, nil while it runs.
 	Exit    *Entry
-	exit    *exitData
+	exit    *audit.ExecExit
 	outputs []*outputRef
 }
 
@@ -66,28 +66,28 @@ func (s *Session) Commands() []*Command {
 			if c := bySeq[*e.Intent]; c != nil && c.Exit == nil {
 				c.Exit = e
 				if e.Kind == audit.KindExecExit {
-					var d exitData
+					var d audit.ExecExit
 					if decodeData(e, &d) {
 						c.exit = &d
 					}
 				}
 			}
 		case e.Kind == audit.KindExecOutput:
-			var d outputData
-			if !decodeData(e, &d) || d.Exec == nil || len(e.Blobs) == 0 || d.Size <= 0 {
+			var d audit.ExecOutput
+			if !decodeData(e, &d) || len(e.Blobs) == 0 || d.Size <= 0 {
 				continue
 			}
 			if d.Stream != "stdout" && d.Stream != "stderr" && d.Stream != "stdin" {
 				continue
 			}
-			c := bySeq[*d.Exec]
+			c := bySeq[d.Exec]
 			if c == nil {
-				c = &Command{Seq: *d.Exec, Start: e.Time, Line: fmt.Sprintf("(exec %d, whose intent is not in this session)", *d.Exec)}
+				c = &Command{Seq: d.Exec, Start: e.Time, Line: fmt.Sprintf("(exec %d, whose intent is not in this session)", d.Exec)}
 				if len(d.Chunks) > 0 {
 					c.Start = e.Time.Add(-time.Duration(d.Chunks[0][0]))
 				}
 				cmds = append(cmds, c)
-				bySeq[*d.Exec] = c
+				bySeq[d.Exec] = c
 			}
 			c.outputs = append(c.outputs, &outputRef{entry: e, stream: d.Stream, size: d.Size, blob: e.Blobs[0], chunks: d.Chunks})
 		}

@@ -1,0 +1,320 @@
+package audit
+
+import (
+	"encoding/json"
+	"time"
+)
+
+// The data of each kind of record, as carreld writes it and as review and
+// rerun read it. A field's name, type, tag and order here are the log's
+// format: records already written must keep reading the same, so change
+// them only by adding fields (docs/audit.md lists them for people).
+
+// Actions an "action.intent" names besides the file actions ("file.write",
+// "file.mkdir", ...).
+const (
+	ActionExec    = "exec"
+	ActionForward = "port.forward"
+)
+
+// Lifecycle is the data of a "vm.lifecycle" record.
+type Lifecycle struct {
+	Event       string `json:"event"`
+	ImageDigest string `json:"image_digest"`
+	// ImageName and RootHash name the image and the dm-verity root hash
+	// of its root file system (empty for an image without one). A
+	// created or starting record also carries the image's manifest as a
+	// blob (its digest is ImageDigest), with the image's every package.
+	ImageName      string   `json:"image_name,omitempty"`
+	RootHash       string   `json:"root_hash,omitempty"`
+	Policy         string   `json:"policy"`
+	PolicyRevision string   `json:"policy_revision,omitempty"`
+	MemoryBytes    uint64   `json:"memory_bytes"`
+	CPUs           uint32   `json:"cpus"`
+	Driver         string   `json:"driver"`
+	Reason         string   `json:"reason,omitempty"`
+	GPUs           []string `json:"gpus,omitempty"`
+}
+
+// GPU is the data of a "gpu.attach" or "gpu.detach" record.
+type GPU struct {
+	// GPUs are the PCI addresses the VM was created with; the other
+	// functions of their slots go with them.
+	GPUs   []string `json:"gpus"`
+	Driver string   `json:"driver"`
+	Reason string   `json:"reason,omitempty"`
+}
+
+// Caller is who made an API call, as policy inputs name it: the fields
+// of policy.Caller, which converts to it, written the same way.
+type Caller struct {
+	Type string `json:"type"` // "peer" or "token"
+	UID  uint32 `json:"uid,omitempty"`
+	GID  uint32 `json:"gid,omitempty"`
+	PID  int32  `json:"pid,omitempty"`
+	// Groups names a peer's primary and supplementary groups.
+	Groups  []string `json:"groups,omitempty"`
+	TokenID string   `json:"token_id,omitempty"`
+	VM      string   `json:"vm,omitempty"` // the VM a token is scoped to
+}
+
+// MarshalJSON writes the fields of c's type only, all of them, as
+// policy.Caller does: a root peer has "uid": 0, not no uid.
+func (c Caller) MarshalJSON() ([]byte, error) {
+	switch c.Type {
+	case "peer":
+		groups := c.Groups
+		if groups == nil {
+			groups = []string{}
+		}
+		return json.Marshal(struct {
+			Type   string   `json:"type"`
+			UID    uint32   `json:"uid"`
+			GID    uint32   `json:"gid"`
+			PID    int32    `json:"pid"`
+			Groups []string `json:"groups"`
+		}{c.Type, c.UID, c.GID, c.PID, groups})
+	case "token":
+		return json.Marshal(struct {
+			Type    string `json:"type"`
+			TokenID string `json:"token_id"`
+			VM      string `json:"vm"`
+		}{c.Type, c.TokenID, c.VM})
+	}
+	return json.Marshal(struct {
+		Type string `json:"type"`
+	}{c.Type})
+}
+
+// APICall is the data of an "api.call" record: one call, after it ended.
+type APICall struct {
+	Procedure string  `json:"procedure"`
+	Caller    *Caller `json:"caller,omitempty"`
+	// Decision is the id of the call's api decision.
+	Decision   string `json:"decision,omitempty"`
+	Code       string `json:"code"` // "ok" or the connect error code
+	Error      string `json:"error,omitempty"`
+	DurationNs int64  `json:"duration_ns"`
+}
+
+// Decision is the data of a "policy.decision" record: the fields of a
+// policy.Decision, and its input document when that is small enough.
+type Decision struct {
+	ID          string    `json:"id"`
+	Time        time.Time `json:"time"`
+	Kind        string    `json:"kind"`
+	VM          string    `json:"vm,omitempty"`
+	Policy      string    `json:"policy"`
+	Revision    string    `json:"revision"`
+	InputDigest string    `json:"input_digest"`
+	Allow       bool      `json:"allow"`
+	Rule        string    `json:"rule"`
+	Reason      string    `json:"reason"`
+	Cached      bool      `json:"cached,omitempty"`
+	// Input is the canonical input InputDigest hashes; omitted when large.
+	Input json.RawMessage `json:"input,omitempty"`
+}
+
+// ExecIntent is the data of an exec's "action.intent": the command as the
+// guest will run it, and who asked.
+type ExecIntent struct {
+	Action string            `json:"action"` // ActionExec
+	Caller Caller            `json:"caller"`
+	Argv   []string          `json:"argv"`
+	Env    map[string]string `json:"env,omitempty"`
+	Cwd    string            `json:"cwd"`
+	User   string            `json:"user"`
+	TTY    bool              `json:"tty,omitempty"`
+	Detach bool              `json:"detach,omitempty"`
+}
+
+// ExecIntentTruncated stands for an ExecIntent too large for a record:
+// the command's first word and its number of words. Its fields are in
+// the order of their names (it was first written from a map).
+type ExecIntentTruncated struct {
+	Action    string `json:"action"` // ActionExec
+	Args      int    `json:"args"`
+	Argv0     string `json:"argv0"`
+	Caller    Caller `json:"caller"`
+	Truncated bool   `json:"truncated"` // true
+}
+
+// ExecExit is the data of an "exec.exit" record, the outcome of an exec.
+type ExecExit struct {
+	Code   *int32 `json:"code,omitempty"`
+	Signal string `json:"signal,omitempty"`
+	// ExecID is the guest's id for the command, which its file.activity
+	// records name (as the guest reports it).
+	ExecID      string `json:"exec_id,omitempty"`
+	StdinBytes  int64  `json:"stdin_bytes"`
+	StdoutBytes int64  `json:"stdout_bytes"`
+	StderrBytes int64  `json:"stderr_bytes"`
+	// Error says why the call ended without an exit status (a detached
+	// command, a broken link, a timeout).
+	Error string `json:"error,omitempty"`
+}
+
+// ExecOutput is the data of an "exec.output" record; its blob holds the
+// bytes.
+type ExecOutput struct {
+	Exec   uint64 `json:"exec"`   // the seq of the exec's intent
+	Stream string `json:"stream"` // "stdin", "stdout" or "stderr"
+	Offset int64  `json:"offset"` // bytes of the stream before these
+	Size   int64  `json:"size"`
+	// Chunks are [ns since the intent, bytes], one per message relayed.
+	Chunks [][2]int64 `json:"chunks"`
+}
+
+// FileIntent is the data of a file action's "action.intent".
+type FileIntent struct {
+	Action string `json:"action"` // "file.write", "file.remove", ...
+	Caller Caller `json:"caller"`
+	Path   string `json:"path"`
+	To     string `json:"to,omitempty"`
+	Mode   uint32 `json:"mode,omitempty"`
+	UID    *int64 `json:"uid,omitempty"`
+	GID    *int64 `json:"gid,omitempty"`
+	Tar    bool   `json:"tar,omitempty"`
+	// Recursive is set for a recursive remove and a mkdir with parents.
+	Recursive bool `json:"recursive,omitempty"`
+}
+
+// FileOp is the data of a "file.op" record: what a file action did (its
+// outcome), or a read.
+type FileOp struct {
+	Op      string `json:"op"`
+	Path    string `json:"path"`
+	To      string `json:"to,omitempty"`
+	Size    int64  `json:"size"`
+	Digest  string `json:"digest,omitempty"`
+	Entries int    `json:"entries,omitempty"`
+	Error   string `json:"error,omitempty"`
+	// Content says why a write's content is not kept as a blob.
+	Content string `json:"content,omitempty"`
+}
+
+// Watch is the data of a "watch.event" record.
+type Watch struct {
+	Watch   string       `json:"watch"` // the watched directory
+	Events  []WatchEvent `json:"events"`
+	Dropped uint64       `json:"dropped,omitempty"`
+}
+
+// WatchEvent is one event of a Watch.
+type WatchEvent struct {
+	Op      string `json:"op"`
+	Path    string `json:"path"`
+	OldPath string `json:"old_path,omitempty"`
+	Dir     bool   `json:"dir,omitempty"`
+	// TimeNs is when the guest says it saw the event (Unix ns).
+	TimeNs int64 `json:"time_ns"`
+}
+
+// Activity is the data of a "file.activity" record.
+type Activity struct {
+	Events []ActivityEvent `json:"events"`
+	// Dropped counts the events lost since the last record.
+	Dropped uint64 `json:"dropped"`
+}
+
+// ActivityEvent is one event of an Activity.
+type ActivityEvent struct {
+	Op     string `json:"op"`
+	Path   string `json:"path"`
+	PID    int32  `json:"pid"`
+	ExecID string `json:"exec_id"`
+	// Ns is how long before the guest sent its batch it read the event.
+	Ns int64 `json:"ns"`
+}
+
+// Egress is the data of a "net.egress" record: one request of a VM's
+// egress proxy, written when it ends.
+type Egress struct {
+	// ID is the agent's id of the request; PID the process it named (what
+	// the guest says).
+	ID       uint64 `json:"id"`
+	PID      int32  `json:"pid,omitempty"`
+	Host     string `json:"host"`
+	Port     uint32 `json:"port"`
+	Protocol string `json:"protocol"`
+	Outcome  string `json:"outcome"`
+	// Decisions are the ids of the policy decisions made for it: the name,
+	// then the name with its addresses. Rule is the last one's rule.
+	Decisions []string `json:"decisions,omitempty"`
+	Rule      string   `json:"rule,omitempty"`
+	// Addresses are what the name resolved to; IP the one connected to.
+	Addresses  []string `json:"addresses,omitempty"`
+	IP         string   `json:"ip,omitempty"`
+	SNI        string   `json:"sni,omitempty"`
+	BytesUp    int64    `json:"bytes_up"`
+	BytesDown  int64    `json:"bytes_down"`
+	DurationNs int64    `json:"duration_ns"`
+	Error      string   `json:"error,omitempty"`
+}
+
+// ForwardIntent is the data of a port-forward's "action.intent".
+type ForwardIntent struct {
+	Action string `json:"action"` // ActionForward
+	Caller Caller `json:"caller"`
+	Host   string `json:"host"`
+	Port   uint32 `json:"port"`
+}
+
+// ForwardOutcome is the data of a port-forward's "action.outcome".
+type ForwardOutcome struct {
+	BytesFromGuest int64  `json:"bytes_from_guest"`
+	Error          string `json:"error,omitempty"`
+}
+
+// OutcomeData is the data of the "action.outcome" Open appends for an
+// intent that was left open: Outcome is OutcomeUnknown.
+type OutcomeData struct {
+	Outcome string `json:"outcome"`
+	Reason  string `json:"reason"`
+}
+
+// OutcomeUnknown is OutcomeData.Outcome for an intent a crash left open.
+const OutcomeUnknown = "unknown"
+
+// RecoveryData is the data of an "audit.recovery" record.
+type RecoveryData struct {
+	// Cause is "restart" (Open repaired the log) or "fault" (writing
+	// failed for a while and works again).
+	Cause           string     `json:"cause"`
+	TruncatedAt     *int64     `json:"truncated_at,omitempty"`
+	TruncatedBytes  int64      `json:"truncated_bytes,omitempty"`
+	TailReason      string     `json:"tail_reason,omitempty"`
+	UnknownOutcomes int        `json:"unknown_outcomes,omitempty"`
+	Error           string     `json:"error,omitempty"`
+	Since           *time.Time `json:"since,omitempty"`
+	Refused         uint64     `json:"refused,omitempty"`
+}
+
+// DecodeIntent decodes an "action.intent" record's data into the type its
+// action and shape call for: *ExecIntent, *ExecIntentTruncated,
+// *ForwardIntent, or *FileIntent for any other action. Like
+// json.Unmarshal, it ignores fields the type does not have.
+func DecodeIntent(data []byte) (any, error) {
+	var head struct {
+		Action    string `json:"action"`
+		Truncated bool   `json:"truncated"`
+	}
+	if err := json.Unmarshal(data, &head); err != nil {
+		return nil, err
+	}
+	var v any
+	switch {
+	case head.Action == ActionExec && head.Truncated:
+		v = &ExecIntentTruncated{}
+	case head.Action == ActionExec:
+		v = &ExecIntent{}
+	case head.Action == ActionForward:
+		v = &ForwardIntent{}
+	default:
+		v = &FileIntent{}
+	}
+	if err := json.Unmarshal(data, v); err != nil {
+		return nil, err
+	}
+	return v, nil
+}
