@@ -6,12 +6,15 @@ package drivertest
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"sync"
 	"time"
 
 	"connectrpc.com/connect"
+	"golang.org/x/sys/unix"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
@@ -34,6 +37,13 @@ type Behavior struct {
 	Files agentv1connect.FileServiceHandler
 	// Ports, if set, serves the agent's port service (e.g. a hostile one).
 	Ports agentv1connect.PortServiceHandler
+	// Process, if set, serves the agent's Process calls (e.g. a hostile
+	// guest's; its sends are not capped). By default each command acts
+	// like cat, whatever its argv: it starts as pid 100+n with id "fake-n"
+	// (the VM's nth command), echoes stdin to stdout and exits 0 when stdin
+	// closes; a signal ends it with 128+signal, as the real agent reports a
+	// command a signal killed.
+	Process func(context.Context, *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error
 }
 
 // Driver is a fake driver. Its zero value is not usable: call New.
@@ -63,6 +73,7 @@ type VM struct {
 	mu      sync.Mutex
 	sandbox *agentv1.SetSandboxRequest // the last one carreld set
 	paused  bool
+	execs   int // commands started by Process
 }
 
 // Paused reports whether carreld paused the VM (Driver.Pause) and has not
@@ -282,8 +293,8 @@ func (d *Driver) ConsoleDialer(inst driver.Instance) driver.Dialer {
 	}
 }
 
-// agent is the fake guest agent: Exec echoes its argv, Shutdown powers off,
-// SetSandbox is remembered (VM.Sandbox).
+// agent is the fake guest agent: Exec echoes its argv, Process acts like
+// cat, Shutdown powers off, SetSandbox is remembered (VM.Sandbox).
 type agent struct {
 	agentv1connect.UnimplementedAgentServiceHandler
 	vm *VM
@@ -300,6 +311,60 @@ func (a *agent) Exec(ctx context.Context, req *connect.Request[agentv1.ExecReque
 		}
 	}
 	return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 0}}})
+}
+
+// Process serves Behavior.Process, or a cat (see there). As in the real
+// agent, a half-close changes nothing, resizes are ignored, and a malformed
+// message ends the call with an error. There is nothing to attach to.
+func (a *agent) Process(ctx context.Context, s *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
+	if a.vm.behavior.Process != nil {
+		return a.vm.behavior.Process(ctx, s)
+	}
+	first, err := s.Receive()
+	if err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("process: no start or attach message: %w", err))
+	}
+	switch {
+	case first.GetAttach() != nil:
+		return connect.NewError(connect.CodeNotFound, fmt.Errorf("process: no detached command %q", first.GetAttach().Id))
+	case first.GetStart() == nil:
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("process: the first message must be start or attach"))
+	}
+	a.vm.mu.Lock()
+	a.vm.execs++
+	n := a.vm.execs
+	a.vm.mu.Unlock()
+	if err := s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: int32(100 + n), Id: fmt.Sprintf("fake-%d", n)}}}); err != nil {
+		return err
+	}
+	exit := func(code int32, signal string) error {
+		return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: code, Signal: signal}}})
+	}
+	for {
+		m, err := s.Receive()
+		if errors.Is(err, io.EOF) {
+			<-ctx.Done() // the command runs on until the call ends
+			return ctx.Err()
+		} else if err != nil {
+			return err
+		}
+		switch m := m.Msg.(type) {
+		case *agentv1.ProcessInput_Stdin:
+			if err := s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: m.Stdin}}); err != nil {
+				return err
+			}
+		case *agentv1.ProcessInput_CloseStdin:
+			return exit(0, "")
+		case *agentv1.ProcessInput_Signal:
+			if m.Signal < 1 || m.Signal > 64 {
+				return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("process: signal %d is not 1 to 64", m.Signal))
+			}
+			return exit(128+m.Signal, unix.SignalName(unix.Signal(m.Signal)))
+		case *agentv1.ProcessInput_Resize: // no terminal to resize
+		default:
+			return connect.NewError(connect.CodeInvalidArgument, errors.New("process: start and attach may only come first"))
+		}
+	}
 }
 
 func (a *agent) SetSandbox(_ context.Context, req *connect.Request[agentv1.SetSandboxRequest]) (*connect.Response[agentv1.SetSandboxResponse], error) {
@@ -330,7 +395,10 @@ func serveAgent(v *VM) {
 		return
 	}
 	mux := http.NewServeMux()
-	mux.Handle(agentv1connect.NewAgentServiceHandler(&agent{vm: v}, protocol.HandlerOptions()...))
+	// Uncapped sends let a scripted guest break the message limit, so that
+	// carreld's cap on what it reads is what a test meets.
+	opts := append(protocol.HandlerOptions(), connect.WithSendMaxBytes(0))
+	mux.Handle(agentv1connect.NewAgentServiceHandler(&agent{vm: v}, opts...))
 	if v.behavior.Files != nil {
 		mux.Handle(agentv1connect.NewFileServiceHandler(v.behavior.Files, protocol.HandlerOptions()...))
 	}
