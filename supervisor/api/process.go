@@ -238,10 +238,12 @@ func (c *eventCheck) check(ev *agentv1.ExecResponse) error {
 	}
 	switch e := ev.Event.(type) {
 	case *agentv1.ExecResponse_Started:
-		if c.started || c.events != 1 || e.Started.Pid <= 0 || len(e.Started.Id) > protocol.MaxExecID {
+		// The id goes to the client as it is (carrel exec -d prints it):
+		// only the agent's own alphabet passes.
+		if c.started || c.events != 1 || e.Started.Pid <= 0 || !protocol.ValidExecID(e.Started.Id) {
 			return errGuest("an invalid start event")
 		}
-		c.started, c.id = true, protocol.CleanText(e.Started.Id, protocol.MaxExecID)
+		c.started, c.id = true, e.Started.Id
 	case *agentv1.ExecResponse_Exit:
 		c.exited, c.exit = true, e.Exit
 	case *agentv1.ExecResponse_Stdout:

@@ -166,13 +166,27 @@ func relayEvent(ev *agentv1.ExecResponse) (resp *apiv1.ExecResponse, last bool, 
 		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Stderr{Stderr: e.Stderr}}, false, nil
 	case *agentv1.ExecResponse_Exit:
 		x := e.Exit
-		if x == nil || x.Code < 0 || x.Code > 255 || len(x.Signal) > 16 {
+		if x == nil || x.Code < 0 || x.Code > 255 || !validSignalName(x.Signal) {
 			return nil, false, connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent sent an invalid exit status"))
 		}
 		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Exit{Exit: &apiv1.ExitStatus{Code: x.Code, Signal: x.Signal}}}, true, nil
 	default:
 		return nil, false, connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent sent an unknown event"))
 	}
+}
+
+// validSignalName reports whether s can name the signal that ended a
+// command: empty, or up to 16 of [A-Z0-9+-] (SIGTERM, SIGRTMIN+3).
+func validSignalName(s string) bool {
+	if len(s) > 16 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !('A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '+' || c == '-') {
+			return false
+		}
+	}
+	return true
 }
 
 func toProto(st vm.Status) *apiv1.VM {
