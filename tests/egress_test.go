@@ -101,10 +101,25 @@ type egressRecord struct {
 }
 
 // egressRecords are the net.egress records of vm's connections.
+// scanLive scans the audit log of a running carreld, whose last frame may
+// be half written as it is read: a scan that fails is run again (reset
+// first) until one reads every frame whole, for up to 5 s.
+func scanLive(dir string, reset func(), fn func(seq uint64, offset int64, payload []byte) error) error {
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		reset()
+		err := audit.Scan(dir, fn)
+		if err == nil || time.Now().After(deadline) {
+			return err
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 func egressRecords(t *testing.T, d *harness.Daemon, vm string) []egressRecord {
 	t.Helper()
 	var out []egressRecord
-	err := audit.Scan(filepath.Join(d.State, "audit"), func(_ uint64, _ int64, payload []byte) error {
+	err := scanLive(filepath.Join(d.State, "audit"), func() { out = nil }, func(_ uint64, _ int64, payload []byte) error {
 		r, err := audit.Decode(payload)
 		if err != nil || r.Kind != audit.KindNetEgress {
 			return err
