@@ -1,13 +1,14 @@
 package policy
 
 import (
-	"encoding/json"
 	"fmt"
 	"path"
 	"strings"
 	"unicode/utf8"
 
 	"github.com/open-policy-agent/opa/v1/ast"
+
+	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
 // InputVersion is the version of every input document; rules may check
@@ -48,53 +49,17 @@ type Input interface {
 }
 
 // Caller is who made an API call: a local process (SO_PEERCRED) or the
-// holder of a token.
-type Caller struct {
-	Type string `json:"type"` // "peer" or "token"
-	UID  uint32 `json:"uid,omitempty"`
-	GID  uint32 `json:"gid,omitempty"`
-	PID  int32  `json:"pid,omitempty"`
-	// Groups names a peer's primary and supplementary groups.
-	Groups  []string `json:"groups,omitempty"`
-	TokenID string   `json:"token_id,omitempty"`
-	VM      string   `json:"vm,omitempty"` // the VM a token is scoped to
-}
+// holder of a token. Its JSON, exactly the fields the rules see, is the
+// audit log's (audit.Caller), so a recorded input decodes back to the
+// document that was decided.
+type Caller = audit.Caller
 
 const (
-	CallerPeer  = "peer"
-	CallerToken = "token"
+	CallerPeer  = audit.CallerPeer
+	CallerToken = audit.CallerToken
 )
 
-// MarshalJSON writes exactly the fields the rules see (value), so that a
-// recorded input decodes back to the document that was decided: a root
-// peer has "uid": 0, not no uid.
-func (c Caller) MarshalJSON() ([]byte, error) {
-	switch c.Type {
-	case CallerPeer:
-		groups := c.Groups
-		if groups == nil {
-			groups = []string{}
-		}
-		return json.Marshal(struct {
-			Type   string   `json:"type"`
-			UID    uint32   `json:"uid"`
-			GID    uint32   `json:"gid"`
-			PID    int32    `json:"pid"`
-			Groups []string `json:"groups"`
-		}{c.Type, c.UID, c.GID, c.PID, groups})
-	case CallerToken:
-		return json.Marshal(struct {
-			Type    string `json:"type"`
-			TokenID string `json:"token_id"`
-			VM      string `json:"vm"`
-		}{c.Type, c.TokenID, c.VM})
-	}
-	return json.Marshal(struct {
-		Type string `json:"type"`
-	}{c.Type})
-}
-
-func (c Caller) normalize() error {
+func normalizeCaller(c Caller) error {
 	switch c.Type {
 	case CallerPeer, CallerToken:
 	default:
@@ -165,7 +130,7 @@ func stringTerm(s string) *ast.Term {
 	return ast.StringTerm(s)
 }
 
-func (c Caller) value() ast.Value {
+func callerValue(c Caller) ast.Value {
 	if c.Type == CallerPeer {
 		groups := make([]*ast.Term, len(c.Groups))
 		for i, g := range c.Groups {

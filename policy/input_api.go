@@ -23,7 +23,7 @@ func (*APIInput) Kind() Kind        { return KindAPI }
 func (in *APIInput) VMName() string { return in.VM }
 
 func (in *APIInput) Normalize() error {
-	if err := in.Caller.normalize(); err != nil {
+	if err := normalizeCaller(in.Caller); err != nil {
 		return err
 	}
 	if !strings.HasPrefix(in.Procedure, "/") {
@@ -38,7 +38,7 @@ func (in *APIInput) Normalize() error {
 }
 
 func (in *APIInput) value() ast.Value {
-	caller := ast.NewTerm(in.Caller.value())
+	caller := ast.NewTerm(callerValue(in.Caller))
 	if len(in.GPUs) == 0 { // as in the JSON: gpus only when set
 		return ast.NewObject(
 			ast.Item(keyVersion, versionTerm),

@@ -28,7 +28,7 @@ func (*ExecInput) Kind() Kind        { return KindExec }
 func (in *ExecInput) VMName() string { return in.VM }
 
 func (in *ExecInput) Normalize() error {
-	if err := in.Caller.normalize(); err != nil {
+	if err := normalizeCaller(in.Caller); err != nil {
 		return err
 	}
 	if len(in.Argv) == 0 {
@@ -81,7 +81,7 @@ func (in *ExecInput) value() ast.Value {
 	}
 	return ast.NewObject(
 		ast.Item(keyVersion, versionTerm),
-		ast.Item(keyCaller, ast.NewTerm(in.Caller.value())),
+		ast.Item(keyCaller, ast.NewTerm(callerValue(in.Caller))),
 		ast.Item(keyVM, ast.StringTerm(in.VM)),
 		ast.Item(keyArgv, ast.ArrayTerm(argv...)),
 		ast.Item(keyEnv, ast.NewTerm(ast.NewObject(env...))),

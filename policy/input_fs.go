@@ -32,7 +32,7 @@ func (*FSInput) Kind() Kind        { return KindFS }
 func (in *FSInput) VMName() string { return in.VM }
 
 func (in *FSInput) Normalize() error {
-	if err := in.Caller.normalize(); err != nil {
+	if err := normalizeCaller(in.Caller); err != nil {
 		return err
 	}
 	if !fsOps[in.Operation] {
@@ -49,7 +49,7 @@ func (in *FSInput) Normalize() error {
 func (in *FSInput) value() ast.Value {
 	return ast.NewObject(
 		ast.Item(keyVersion, versionTerm),
-		ast.Item(keyCaller, ast.NewTerm(in.Caller.value())),
+		ast.Item(keyCaller, ast.NewTerm(callerValue(in.Caller))),
 		ast.Item(keyVM, ast.StringTerm(in.VM)),
 		ast.Item(keyOperation, stringTerm(in.Operation)),
 		ast.Item(keyPath, ast.StringTerm(in.Path)),

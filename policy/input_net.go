@@ -47,7 +47,7 @@ func (in *NetInput) VMName() string { return in.VM }
 
 func (in *NetInput) Normalize() error {
 	if in.Caller.Type != "" { // egress has no API caller: the guest asks
-		if err := in.Caller.normalize(); err != nil {
+		if err := normalizeCaller(in.Caller); err != nil {
 			return err
 		}
 	}
@@ -148,7 +148,7 @@ func (in *NetInput) value() ast.Value {
 	items[4] = ast.Item(keyPort, ast.InternedTerm(in.Port))
 	items[5] = ast.Item(keyProtocol, stringTerm(in.Protocol))
 	if in.Caller.Type != "" { // egress has none: the guest asks
-		items = append(items, ast.Item(keyCaller, ast.NewTerm(in.Caller.value())))
+		items = append(items, ast.Item(keyCaller, ast.NewTerm(callerValue(in.Caller))))
 	}
 	// As in the JSON: each only when set.
 	if in.IPLiteral {

@@ -12,7 +12,6 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
-	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policystore"
@@ -99,7 +98,7 @@ func (a authzInterceptor) authorize(ctx context.Context, call *apiCall, headerVM
 		}
 		vm = body
 	}
-	recorded := audit.Caller(caller)
+	recorded := caller
 	call.Caller, call.vm = &recorded, vm
 	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: call.Procedure, VM: vm, GPUs: a.cfg.gpusOf(call.Procedure, vm, msg)}
 	d, err := a.cfg.decision(ctx, in)

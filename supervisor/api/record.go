@@ -38,7 +38,7 @@ func (cfg Config) session(vm string) string {
 
 // recordedCaller is callerOf as audit records name it.
 func recordedCaller(ctx context.Context) audit.Caller {
-	return audit.Caller(callerOf(ctx))
+	return callerOf(ctx)
 }
 
 // maxRecordedArgs keeps an intent record under the log's data cap: a

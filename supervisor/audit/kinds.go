@@ -45,8 +45,8 @@ type GPU struct {
 	Reason string   `json:"reason,omitempty"`
 }
 
-// Caller is who made an API call, as policy inputs name it: the fields
-// of policy.Caller, which converts to it, written the same way.
+// Caller is who made an API call: a local process (SO_PEERCRED) or the
+// holder of a token. policy.Caller is this type.
 type Caller struct {
 	Type string `json:"type"` // "peer" or "token"
 	UID  uint32 `json:"uid,omitempty"`
@@ -58,11 +58,18 @@ type Caller struct {
 	VM      string   `json:"vm,omitempty"` // the VM a token is scoped to
 }
 
-// MarshalJSON writes the fields of c's type only, all of them, as
-// policy.Caller does: a root peer has "uid": 0, not no uid.
+// Caller types.
+const (
+	CallerPeer  = "peer"
+	CallerToken = "token"
+)
+
+// MarshalJSON writes the fields of c's type only, all of them: a root
+// peer has "uid": 0, not no uid. policy.Caller is this type, so a decision's
+// recorded input and an intent's caller read the same.
 func (c Caller) MarshalJSON() ([]byte, error) {
 	switch c.Type {
-	case "peer":
+	case CallerPeer:
 		groups := c.Groups
 		if groups == nil {
 			groups = []string{}
@@ -74,7 +81,7 @@ func (c Caller) MarshalJSON() ([]byte, error) {
 			PID    int32    `json:"pid"`
 			Groups []string `json:"groups"`
 		}{c.Type, c.UID, c.GID, c.PID, groups})
-	case "token":
+	case CallerToken:
 		return json.Marshal(struct {
 			Type    string `json:"type"`
 			TokenID string `json:"token_id"`

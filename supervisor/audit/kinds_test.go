@@ -149,8 +149,8 @@ func TestKindsRoundTrip(t *testing.T) {
 	}
 }
 
-// TestCallerJSON: a caller writes the fields its type has, all of them,
-// as policy.Caller does (supervisor/api checks the two agree).
+// TestCallerJSON: a caller writes the fields its type has, all of them
+// (policy.Caller is this type, so decisions' inputs read the same).
 func TestCallerJSON(t *testing.T) {
 	for _, c := range []struct {
 		c    Caller
