@@ -53,11 +53,16 @@ func (l *Log) enqueue(body []byte) (*request, error) {
 	b.bytes += size
 	r.b = b
 	l.mu.Unlock()
+	l.kick()
+	return r, nil
+}
+
+// kick wakes the committer if it is waiting.
+func (l *Log) kick() {
 	select {
 	case l.wake <- struct{}{}:
 	default:
 	}
-	return r, nil
 }
 
 func (l *Log) take() *batch {
@@ -272,6 +277,9 @@ func (l *Log) setFault(cause error) {
 		b.err = unavailable(cause)
 		close(b.done)
 	}
+	// The checkpointer sets faults too, while the committer may be
+	// waiting for appends that now fail fast: wake it to start probing.
+	l.kick()
 	if first {
 		l.log.Error("audit log unavailable: admitting no actions", "err", cause)
 		if l.opts.OnFault != nil {

@@ -304,6 +304,7 @@ func TestFaultRealENOSPC(t *testing.T) {
 	opts := Options{RetryInterval: 5 * time.Millisecond, CheckpointEvery: 50}
 	ev := newEvents(&opts)
 	l := openLog(t, logDir, opts)
+	t.Cleanup(func() { l.Close() }) // before the unmount, if the test stops early
 	ctx := context.Background()
 	var acked []uint64
 	var err error
@@ -337,4 +338,40 @@ func TestFaultRealENOSPC(t *testing.T) {
 		t.Errorf("%d records, %d acknowledged before the disk filled", rep.Records, len(acked))
 	}
 	t.Logf("%d records fit before ENOSPC", len(acked))
+}
+
+// A checkpoint that fails after the last append, while the committer
+// waits for more, still starts the probe: the log recovers with no
+// further appends.
+func TestFaultCheckpointWhileIdle(t *testing.T) {
+	dir := t.TempDir()
+	var mu sync.Mutex
+	var ckptErr error
+	opts := Options{RetryInterval: 5 * time.Millisecond, CheckpointEvery: 5,
+		writeFile: func(p string, b []byte, m os.FileMode) error {
+			mu.Lock()
+			err := ckptErr
+			mu.Unlock()
+			if err != nil {
+				return err
+			}
+			return atomicfile.WriteFile(p, b, m)
+		}}
+	ev := newEvents(&opts)
+	l := openLog(t, dir, opts)
+	defer l.Close()
+	mu.Lock()
+	ckptErr = syscall.ENOSPC
+	mu.Unlock()
+	appendN(t, l, 5)
+	if err := ev.waitFault(t); !errors.Is(err, syscall.ENOSPC) {
+		t.Errorf("OnFault: %v", err)
+	}
+	mu.Lock()
+	ckptErr = nil
+	mu.Unlock()
+	ev.waitRecover(t)
+	if cp := l.Checkpoint(); cp == nil || cp.Size < 5 {
+		t.Errorf("checkpoint after recovery: %+v", cp)
+	}
 }
