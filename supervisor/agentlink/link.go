@@ -333,36 +333,6 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// ExecStream is an exec call's stream of events from the guest.
-type ExecStream struct {
-	l      *Link
-	s      *channel
-	ctx    context.Context
-	stream *connect.ServerStreamForClient[agentv1.ExecResponse]
-}
-
-// Exec starts a command in the guest.
-func (l *Link) Exec(ctx context.Context, req *agentv1.ExecRequest) (*ExecStream, error) {
-	s := l.channel()
-	st, err := s.client.Exec(ctx, connect.NewRequest(req))
-	if err := l.check(ctx, s, err); err != nil {
-		return nil, err
-	}
-	return &ExecStream{l: l, s: s, ctx: ctx, stream: st}, nil
-}
-
-// Recv returns the next event. It returns io.EOF-free semantics: ok is
-// false when the stream has ended, with err set if it ended badly.
-func (s *ExecStream) Recv() (msg *agentv1.ExecResponse, ok bool, err error) {
-	if s.stream.Receive() {
-		return s.stream.Msg(), true, nil
-	}
-	return nil, false, s.l.check(s.ctx, s.s, s.stream.Err())
-}
-
-// Close ends the stream.
-func (s *ExecStream) Close() error { return s.stream.Close() }
-
 // Files returns the guest's file service on the current connection, and
 // done, which the caller must pass every error of the calls it makes with
 // it (including a stream's final error): done ends the connection when the

@@ -70,6 +70,25 @@ func (c *logCounter) count(s string) int {
 	return strings.Count(c.buf.String(), s)
 }
 
+// execVia runs a command through the link's agent client, as carreld's
+// relay does: every error goes through done.
+func execVia(ctx context.Context, l *Link, argv ...string) ([]*agentv1.ExecResponse, error) {
+	c, done := l.Agent()
+	s, err := c.Exec(ctx, connect.NewRequest(&agentv1.ExecRequest{Argv: argv}))
+	if err != nil {
+		return nil, done(ctx, err)
+	}
+	defer s.Close()
+	var evs []*agentv1.ExecResponse
+	for s.Receive() {
+		evs = append(evs, s.Msg())
+	}
+	if err := s.Err(); err != nil {
+		return evs, done(ctx, err)
+	}
+	return evs, nil
+}
+
 func TestExecStreamsEvents(t *testing.T) {
 	dial := serve(t, &fakeAgent{exec: func(s *connect.ServerStream[agentv1.ExecResponse]) error {
 		s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: []byte("hi")}})
@@ -81,19 +100,12 @@ func TestExecStreamsEvents(t *testing.T) {
 	if err := l.WaitReady(ctx); err != nil {
 		t.Fatal(err)
 	}
-	s, err := l.Exec(ctx, &agentv1.ExecRequest{Argv: []string{"x"}})
+	evs, err := execVia(ctx, l, "x")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var got []string
-	for {
-		ev, ok, err := s.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ok {
-			break
-		}
+	for _, ev := range evs {
 		got = append(got, ev.String())
 	}
 	if len(got) != 2 || !strings.Contains(got[0], "hi") || !strings.Contains(got[1], "code:4") {
@@ -201,13 +213,9 @@ func TestOversizedMessageMarksUnhealthy(t *testing.T) {
 	if err := l.WaitReady(ctx); err != nil {
 		t.Fatal(err)
 	}
-	s, err := l.Exec(ctx, &agentv1.ExecRequest{Argv: []string{"x"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, ok, err := s.Recv()
-	if ok || connect.CodeOf(err) != connect.CodeResourceExhausted {
-		t.Fatalf("recv: ok=%v err=%v", ok, err)
+	evs, err := execVia(ctx, l, "x")
+	if len(evs) != 0 || connect.CodeOf(err) != connect.CodeResourceExhausted {
+		t.Fatalf("exec: %d events, err %v", len(evs), err)
 	}
 	if st, _ := l.State(); st != Unhealthy {
 		t.Errorf("state = %v", st)
@@ -234,11 +242,7 @@ func TestApplicationErrorsKeepLinkHealthy(t *testing.T) {
 	if err := l.WaitReady(ctx); err != nil {
 		t.Fatal(err)
 	}
-	s, err := l.Exec(ctx, &agentv1.ExecRequest{Argv: []string{"foo"}})
-	if err == nil {
-		_, _, err = s.Recv()
-	}
-	if connect.CodeOf(err) != connect.CodeNotFound {
+	if _, err := execVia(ctx, l, "foo"); connect.CodeOf(err) != connect.CodeNotFound {
 		t.Fatalf("err = %v", err)
 	}
 	if st, _ := l.State(); st != Ready {

@@ -13,14 +13,13 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"google.golang.org/protobuf/proto"
 
-	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/supervisor/registry"
+	"github.com/carrel-os/carrel/supervisor/relay"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
 
@@ -160,55 +159,6 @@ func TestPlainHTTPJSON(t *testing.T) {
 	}
 }
 
-func TestRelayEventValidatesGuestMessages(t *testing.T) {
-	bad := []*agentv1.ExecResponse{
-		{},
-		{Event: &agentv1.ExecResponse_Exit{}},
-		{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: -1}}},
-		{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 256}}},
-		{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 9, Signal: strings.Repeat("S", 100)}}},
-	}
-	for _, ev := range bad {
-		if _, _, err := relayEvent(ev); connect.CodeOf(err) != connect.CodeDataLoss {
-			t.Errorf("%v: %v", ev, err)
-		}
-	}
-	resp, last, err := relayEvent(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 137, Signal: "SIGKILL"}}})
-	if err != nil || !last || resp.GetExit().Signal != "SIGKILL" {
-		t.Errorf("valid exit: %v %v %v", resp, last, err)
-	}
-}
-
-// FuzzRelayEvent feeds arbitrary guest bytes, decoded as an exec event,
-// through the relay: it must never panic, and whatever it passes on must
-// be a well-formed event.
-func FuzzRelayEvent(f *testing.F) {
-	for _, ev := range []*agentv1.ExecResponse{
-		{Event: &agentv1.ExecResponse_Stdout{Stdout: []byte("out")}},
-		{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 3}}},
-		{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: 7}}},
-	} {
-		b, _ := proto.Marshal(ev)
-		f.Add(b)
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		var ev agentv1.ExecResponse
-		if err := proto.Unmarshal(b, &ev); err != nil {
-			return
-		}
-		resp, last, err := relayEvent(&ev)
-		if err != nil {
-			return
-		}
-		if resp.Event == nil {
-			t.Fatal("relayed an empty event")
-		}
-		if x := resp.GetExit(); last != (x != nil) || (x != nil && (x.Code < 0 || x.Code > 255)) {
-			t.Fatalf("bad exit relayed: %v last=%v", x, last)
-		}
-	})
-}
-
 func TestGuestErrorsAreSanitized(t *testing.T) {
 	// What a hostile guest could send: a code that poses as carreld's,
 	// terminal escapes, a huge message, and headers to smuggle through.
@@ -222,7 +172,7 @@ func TestGuestErrorsAreSanitized(t *testing.T) {
 	if ce.Code() != connect.CodeInternal {
 		t.Errorf("code = %v, want internal", ce.Code())
 	}
-	if strings.ContainsRune(ce.Message(), 0x1b) || len(ce.Message()) > maxGuestMessage+32 || !strings.HasPrefix(ce.Message(), "guest agent: ") {
+	if strings.ContainsRune(ce.Message(), 0x1b) || len(ce.Message()) > relay.MaxGuestMessage+32 || !strings.HasPrefix(ce.Message(), "guest agent: ") {
 		t.Errorf("message not sanitized: %q", ce.Message()[:40])
 	}
 	if len(ce.Meta()) != 0 {

@@ -15,6 +15,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policystore"
+	"github.com/carrel-os/carrel/supervisor/recorder"
 )
 
 // authzInterceptor authenticates every call and has policy decide it
@@ -25,8 +26,8 @@ type authzInterceptor struct{ cfg Config }
 func (a authzInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 	return func(ctx context.Context, req connect.AnyRequest) (_ connect.AnyResponse, err error) {
 		msg, _ := req.Any().(proto.Message)
-		call := a.cfg.newCall(req.Spec().Procedure)
-		defer func() { a.cfg.recordCall(ctx, call, err) }()
+		call := recorder.NewAPICall(req.Spec().Procedure)
+		defer func() { a.ended(ctx, call, err) }()
 		ctx, err = a.authorize(ctx, call, req.Header().Get(protocol.VMHeader), req.Header(), msg)
 		if err != nil {
 			return nil, err
@@ -42,8 +43,8 @@ func (authzInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) co
 func (a authzInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) (err error) {
 		proc := conn.Spec().Procedure
-		call := a.cfg.newCall(proc)
-		defer func() { a.cfg.recordCall(ctx, call, err) }()
+		call := recorder.NewAPICall(proc)
+		defer func() { a.ended(ctx, call, err) }()
 		if proc == apiv1connect.VMServiceExecProcedure {
 			// The VM is in the request message, which has not arrived yet:
 			// decide when the handler receives it, before it acts on it.
@@ -62,7 +63,7 @@ type authorizeOnReceive struct {
 	connect.StreamingHandlerConn
 	a    authzInterceptor
 	ctx  *context.Context
-	call *apiCall
+	call *recorder.APICall
 	done bool
 }
 
@@ -81,7 +82,7 @@ func (c *authorizeOnReceive) Receive(m any) error {
 
 // authorize authenticates the caller, decides the api policy, and returns
 // ctx carrying the caller for the handler's own decisions.
-func (a authzInterceptor) authorize(ctx context.Context, call *apiCall, headerVM string, h map[string][]string, msg proto.Message) (context.Context, error) {
+func (a authzInterceptor) authorize(ctx context.Context, call *recorder.APICall, headerVM string, h map[string][]string, msg proto.Message) (context.Context, error) {
 	if a.cfg.Policies == nil {
 		return ctx, nil // no policy engine wired (unit tests of handlers)
 	}
@@ -99,7 +100,7 @@ func (a authzInterceptor) authorize(ctx context.Context, call *apiCall, headerVM
 		vm = body
 	}
 	recorded := caller
-	call.Caller, call.vm = &recorded, vm
+	call.Caller, call.VM = &recorded, vm
 	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: call.Procedure, VM: vm, GPUs: a.cfg.gpusOf(call.Procedure, vm, msg)}
 	d, err := a.cfg.decision(ctx, in)
 	call.Decision = d.ID
@@ -158,7 +159,9 @@ func (cfg Config) decision(ctx context.Context, in policy.Input) (policy.Decisio
 	if cfg.Policies == nil {
 		return policy.Decision{}, nil
 	}
-	d, err := cfg.Policies.Decide(ctx, cfg.policyFor(in.VMName()), in)
+	vm := in.VMName()
+	ctx = recorder.WithSession(ctx, vm, cfg.session(vm))
+	d, err := cfg.Policies.Decide(ctx, cfg.policyFor(vm), in)
 	switch {
 	case errors.Is(err, policystore.ErrNotRecorded):
 		return d, connect.NewError(connect.CodeUnavailable, err)
@@ -171,6 +174,25 @@ func (cfg Config) decision(ctx context.Context, in policy.Input) (policy.Decisio
 		return d, connect.NewError(connect.CodePermissionDenied, e)
 	}
 	return d, nil
+}
+
+// session names the current run of vm, for its records.
+func (cfg Config) session(vm string) string {
+	if cfg.Manager == nil || vm == "" {
+		return ""
+	}
+	return cfg.Manager.SessionOf(vm)
+}
+
+// ended records a call once it has ended, in the session its VM is in
+// then (a create's new one).
+func (a authzInterceptor) ended(ctx context.Context, call *recorder.APICall, err error) {
+	code := "ok"
+	if err != nil {
+		code = connect.CodeOf(err).String()
+	}
+	call.Session = a.cfg.session(call.VM)
+	a.cfg.Recorder.APICallEnded(ctx, call, code, err)
 }
 
 // callerOf returns the caller the interceptor authenticated; handlers

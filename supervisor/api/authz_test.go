@@ -19,12 +19,12 @@ import (
 	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
-	"github.com/carrel-os/carrel/supervisor/auditrec"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policystore"
+	"github.com/carrel-os/carrel/supervisor/recorder"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
@@ -115,13 +115,12 @@ func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driv
 	}
 	t.Cleanup(func() { alog.Close() })
 	// Recorded as carreld records them.
-	decisions := &auditrec.Decisions{Log: alog}
-	pols.Record = decisions.Record
+	rec := recorder.New(alog, nil)
+	pols.Record = rec.Decision
 	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second,
 		Policies: pols,
-		OnEvent:  auditrec.Lifecycle(alog, pols, nil),
+		OnEvent:  rec.Lifecycle(pols, nil),
 	})
-	decisions.Session = m.SessionOf
 	t.Cleanup(func() { m.Close() })
 	sock := filepath.Join(dir, "api.sock")
 	l, err := net.Listen("unix", sock)
@@ -130,7 +129,7 @@ func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driv
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	done := make(chan error)
-	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid()), Audit: alog})
+	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid()), Recorder: rec})
 	go func() { done <- Serve(sctx, l, h) }()
 	t.Cleanup(func() {
 		cancel()

@@ -11,7 +11,6 @@ import (
 	"testing"
 
 	"connectrpc.com/connect"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
@@ -162,26 +161,4 @@ func forVM[T any](vm string, msg *T) *connect.Request[T] {
 	req := connect.NewRequest(msg)
 	req.Header().Set(protocol.VMHeader, vm)
 	return req
-}
-
-// FuzzCheckInfo feeds arbitrary guest bytes, decoded as a FileInfo, to the
-// check every relayed file info passes: whatever it accepts must be sane.
-func FuzzCheckInfo(f *testing.F) {
-	for _, fi := range []*agentv1.FileInfo{info("/etc/hosts"), {Path: "/l", Type: agentv1.FileType_FILE_TYPE_SYMLINK, LinkTarget: "../x"}} {
-		b, _ := proto.Marshal(fi)
-		f.Add(b)
-	}
-	f.Fuzz(func(t *testing.T, b []byte) {
-		var fi agentv1.FileInfo
-		if proto.Unmarshal(b, &fi) != nil {
-			return
-		}
-		if checkInfo(&fi) != nil {
-			return
-		}
-		if !strings.HasPrefix(fi.Path, "/") || len(fi.Path) > maxPathBytes || fi.Mode > 0o7777 || fi.Size < 0 ||
-			fi.Type == agentv1.FileType_FILE_TYPE_UNSPECIFIED || strings.ContainsRune(fi.Path, 0) {
-			t.Fatalf("accepted %v", &fi)
-		}
-	})
 }

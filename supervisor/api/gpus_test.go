@@ -17,7 +17,6 @@ import (
 	"github.com/carrel-os/carrel/image/store/storetest"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
-	"github.com/carrel-os/carrel/supervisor/auditrec"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
@@ -25,6 +24,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/gpu/gputest"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policystore"
+	"github.com/carrel-os/carrel/supervisor/recorder"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
@@ -67,17 +67,16 @@ func gpuAPI(t *testing.T) gpuEnv {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { alog.Close() })
-	decisions := &auditrec.Decisions{Log: alog}
-	pols.Record = decisions.Record
+	rec := recorder.New(alog, nil)
+	pols.Record = rec.Decision
 	m := vm.New(vm.Config{Registry: reg, Images: img, Driver: drv, BootTimeout: 2 * time.Second,
 		Policies: pols,
-		OnEvent:  auditrec.Lifecycle(alog, pols, nil),
+		OnEvent:  rec.Lifecycle(pols, nil),
 		CheckGPUs: func(want []string, held map[string][]string) error {
 			_, err := gpus.Check(want, held)
 			return err
 		},
 	})
-	decisions.Session = m.SessionOf
 	t.Cleanup(func() { m.Close() })
 	sock := filepath.Join(dir, "api.sock")
 	l, err := net.Listen("unix", sock)
@@ -86,7 +85,7 @@ func gpuAPI(t *testing.T) gpuEnv {
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	done := make(chan error)
-	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid()), Audit: alog, GPUs: gpus})
+	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid()), Recorder: rec, GPUs: gpus})
 	go func() { done <- Serve(sctx, l, h) }()
 	t.Cleanup(func() {
 		cancel()

@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
@@ -25,6 +24,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
+	"github.com/carrel-os/carrel/supervisor/relay"
 )
 
 // createVM creates a fake VM whose agent serves ports with p.
@@ -208,7 +208,7 @@ func (h hostilePorts) Connect(ctx context.Context, s *connect.BidiStream[agentv1
 		s.Send(data(3))
 	case 2: // an oversized chunk
 		s.Send(opened)
-		s.Send(data(maxPortChunk + 1))
+		s.Send(data(relay.MaxPortChunk + 1))
 	case 3: // data after close
 		s.Send(opened)
 		s.Send(data(5))
@@ -296,7 +296,7 @@ func TestPortRelayRejectsHostileGuest(t *testing.T) {
 			t.Errorf("%s: %d messages passed, err %v", tc.what, len(got), err)
 		}
 		for _, m := range got {
-			if len(m.GetData()) > maxPortChunk || len(m.ProtoReflect().GetUnknown()) > 0 {
+			if len(m.GetData()) > relay.MaxPortChunk || len(m.ProtoReflect().GetUnknown()) > 0 {
 				t.Errorf("%s: passed %v", tc.what, m)
 			}
 		}
@@ -383,46 +383,4 @@ func TestPortRelayChecksRequests(t *testing.T) {
 			break
 		}
 	}
-}
-
-// FuzzPortCheck feeds arbitrary guest bytes, decoded as PortData, to the
-// check every relayed message passes: whatever it passes on is a data
-// chunk within the cap, or the one close.
-func FuzzPortCheck(f *testing.F) {
-	for _, m := range []*agentv1.PortData{
-		{Msg: &agentv1.PortData_Data{Data: []byte("hello")}},
-		{Msg: &agentv1.PortData_Close{Close: &agentv1.PortClose{}}},
-		{Msg: &agentv1.PortData_Opened{Opened: &agentv1.PortOpened{}}},
-		{Msg: &agentv1.PortData_Open{Open: &agentv1.PortOpen{Host: "::1", Port: 22}}},
-	} {
-		b, _ := proto.Marshal(m)
-		f.Add(b, b)
-	}
-	f.Fuzz(func(t *testing.T, a, b []byte) {
-		var chk portCheck
-		closes := 0
-		for _, raw := range [][]byte{a, b} {
-			var m agentv1.PortData
-			if proto.Unmarshal(raw, &m) != nil {
-				return
-			}
-			out, err := chk.check(&m)
-			if err != nil {
-				return
-			}
-			switch o := out.Msg.(type) {
-			case *agentv1.PortData_Close:
-				closes++
-			case *agentv1.PortData_Data:
-				if closes > 0 || len(o.Data) > maxPortChunk {
-					t.Fatalf("passed %v", out)
-				}
-			default:
-				t.Fatalf("passed %v", out)
-			}
-			if closes > 1 || len(out.ProtoReflect().GetUnknown()) > 0 {
-				t.Fatalf("passed %v", out)
-			}
-		}
-	})
 }

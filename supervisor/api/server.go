@@ -3,10 +3,11 @@
 // by plain HTTP+JSON (curl) on a unix socket.
 //
 // Every call is authenticated and decided by the api policy in an
-// interceptor (authz.go) before a handler runs; each operation bound for a
-// guest is then decided again with its VM's policy (guard.go), and a
-// command's intent is made durable in the audit log (record.go), before
-// anything is forwarded.
+// interceptor (authz.go) before a handler runs, and gets an api.call record
+// when it ends. The agent's services are served by supervisor/relay, which
+// decides each operation again with its VM's policy and records it before
+// anything is forwarded. Handlers return errors as they come; the error
+// interceptor gives each its connect code (toConnect).
 package api
 
 import (
@@ -20,12 +21,13 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
-	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/image/debian"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policystore"
+	"github.com/carrel-os/carrel/supervisor/recorder"
+	"github.com/carrel-os/carrel/supervisor/relay"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
 
@@ -62,9 +64,10 @@ type Config struct {
 	// DaemonUID is carreld's own uid: the default policy lets that user
 	// (and root) operate.
 	DaemonUID uint32
-	// Audit, when set, gets a durable intent before every command starts
+	// Recorder, when set, writes the audit records of every call, and of
+	// every action relayed to a guest: a durable intent before it starts
 	// and its outcome after.
-	Audit Recorder
+	Recorder *recorder.Recorder
 	// GPUs lists the host's GPUs (GPUService); nil answers Unimplemented.
 	GPUs *gpu.Host
 }
@@ -82,21 +85,33 @@ func Handler(cfg Config) http.Handler {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
+	// The error interceptor is innermost: the call's record (authz) has
+	// the code the client gets.
 	opts := []connect.HandlerOption{
 		connect.WithReadMaxBytes(maxRequestBytes),
-		connect.WithInterceptors(deadlineInterceptor{}, authzInterceptor{cfg: cfg}),
+		connect.WithInterceptors(deadlineInterceptor{}, authzInterceptor{cfg: cfg}, errorInterceptor{}),
 	}
+	relays := cfg.relay()
 	mux := http.NewServeMux()
-	mux.Handle(apiv1connect.NewVMServiceHandler(&vmService{cfg: cfg}, opts...))
+	mux.Handle(apiv1connect.NewVMServiceHandler(&vmService{cfg: cfg, relay: relays}, opts...))
 	mux.Handle(apiv1connect.NewImageServiceHandler(&imageService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewSystemServiceHandler(&systemService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewPolicyServiceHandler(&policyService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewTokenServiceHandler(&tokenService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewGPUServiceHandler(&gpuService{cfg: cfg}, opts...))
-	mux.Handle(agentv1connect.NewFileServiceHandler(&fileRelay{cfg: cfg}, opts...))
-	mux.Handle(agentv1connect.NewAgentServiceHandler(&agentRelay{cfg: cfg}, opts...))
-	mux.Handle(agentv1connect.NewPortServiceHandler(&portRelay{cfg: cfg}, opts...))
+	mux.Handle(agentv1connect.NewFileServiceHandler(relays.Files(), opts...))
+	mux.Handle(agentv1connect.NewAgentServiceHandler(relays.Agent(), opts...))
+	mux.Handle(agentv1connect.NewPortServiceHandler(relays.Ports(), opts...))
 	return mux
+}
+
+// relay is the relays to the guests, deciding with cfg's policies.
+func (cfg Config) relay() *relay.Relay {
+	var vms relay.VMs
+	if cfg.Manager != nil {
+		vms = cfg.Manager
+	}
+	return relay.New(relay.Config{VMs: vms, Decide: cfg.decide, Caller: callerOf, Recorder: cfg.Recorder, Logger: cfg.Logger})
 }
 
 // Serve serves h on l until ctx ends, then shuts down gracefully. Requests
@@ -166,13 +181,41 @@ func (deadlineInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFun
 	}
 }
 
-// toConnect maps manager errors to RPC codes.
+// errorInterceptor gives every error a handler returns its connect code
+// (toConnect).
+type errorInterceptor struct{}
+
+func (errorInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		resp, err := next(ctx, req)
+		return resp, toConnect(err)
+	}
+}
+
+func (errorInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return next
+}
+
+func (errorInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return func(ctx context.Context, conn connect.StreamingHandlerConn) error {
+		return toConnect(next(ctx, conn))
+	}
+}
+
+// toConnect maps errors to RPC codes: carreld's own connect errors pass
+// as they are, a guest agent's are rebuilt (guestError), and the errors
+// of the VM manager, the GPUs and the audit log get theirs.
 func toConnect(err error) error {
 	if err == nil {
 		return nil
 	}
+	if ce, ok := err.(*connect.Error); ok && !connect.IsWireError(ce) {
+		return err
+	}
 	code := connect.CodeInternal
 	switch {
+	case errors.Is(err, recorder.ErrNotRecorded):
+		code = connect.CodeUnavailable
 	case errors.Is(err, vm.ErrInvalid), errors.Is(err, gpu.ErrInvalid):
 		code = connect.CodeInvalidArgument
 	case errors.Is(err, gpu.ErrUnavailable):
@@ -193,7 +236,7 @@ func toConnect(err error) error {
 		code = connect.CodeCanceled
 	default:
 		if connect.IsWireError(err) {
-			return guestError(err)
+			return relay.GuestError(err)
 		}
 		var ce *connect.Error
 		if errors.As(err, &ce) {
@@ -201,36 +244,4 @@ func toConnect(err error) error {
 		}
 	}
 	return connect.NewError(code, err)
-}
-
-// guestCodes are the codes a guest agent may give its errors; anything
-// else it sends becomes Internal, so a guest cannot pose as carreld (e.g.
-// with Unauthenticated).
-var guestCodes = map[connect.Code]bool{
-	connect.CodeInvalidArgument:    true,
-	connect.CodeNotFound:           true,
-	connect.CodePermissionDenied:   true,
-	connect.CodeFailedPrecondition: true,
-	connect.CodeDeadlineExceeded:   true,
-	connect.CodeCanceled:           true,
-	connect.CodeResourceExhausted:  true,
-}
-
-// maxGuestMessage caps the guest's part of an error message.
-const maxGuestMessage = 1024
-
-// guestError rebuilds an error the guest agent sent: its code is limited to
-// guestCodes, its message is truncated and stripped of control characters,
-// and its metadata and details are dropped, since connect would otherwise
-// copy the guest's headers and trailers into the response to our client.
-func guestError(err error) error {
-	var ce *connect.Error
-	if !errors.As(err, &ce) {
-		return connect.NewError(connect.CodeInternal, err)
-	}
-	code := ce.Code()
-	if !guestCodes[code] {
-		code = connect.CodeInternal
-	}
-	return connect.NewError(code, errors.New("guest agent: "+protocol.CleanText(ce.Message(), maxGuestMessage)))
 }

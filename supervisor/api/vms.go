@@ -13,6 +13,7 @@ import (
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/registry"
+	"github.com/carrel-os/carrel/supervisor/relay"
 	"github.com/carrel-os/carrel/supervisor/vm"
 )
 
@@ -23,7 +24,8 @@ const (
 )
 
 type vmService struct {
-	cfg Config
+	cfg   Config
+	relay *relay.Relay
 }
 
 var _ apiv1connect.VMServiceHandler = (*vmService)(nil)
@@ -99,10 +101,10 @@ func (s *vmService) DeleteVM(ctx context.Context, req *connect.Request[apiv1.Del
 	return connect.NewResponse(&apiv1.DeleteVMResponse{}), nil
 }
 
-// Exec relays a command's output from the guest. The guest's stream is
-// checked as it passes: only known events, and exactly one exit status,
-// last. A stream that breaks those rules is ended with an error.
-func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest], out *connect.ServerStream[apiv1.ExecResponse]) (err error) {
+// Exec runs a command through the same relay as AgentService.Exec and
+// Process, bounded by its timeout; the guest's events, checked there, are
+// passed on as VMService's.
+func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest], out *connect.ServerStream[apiv1.ExecResponse]) error {
 	m := req.Msg
 	if len(m.Argv) == 0 {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("exec: a command is required"))
@@ -116,77 +118,29 @@ func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecReq
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	ereq := &agentv1.ExecRequest{Argv: m.Argv, Env: m.Env, Cwd: m.Cwd}
-	if err := s.cfg.allowExec(ctx, m.Vm, ereq); err != nil {
-		return err
+	err := s.relay.Exec(ctx, m.Vm, &agentv1.ExecRequest{Argv: m.Argv, Env: m.Env, Cwd: m.Cwd}, func(ev *agentv1.ExecResponse) error {
+		return out.Send(execEvent(ev))
+	})
+	if err != nil && ctx.Err() == context.DeadlineExceeded {
+		return connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
 	}
-	var chk eventCheck
-	rec, err := s.cfg.beginExec(ctx, m.Vm, ereq, false)
-	if err != nil {
-		return err
-	}
-	defer func() { rec.finish(ctx, &chk, err) }()
-	stream, err := s.cfg.Manager.Exec(ctx, m.Vm, ereq)
-	if err != nil {
-		return toConnect(err)
-	}
-	defer stream.Close()
-	for {
-		ev, ok, err := stream.Recv()
-		if !ok {
-			if err != nil && ctx.Err() == context.DeadlineExceeded {
-				return connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
-			}
-			return chk.end(toConnect(err))
-		}
-		if err := chk.check(ev); err != nil {
-			return err
-		}
-		if err := rec.event(ctx, ev); err != nil {
-			return err
-		}
-		resp, last, _ := relayEvent(ev)
-		if err := out.Send(resp); err != nil {
-			return err
-		}
-		if last {
-			return nil
-		}
-	}
+	return err
 }
 
-// relayEvent converts one guest event. last is true for the exit status.
-func relayEvent(ev *agentv1.ExecResponse) (resp *apiv1.ExecResponse, last bool, err error) {
+// execEvent is a guest's exec event, already checked by the relay, as
+// VMService.Exec sends it.
+func execEvent(ev *agentv1.ExecResponse) *apiv1.ExecResponse {
 	switch e := ev.Event.(type) {
 	case *agentv1.ExecResponse_Started:
-		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Pid{Pid: e.Started.GetPid()}}, false, nil
+		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Pid{Pid: e.Started.GetPid()}}
 	case *agentv1.ExecResponse_Stdout:
-		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Stdout{Stdout: e.Stdout}}, false, nil
+		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Stdout{Stdout: e.Stdout}}
 	case *agentv1.ExecResponse_Stderr:
-		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Stderr{Stderr: e.Stderr}}, false, nil
+		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Stderr{Stderr: e.Stderr}}
 	case *agentv1.ExecResponse_Exit:
-		x := e.Exit
-		if x == nil || x.Code < 0 || x.Code > 255 || !validSignalName(x.Signal) {
-			return nil, false, connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent sent an invalid exit status"))
-		}
-		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Exit{Exit: &apiv1.ExitStatus{Code: x.Code, Signal: x.Signal}}}, true, nil
-	default:
-		return nil, false, connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent sent an unknown event"))
+		return &apiv1.ExecResponse{Event: &apiv1.ExecResponse_Exit{Exit: &apiv1.ExitStatus{Code: e.Exit.GetCode(), Signal: e.Exit.GetSignal()}}}
 	}
-}
-
-// validSignalName reports whether s can name the signal that ended a
-// command: empty, or up to 16 of [A-Z0-9+-] (SIGTERM, SIGRTMIN+3).
-func validSignalName(s string) bool {
-	if len(s) > 16 {
-		return false
-	}
-	for i := 0; i < len(s); i++ {
-		if c := s[i]; !('A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '+' || c == '-') {
-			return false
-		}
-	}
-	return true
+	return &apiv1.ExecResponse{}
 }
 
 func toProto(st vm.Status) *apiv1.VM {

@@ -10,12 +10,12 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"google.golang.org/protobuf/proto"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/supervisor/client"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
+	"github.com/carrel-os/carrel/supervisor/relay"
 )
 
 // hostileWatch breaks every rule a guest's watch can break, by path.
@@ -37,7 +37,7 @@ func (h *hostileWatch) Watch(ctx context.Context, req *connect.Request[agentv1.W
 	}
 	switch root {
 	case "/flood":
-		batch := make([]*agentv1.WatchEvent, maxWatchBatch)
+		batch := make([]*agentv1.WatchEvent, relay.MaxWatchBatch)
 		for i := range batch {
 			batch[i] = event(agentv1.WatchOp_WATCH_OP_MODIFY, "/flood/f")
 		}
@@ -55,7 +55,7 @@ func (h *hostileWatch) Watch(ctx context.Context, req *connect.Request[agentv1.W
 		}
 		return nil
 	case "/toomany":
-		return s.Send(&agentv1.WatchResponse{Events: make([]*agentv1.WatchEvent, maxWatchBatch+1)})
+		return s.Send(&agentv1.WatchResponse{Events: make([]*agentv1.WatchEvent, relay.MaxWatchBatch+1)})
 	case "/outside":
 		return one(event(agentv1.WatchOp_WATCH_OP_CREATE, "/etc/passwd"))
 	case "/prefix":
@@ -67,7 +67,7 @@ func (h *hostileWatch) Watch(ctx context.Context, req *connect.Request[agentv1.W
 	case "/nul":
 		return one(event(agentv1.WatchOp_WATCH_OP_CREATE, "/nul/a\x00b"))
 	case "/long":
-		return one(event(agentv1.WatchOp_WATCH_OP_CREATE, "/long/"+strings.Repeat("x", maxPathBytes)))
+		return one(event(agentv1.WatchOp_WATCH_OP_CREATE, "/long/"+strings.Repeat("x", relay.MaxPathBytes)))
 	case "/badop":
 		return one(event(99, "/badop/x"))
 	case "/noop":
@@ -127,8 +127,8 @@ func TestWatchRelayRejectsHostileGuests(t *testing.T) {
 	for _, p := range []string{"/flood", "/chatter"} {
 		got, err := watch(p, true, 10)
 		var ce *connect.Error
-		if !errors.As(err, &ce) || ce.Code() != connect.CodeResourceExhausted || !strings.Contains(ce.Message(), ErrWatchRate.Error()) {
-			t.Errorf("watch %s: %v, want ResourceExhausted: %v", p, err, ErrWatchRate)
+		if !errors.As(err, &ce) || ce.Code() != connect.CodeResourceExhausted || !strings.Contains(ce.Message(), relay.ErrWatchRate.Error()) {
+			t.Errorf("watch %s: %v, want ResourceExhausted: %v", p, err, relay.ErrWatchRate)
 		}
 		n := 0
 		for _, m := range got {
@@ -150,14 +150,14 @@ func TestWatchRelayRejectsHostileGuests(t *testing.T) {
 	if m := got[1]; m.Dropped != 5 || m.UnwatchedDirs != 2 || len(m.Events) != 3 || m.Events[1].OldPath != "/w/old" {
 		t.Errorf("relayed %v", m)
 	}
-	if r := h.rate.Load(); r != defaultWatchRate {
-		t.Errorf("asked the guest for %d events a second, want the default %d", r, defaultWatchRate)
+	if r := h.rate.Load(); r != relay.DefaultWatchRate {
+		t.Errorf("asked the guest for %d events a second, want the default %d", r, relay.DefaultWatchRate)
 	}
 	if _, err := watch("/", true, 1<<30); err != nil {
 		t.Errorf("watch /: %v", err)
 	}
-	if r := h.rate.Load(); r != maxWatchRate {
-		t.Errorf("asked the guest for %d events a second, want the cap %d", r, maxWatchRate)
+	if r := h.rate.Load(); r != relay.MaxWatchRate {
+		t.Errorf("asked the guest for %d events a second, want the cap %d", r, relay.MaxWatchRate)
 	}
 	for _, p := range []string{"relative", "", "/a\x00b"} {
 		if _, err := watch(p, true, 0); connect.CodeOf(err) != connect.CodeInvalidArgument {
@@ -168,65 +168,4 @@ func TestWatchRelayRejectsHostileGuests(t *testing.T) {
 	if _, err := c.Stat(ctx, "evil", "/still-there"); err != nil {
 		t.Errorf("after hostile watches: %v", err)
 	}
-}
-
-func TestBucket(t *testing.T) {
-	t0 := time.Unix(1000, 0)
-	b := newBucket(10, 2*time.Second, t0) // 20 at most
-	if !b.take(t0, 20) || b.take(t0, 1) {
-		t.Fatal("a full bucket holds 20")
-	}
-	if !b.take(t0.Add(time.Second), 10) || b.take(t0.Add(time.Second), 1) {
-		t.Fatal("a second refills 10")
-	}
-	if !b.take(t0.Add(time.Hour), 20) || b.take(t0.Add(time.Hour), 1) {
-		t.Fatal("refills stop at the cap")
-	}
-	// Waiting on a client earns credit beyond the cap, kept by refills.
-	b.credit(5 * time.Second)
-	if !b.take(t0.Add(2*time.Hour), 50) || b.take(t0.Add(2*time.Hour), 1) {
-		t.Fatal("credit beyond the cap was lost")
-	}
-}
-
-// FuzzCheckWatch feeds arbitrary guest bytes, decoded as a WatchResponse,
-// to the check every relayed watch message passes: whatever it accepts
-// must be sane.
-func FuzzCheckWatch(f *testing.F) {
-	ok := &agentv1.WatchResponse{Dropped: 3, Events: []*agentv1.WatchEvent{
-		event(agentv1.WatchOp_WATCH_OP_CREATE, "/w/a"),
-		{Op: agentv1.WatchOp_WATCH_OP_RENAME, Path: "/w/b/c", OldPath: "/w/d", IsDir: true},
-	}}
-	bad := &agentv1.WatchResponse{Events: []*agentv1.WatchEvent{event(agentv1.WatchOp_WATCH_OP_DELETE, "/w/../x")}}
-	for _, m := range []*agentv1.WatchResponse{ok, bad} {
-		b, _ := proto.Marshal(m)
-		f.Add(b, true)
-		f.Add(b, false)
-	}
-	f.Fuzz(func(t *testing.T, b []byte, recursive bool) {
-		var m agentv1.WatchResponse
-		if proto.Unmarshal(b, &m) != nil {
-			return
-		}
-		const root = "/w"
-		if checkWatch(root, recursive, &m) != nil {
-			return
-		}
-		if len(m.Events) > maxWatchBatch {
-			t.Fatalf("accepted %d events", len(m.Events))
-		}
-		sane := func(p string) bool {
-			return len(p) <= maxPathBytes && !strings.ContainsRune(p, 0) && path.Clean(p) == p &&
-				(p == root || strings.HasPrefix(p, root+"/")) && (recursive || p == root || path.Dir(p) == root)
-		}
-		for _, e := range m.Events {
-			rename := e.Op == agentv1.WatchOp_WATCH_OP_RENAME
-			if !sane(e.Path) || (rename && !sane(e.OldPath)) || (!rename && e.OldPath != "") {
-				t.Fatalf("accepted %v", e)
-			}
-			if _, known := agentv1.WatchOp_name[int32(e.Op)]; !known || e.Op == agentv1.WatchOp_WATCH_OP_UNSPECIFIED {
-				t.Fatalf("accepted op %d", e.Op)
-			}
-		}
-	})
 }

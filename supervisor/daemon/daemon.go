@@ -22,12 +22,12 @@ import (
 	"github.com/carrel-os/carrel/image/workspace"
 	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/activity"
-	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/api"
-	"github.com/carrel-os/carrel/supervisor/auditrec"
+	"github.com/carrel-os/carrel/supervisor/egress"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policystore"
+	"github.com/carrel-os/carrel/supervisor/recorder"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/systemd"
 	"github.com/carrel-os/carrel/supervisor/vm"
@@ -112,8 +112,8 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	defer auditLog.Close()
-	decisions := &auditrec.Decisions{Log: auditLog}
-	pols.Record = decisions.Record
+	rec := recorder.New(auditLog, log)
+	pols.Record = rec.Decision
 	tokens, err := identity.OpenTokens(filepath.Join(cfg.StateDir, "tokens.json"))
 	if err != nil {
 		return err
@@ -125,30 +125,29 @@ func Run(ctx context.Context, cfg Config) error {
 	defer recordings.Wait()
 	// Each live VM's egress, its only way out, decided per connection by
 	// its policy at the time (the manager names it).
-	var mgr *vm.Manager
-	eg, err := newEgress(cfg.EgressHosts, pols, func(name string) (string, error) { return mgr.PolicyOf(name) }, auditLog, log)
+	eg, err := newEgress(cfg.EgressHosts, pols, auditLog, log)
 	if err != nil {
 		return err
 	}
 	// The host's GPUs, read from sysfs at each use. Creates are vetted
 	// here; the drivers bind and release the devices.
 	gpus := gpu.New(gpu.Config{})
-	mgr = vm.New(vm.Config{
+	mgr := vm.New(vm.Config{
 		Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock,
 		QEMUImg:      workspace.QEMUImg(cfg.QEMUBinary),
 		DiskTemplate: filepath.Join(cfg.StateDir, "disk-template.img"),
 		Policies:     pols,
-		OnEvent:      auditrec.Lifecycle(auditLog, pols, images.ManifestBytes),
+		OnEvent:      rec.Lifecycle(pols, images.ManifestBytes),
 		CheckGPUs: func(want []string, held map[string][]string) error {
 			_, err := gpus.Check(want, held)
 			return err
 		},
-		AgentLive: func(live context.Context, rec registry.Record, link *agentlink.Link) {
-			recordings.Go(func() { _ = activity.Run(live, link, auditLog, rec.Name, rec.Session, log) })
-			recordings.Go(func() { _ = eg.Serve(live, link, rec.Name, rec.Session) })
+		AgentLive: func(live context.Context, v vm.Live) {
+			name, session := v.Record.Name, v.Record.Session
+			recordings.Go(func() { _ = activity.Run(live, v.Link, auditLog, name, session, log) })
+			recordings.Go(func() { _ = eg.Serve(live, v.Link, egress.VM{Name: name, Session: session, Policy: v.Policy}) })
 		},
 	})
-	decisions.Session = mgr.SessionOf
 	go faults.run(ctx, mgr)
 	if err := mgr.Reconcile(ctx); err != nil {
 		log.Error("reconcile", "err", err)
@@ -169,7 +168,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Policies:  pols,
 		Tokens:    tokens,
 		DaemonUID: uint32(os.Getuid()),
-		Audit:     auditLog,
+		Recorder:  rec,
 		GPUs:      gpus,
 		Info: func() api.Info {
 			return api.Info{Version: Version, Accelerator: acc.Name, StateDir: cfg.StateDir, Vsock: vsock}

@@ -11,10 +11,10 @@ import (
 var _ egress.Policies = (*policystore.Store)(nil)
 
 // newEgress makes the egress proxy every live VM's traffic goes through.
-// policyOf names a VM's policy now; hostsFile, when set, replaces DNS for
-// the names VMs reach (--egress-hosts).
-func newEgress(hostsFile string, pols *policystore.Store, policyOf func(vm string) (string, error), rec *audit.Log, log *slog.Logger) (*egress.Proxy, error) {
-	cfg := egress.Config{Policies: pols, PolicyOf: policyOf, Audit: rec, Log: log}
+// hostsFile, when set, replaces DNS for the names VMs reach
+// (--egress-hosts).
+func newEgress(hostsFile string, pols *policystore.Store, rec *audit.Log, log *slog.Logger) (*egress.Proxy, error) {
+	cfg := egress.Config{Policies: pols, Audit: rec, Log: log}
 	if hostsFile != "" {
 		h, err := egress.LoadHosts(hostsFile)
 		if err != nil {

@@ -47,6 +47,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/recorder"
 )
 
 // Recorder is where the records go: *audit.Log.
@@ -99,12 +100,10 @@ const (
 	denyWait = 10 * time.Second
 )
 
-// Config configures a Proxy. Policies and PolicyOf are required; zero
-// fields take the defaults.
+// Config configures a Proxy. Policies is required; zero fields take the
+// defaults.
 type Config struct {
 	Policies Policies
-	// PolicyOf names the policy a VM is bound to now.
-	PolicyOf func(vm string) (string, error)
 	// Audit gets one net.egress record per request; nil records none.
 	Audit Recorder
 	// Resolver resolves names; nil means net.DefaultResolver.
@@ -183,6 +182,15 @@ func (p *Proxy) release(vm string, v *vmState) {
 	}
 }
 
+// VM is a live VM whose egress a Proxy serves.
+type VM struct {
+	Name string
+	// Session names its run, for the records.
+	Session string
+	// Policy names the policy it is bound to now.
+	Policy func() string
+}
+
 // ErrUnsupported is returned by Serve when the guest agent does not serve
 // EgressService (an older agent): the VM then has no egress at all.
 var ErrUnsupported = errors.New("the guest agent does not serve egress")
@@ -190,17 +198,16 @@ var ErrUnsupported = errors.New("the guest agent does not serve egress")
 // Serve carries vm's egress until ctx ends (it returns nil) or the guest
 // has no egress service (ErrUnsupported). It holds the Requests stream
 // open, reopening it after a backoff when it breaks, and returns only once
-// every connection it started has ended and been recorded. session names
-// the records' session.
-func (p *Proxy) Serve(ctx context.Context, link Link, vm, session string) error {
-	v := p.acquire(vm)
-	defer p.release(vm, v)
+// every connection it started has ended and been recorded.
+func (p *Proxy) Serve(ctx context.Context, link Link, vm VM) error {
+	v := p.acquire(vm.Name)
+	defer p.release(vm.Name, v)
 	var conns sync.WaitGroup
 	defer conns.Wait()
-	log := p.cfg.Log.With("subsystem", "egress", "vm", vm)
+	log := p.cfg.Log.With("subsystem", "egress", "vm", vm.Name)
 	backoff := minBackoff
 	for ctx.Err() == nil {
-		progress, err := p.stream(ctx, link, v, vm, session, &conns)
+		progress, err := p.stream(ctx, link, v, vm, &conns)
 		switch {
 		case ctx.Err() != nil:
 			return nil
@@ -229,7 +236,7 @@ var errLifetime = errors.New("egress request stream reached its lifetime")
 
 // stream holds one Requests stream open and starts a connection for each
 // request, until the stream ends. progress says whether a request came.
-func (p *Proxy) stream(ctx context.Context, link Link, v *vmState, vm, session string, conns *sync.WaitGroup) (progress bool, err error) {
+func (p *Proxy) stream(ctx context.Context, link Link, v *vmState, vm VM, conns *sync.WaitGroup) (progress bool, err error) {
 	client, done := link.Egress()
 	sctx, cancel := context.WithTimeoutCause(ctx, streamLifetime, errLifetime)
 	defer cancel()
@@ -251,7 +258,7 @@ func (p *Proxy) stream(ctx context.Context, link Link, v *vmState, vm, session s
 		}
 		conns.Go(func() {
 			defer func() { <-v.inHand }()
-			c := &conn{p: p, link: link, v: v, vm: vm, session: session, req: req, start: time.Now()}
+			c := &conn{p: p, link: link, v: v, vm: vm.Name, session: vm.Session, policy: vm.Policy, req: req, start: time.Now()}
 			c.run(ctx)
 		})
 	}
@@ -283,6 +290,7 @@ type conn struct {
 	v       *vmState
 	vm      string
 	session string
+	policy  func() string
 	req     *agentv1.EgressDialRequest
 	start   time.Time
 	rec     audit.Egress
@@ -411,11 +419,8 @@ func (c *conn) admit(ctx context.Context) (net.Conn, *agentv1.EgressVerdict) {
 // decide asks the VM's policy about in, keeping the decision's id and
 // rule for the record. A deny, or a failure to decide, is an error.
 func (c *conn) decide(ctx context.Context, in *policy.NetInput) error {
-	name, err := c.p.cfg.PolicyOf(c.vm)
-	if err != nil {
-		return fmt.Errorf("no policy for VM %s: %w", c.vm, err)
-	}
-	d, err := c.p.cfg.Policies.Decide(ctx, name, in)
+	// The decision is recorded in the VM's session.
+	d, err := c.p.cfg.Policies.Decide(recorder.WithSession(ctx, c.vm, c.session), c.policy(), in)
 	if d.ID != "" {
 		c.rec.Decisions = append(c.rec.Decisions, d.ID)
 	}
@@ -431,11 +436,7 @@ func (c *conn) decide(ctx context.Context, in *policy.NetInput) error {
 
 // limits are the VM's policy's net limits now.
 func (c *conn) limits(ctx context.Context) (policy.NetLimits, error) {
-	name, err := c.p.cfg.PolicyOf(c.vm)
-	if err != nil {
-		return policy.NetLimits{}, err
-	}
-	pol, err := c.p.cfg.Policies.Get(name)
+	pol, err := c.p.cfg.Policies.Get(c.policy())
 	if err != nil {
 		return policy.NetLimits{}, err
 	}

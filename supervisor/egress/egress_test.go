@@ -270,9 +270,11 @@ func newWorld(t *testing.T) *world {
 	})
 	link := fakeLink{agentv1connect.NewEgressServiceClient(hc, protocol.BaseURL, protocol.ClientOptions()...)}
 
-	w.proxy = New(Config{Policies: w.pols, PolicyOf: func(string) (string, error) { return "test", nil }, Audit: w.rec, Resolver: w.resolver})
+	w.proxy = New(Config{Policies: w.pols, Audit: w.rec, Resolver: w.resolver})
 	served := make(chan error, 1)
-	go func() { served <- w.proxy.Serve(ctx, link, "demo", "ses_1") }()
+	go func() {
+		served <- w.proxy.Serve(ctx, link, VM{Name: "demo", Session: "ses_1", Policy: func() string { return "test" }})
+	}()
 	t.Cleanup(func() {
 		cancel()
 		select {
@@ -694,11 +696,13 @@ func TestHostileRequests(t *testing.T) {
 		map[string]any{"host": "allowed.test", "port": port, "networks": []string{"127.0.0.1/32"}},
 	}})
 	resolver := &countingResolver{Hosts: Hosts{"allowed.test": {netip.MustParseAddr("127.0.0.1")}}}
-	p := New(Config{Policies: pols, PolicyOf: func(string) (string, error) { return "test", nil }, Audit: rec, Resolver: resolver, AttemptRate: 40})
+	p := New(Config{Policies: pols, Audit: rec, Resolver: resolver, AttemptRate: 40})
 	ctx, cancel := context.WithCancel(context.Background())
 	served := make(chan error, 1)
 	start := time.Now()
-	go func() { served <- p.Serve(ctx, serveFakeGuest(t, g), "demo", "ses_1") }()
+	go func() {
+		served <- p.Serve(ctx, serveFakeGuest(t, g), VM{Name: "demo", Session: "ses_1", Policy: func() string { return "test" }})
+	}()
 	deadline := time.Now().Add(20 * time.Second)
 	for g.count() < len(g.reqs) && time.Now().Before(deadline) {
 		time.Sleep(10 * time.Millisecond)

@@ -17,15 +17,16 @@ type liveCalls struct {
 }
 
 type liveCall struct {
-	ctx  context.Context
-	rec  registry.Record
-	link *agentlink.Link
+	ctx    context.Context
+	rec    registry.Record
+	link   *agentlink.Link
+	policy func() string
 }
 
-func (l *liveCalls) hook(ctx context.Context, rec registry.Record, link *agentlink.Link) {
+func (l *liveCalls) hook(ctx context.Context, v Live) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.calls = append(l.calls, liveCall{ctx, rec, link})
+	l.calls = append(l.calls, liveCall{ctx, v.Record, v.Link, v.Policy})
 }
 
 func (l *liveCalls) get() []liveCall {
@@ -64,6 +65,16 @@ func TestAgentLive(t *testing.T) {
 	}
 	if calls[0].ctx.Err() != nil {
 		t.Fatal("the live context ended while the vm runs")
+	}
+	// The policy is read when asked: a binding made while the VM runs shows.
+	if p := calls[0].policy(); p != "default" {
+		t.Errorf("policy while live: %q", p)
+	}
+	if err := e.m.SetPolicy(context.Background(), "demo", "strict"); err != nil {
+		t.Fatal(err)
+	}
+	if p := calls[0].policy(); p != "strict" {
+		t.Errorf("policy after a new binding: %q, want strict", p)
 	}
 	if _, err := e.m.Stop(context.Background(), "demo", true); err != nil {
 		t.Fatal(err)

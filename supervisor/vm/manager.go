@@ -87,12 +87,21 @@ type Config struct {
 	// context that ends when the VM stops or carreld lets go of it. It
 	// must not block (carreld starts recording the guest's workspace
 	// activity here).
-	AgentLive func(live context.Context, rec registry.Record, link *agentlink.Link)
+	AgentLive func(live context.Context, v Live)
 	// CheckGPUs, when set, vets the GPUs a VM is created with against the
 	// host (supervisor/gpu.Host.Check); held maps every other VM to the
 	// GPUs it holds. It runs under the manager's lock, so two creates
 	// cannot claim one GPU. Without it, a create with GPUs is refused.
 	CheckGPUs func(want []string, held map[string][]string) error
+}
+
+// Live is a VM as it goes live, for Config.AgentLive.
+type Live struct {
+	Record registry.Record // as it went live
+	Link   *agentlink.Link
+	// Policy names the policy the VM is bound to now: carrel policy
+	// apply may bind another while it runs.
+	Policy func() string
 }
 
 // Manager owns every VM of one carreld.
@@ -515,7 +524,7 @@ func (m *Manager) attach(live context.Context, cancel context.CancelFunc, mc *ma
 		}
 	}()
 	if m.cfg.AgentLive != nil {
-		m.cfg.AgentLive(live, mc.snapshot(), link)
+		m.cfg.AgentLive(live, Live{Record: mc.snapshot(), Link: link, Policy: mc.policy})
 	}
 }
 
@@ -587,6 +596,13 @@ func (mc *machine) detach() {
 	}
 	mc.console = nil
 	mc.paused = false
+}
+
+// policy names the policy mc is bound to now.
+func (mc *machine) policy() string {
+	mc.mu.Lock()
+	defer mc.mu.Unlock()
+	return mc.rec.PolicyName()
 }
 
 func (mc *machine) snapshot() registry.Record {

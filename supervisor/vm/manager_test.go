@@ -1,6 +1,7 @@
 package vm
 
 import (
+	"connectrpc.com/connect"
 	"context"
 	"errors"
 	"os"
@@ -69,20 +70,21 @@ func TestCreateExecStopDelete(t *testing.T) {
 		t.Fatalf("persisted = %+v, %v", onDisk, err)
 	}
 
-	s, err := e.m.Exec(ctx, "demo", &agentv1.ExecRequest{Argv: []string{"echo", "hi"}})
+	link, err := e.m.Link("demo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent, _ := link.Agent()
+	s, err := agent.Exec(ctx, connect.NewRequest(&agentv1.ExecRequest{Argv: []string{"echo", "hi"}}))
 	if err != nil {
 		t.Fatal(err)
 	}
 	var out strings.Builder
-	for {
-		ev, ok, err := s.Recv()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !ok {
-			break
-		}
-		out.Write(ev.GetStdout())
+	for s.Receive() {
+		out.Write(s.Msg().GetStdout())
+	}
+	if err := s.Err(); err != nil {
+		t.Fatal(err)
 	}
 	if out.String() != "echo\nhi\n" {
 		t.Errorf("exec output %q", out.String())
@@ -100,8 +102,8 @@ func TestCreateExecStopDelete(t *testing.T) {
 	if st, _ := e.m.Get("demo"); st.State != registry.StateStopped || st.Instance != nil {
 		t.Errorf("after stop: %+v", st)
 	}
-	if _, err := e.m.Exec(ctx, "demo", &agentv1.ExecRequest{Argv: []string{"x"}}); !errors.Is(err, ErrNotRunning) {
-		t.Errorf("exec in stopped vm: %v", err)
+	if _, err := e.m.Link("demo"); !errors.Is(err, ErrNotRunning) {
+		t.Errorf("link of a stopped vm: %v", err)
 	}
 	if _, err := e.m.Start(ctx, "demo"); err != nil {
 		t.Fatal(err)

@@ -10,7 +10,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/registry"
@@ -321,15 +320,6 @@ func (m *Manager) PolicyOf(name string) (string, error) {
 	mc.mu.Lock()
 	defer mc.mu.Unlock()
 	return mc.rec.PolicyName(), nil
-}
-
-// Exec starts a command in a running VM.
-func (m *Manager) Exec(ctx context.Context, name string, req *agentv1.ExecRequest) (*agentlink.ExecStream, error) {
-	link, err := m.Link(name)
-	if err != nil {
-		return nil, err
-	}
-	return link.Exec(ctx, req)
 }
 
 // Link returns the agent link of a running VM.

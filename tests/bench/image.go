@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"connectrpc.com/connect"
 	"context"
 	"crypto/rand"
 	"errors"
@@ -251,20 +252,21 @@ func startBare(ctx context.Context, img *store.Resolved, dir string, memMiB int,
 
 // root runs a shell script as root in the VM and returns its output.
 func (v *bareVM) root(ctx context.Context, script string) (string, error) {
-	s, err := v.link.Exec(ctx, &agentv1.ExecRequest{Argv: []string{"sh", "-c", script}, User: "root", Cwd: "/"})
+	agent, done := v.link.Agent()
+	s, err := agent.Exec(ctx, connect.NewRequest(&agentv1.ExecRequest{Argv: []string{"sh", "-c", script}, User: "root", Cwd: "/"}))
 	if err != nil {
-		return "", err
+		return "", done(ctx, err)
 	}
 	defer s.Close()
 	var out bytes.Buffer
 	for {
-		msg, ok, err := s.Recv()
-		if err != nil {
-			return out.String(), err
-		}
-		if !ok {
+		if !s.Receive() {
+			if err := s.Err(); err != nil {
+				return out.String(), done(ctx, err)
+			}
 			return out.String(), errors.New("exec stream ended without an exit status")
 		}
+		msg := s.Msg()
 		out.Write(msg.GetStdout())
 		out.Write(msg.GetStderr())
 		if x := msg.GetExit(); x != nil {

@@ -1,13 +1,13 @@
-package api
+package relay
 
 import (
 	"context"
 	"net/http"
-	"strings"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/recorder"
 )
 
 // Decisions on operations bound for a guest. Each runs after the api
@@ -19,9 +19,9 @@ import (
 
 // allowFile decides one file operation on *path and replaces *path with
 // its cleaned form.
-func (cfg Config) allowFile(ctx context.Context, h http.Header, op string, path *string, recursive bool) error {
-	in := &policy.FSInput{Caller: callerOf(ctx), VM: h.Get(protocol.VMHeader), Operation: op, Path: *path, Recursive: recursive}
-	if err := cfg.decide(ctx, in); err != nil {
+func (r *Relay) allowFile(ctx context.Context, h http.Header, op string, path *string, recursive bool) error {
+	in := &policy.FSInput{Caller: r.caller(ctx), VM: h.Get(protocol.VMHeader), Operation: op, Path: *path, Recursive: recursive}
+	if err := r.decide(ctx, in); err != nil {
 		return err
 	}
 	if in.Path != "" {
@@ -33,12 +33,12 @@ func (cfg Config) allowFile(ctx context.Context, h http.Header, op string, path 
 // allowExec decides a command. Its cwd is cleaned in place; user and cwd
 // are decided with the guest's defaults filled in, and sent as they were
 // (empty still means the default).
-func (cfg Config) allowExec(ctx context.Context, vm string, req *agentv1.ExecRequest) error {
+func (r *Relay) allowExec(ctx context.Context, vm string, req *agentv1.ExecRequest) error {
 	in := &policy.ExecInput{
-		Caller: callerOf(ctx), VM: vm, Argv: req.Argv, Env: envMap(req.Env),
+		Caller: r.caller(ctx), VM: vm, Argv: req.Argv, Env: recorder.EnvMap(req.Env),
 		Cwd: req.Cwd, User: req.User, TTY: req.Tty,
 	}
-	if err := cfg.decide(ctx, in); err != nil {
+	if err := r.decide(ctx, in); err != nil {
 		return err
 	}
 	if req.Cwd != "" {
@@ -48,26 +48,12 @@ func (cfg Config) allowExec(ctx context.Context, vm string, req *agentv1.ExecReq
 }
 
 // allowForward decides a port-forward connection into the VM.
-func (cfg Config) allowForward(ctx context.Context, vm, host string, port uint32) error {
+func (r *Relay) allowForward(ctx context.Context, vm, host string, port uint32) error {
 	if host == "" {
 		host = "127.0.0.1"
 	}
-	return cfg.decide(ctx, &policy.NetInput{
-		Caller: callerOf(ctx), VM: vm, Direction: policy.DirForward,
+	return r.decide(ctx, &policy.NetInput{
+		Caller: r.caller(ctx), VM: vm, Direction: policy.DirForward,
 		Host: host, Port: int(min(port, 1<<20)), Protocol: "tcp",
 	})
-}
-
-// envMap turns KEY=VALUE pairs into the map the exec input holds; a pair
-// without '=' is a name with an empty value, as the guest treats it.
-func envMap(env []string) map[string]string {
-	if len(env) == 0 {
-		return nil
-	}
-	m := make(map[string]string, len(env))
-	for _, kv := range env {
-		k, v, _ := strings.Cut(kv, "=")
-		m[k] = v
-	}
-	return m
 }

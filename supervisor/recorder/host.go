@@ -1,6 +1,4 @@
-// Package auditrec writes the audit records carreld makes outside the
-// API's handlers: every policy decision, and every step in a VM's life.
-package auditrec
+package recorder
 
 import (
 	"bytes"
@@ -19,16 +17,10 @@ import (
 // record; a larger one (a huge argv) is kept as its digest only.
 const maxRecordedInput = 32 << 10
 
-// Decisions makes policy decisions durable in the audit log before
-// the action they admit goes ahead.
-type Decisions struct {
-	Log *audit.Log
-	// Session names a VM's current run; set it once the VM manager
-	// exists.
-	Session func(vm string) string
-}
-
-func (r *Decisions) Record(ctx context.Context, d policy.Decision, in policy.Input) error {
+// Decision makes a policy decision durable in the audit log before the
+// action it admits goes ahead (policystore.Store.Record). It is recorded
+// in the session that ctx gives its VM (WithSession).
+func (r *Recorder) Decision(ctx context.Context, d policy.Decision, in policy.Input) error {
 	data := decisionRecord(d)
 	if len(d.Input) <= maxRecordedInput {
 		data.Input = d.Input
@@ -37,11 +29,7 @@ func (r *Decisions) Record(ctx context.Context, d policy.Decision, in policy.Inp
 	if err != nil {
 		return err
 	}
-	session := ""
-	if r.Session != nil && d.VM != "" {
-		session = r.Session(d.VM)
-	}
-	_, err = r.Log.Append(ctx, audit.Record{Kind: audit.KindPolicyDecision, VM: d.VM, Session: session, Provenance: audit.Host, Data: b})
+	_, err = r.log.Append(ctx, audit.Record{Kind: audit.KindPolicyDecision, VM: d.VM, Session: sessionOf(ctx, d.VM), Provenance: audit.Host, Data: b})
 	return err
 }
 
@@ -60,7 +48,8 @@ type Manifests func(digest string) ([]byte, error)
 // manifest as a blob, so that a reviewer sees which image, root hash and
 // packages the session ran on, offline. A GPU attach or detach gets a
 // record of its own kind. manifests may be nil.
-func Lifecycle(l *audit.Log, pols *policystore.Store, manifests Manifests) func(context.Context, vm.Event) error {
+func (rc *Recorder) Lifecycle(pols *policystore.Store, manifests Manifests) func(context.Context, vm.Event) error {
+	l := rc.log
 	return func(ctx context.Context, ev vm.Event) error {
 		r := ev.Record
 		switch ev.Kind {
@@ -104,7 +93,7 @@ func Lifecycle(l *audit.Log, pols *policystore.Store, manifests Manifests) func(
 // keepManifest puts the image's manifest in the audit log's blob store
 // (content-addressed, so its digest is the image's) and returns the
 // image's name and the blob's digest.
-func keepManifest(l *audit.Log, manifests Manifests, digest string) (string, string, error) {
+func keepManifest(l Log, manifests Manifests, digest string) (string, string, error) {
 	b, err := manifests(digest)
 	if err != nil {
 		return "", "", fmt.Errorf("image manifest for the audit log: %w", err)

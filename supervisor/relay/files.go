@@ -1,11 +1,10 @@
-package api
+package relay
 
 import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
-	"fmt"
 	"net/http"
 	"strings"
 
@@ -15,8 +14,8 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
-	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/recorder"
 )
 
 // The file API is the agent's own carrel.agent.v1.FileService, relayed
@@ -25,34 +24,18 @@ import (
 
 // Caps on what a guest may send back through the file relay.
 const (
-	maxPathBytes   = 4096
+	MaxPathBytes   = 4096
 	maxListEntries = 100_000
 	maxListBatch   = 1024
 )
 
-type fileRelay struct {
-	cfg Config
-}
+type fileRelay struct{ *Relay }
 
-var _ agentv1connect.FileServiceHandler = (*fileRelay)(nil)
-
-// linkFor returns the agent link of the running VM a relayed call names in
-// its Carrel-Vm header.
-func linkFor(cfg Config, h http.Header) (*agentlink.Link, error) {
-	name := h.Get(protocol.VMHeader)
-	if name == "" {
-		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("name the vm in the %s header", protocol.VMHeader))
-	}
-	link, err := cfg.Manager.Link(name)
-	if err != nil {
-		return nil, toConnect(err)
-	}
-	return link, nil
-}
+var _ agentv1connect.FileServiceHandler = fileRelay{}
 
 // files returns the guest's file service for the VM the call names.
-func (r *fileRelay) files(h http.Header) (agentv1connect.FileServiceClient, func(context.Context, error) error, error) {
-	link, err := linkFor(r.cfg, h)
+func (r fileRelay) files(h http.Header) (agentv1connect.FileServiceClient, func(context.Context, error) error, error) {
+	link, err := r.link(h)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -60,25 +43,17 @@ func (r *fileRelay) files(h http.Header) (agentv1connect.FileServiceClient, func
 	return c, done, nil
 }
 
-// relayErr reports err to the link and maps it for our client.
-func relayErr(ctx context.Context, done func(context.Context, error) error, err error) error {
-	if err == nil {
-		return nil
-	}
-	return toConnect(done(ctx, err))
-}
-
-// errGuest is a reply that breaks the protocol's rules.
-func errGuest(format string, args ...any) error {
-	return connect.NewError(connect.CodeDataLoss, fmt.Errorf("guest agent: "+format, args...))
+// records starts the audit records of a call for the VM it names.
+func (r fileRelay) records(ctx context.Context, h http.Header) *recorder.Call {
+	return r.call(ctx, h.Get(protocol.VMHeader))
 }
 
 func checkInfo(fi *agentv1.FileInfo) error {
 	switch {
 	case fi == nil:
 		return errGuest("missing file info")
-	case len(fi.Path) > maxPathBytes || len(fi.LinkTarget) > maxPathBytes:
-		return errGuest("path over %d bytes", maxPathBytes)
+	case len(fi.Path) > MaxPathBytes || len(fi.LinkTarget) > MaxPathBytes:
+		return errGuest("path over %d bytes", MaxPathBytes)
 	case !strings.HasPrefix(fi.Path, "/") || strings.ContainsRune(fi.Path, 0):
 		return errGuest("invalid path %q", protocol.CleanText(fi.Path, 256))
 	case fi.Mode > 0o7777:
@@ -92,8 +67,8 @@ func checkInfo(fi *agentv1.FileInfo) error {
 	return nil
 }
 
-func (r *fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatRequest]) (*connect.Response[agentv1.StatResponse], error) {
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpList, &req.Msg.Path, false); err != nil {
+func (r fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatRequest]) (*connect.Response[agentv1.StatResponse], error) {
+	if err := r.allowFile(ctx, req.Header(), policy.OpList, &req.Msg.Path, false); err != nil {
 		return nil, err
 	}
 	c, done, err := r.files(req.Header())
@@ -108,19 +83,19 @@ func (r *fileRelay) Stat(ctx context.Context, req *connect.Request[agentv1.StatR
 	if err == nil {
 		op.Size = resp.Msg.Info.Size
 	}
-	r.cfg.recordRead(ctx, req.Header(), op, err)
+	r.records(ctx, req.Header()).Read(ctx, op, err)
 	if err != nil {
 		return nil, relayErr(ctx, done, err)
 	}
 	return connect.NewResponse(resp.Msg), nil
 }
 
-func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListRequest], out *connect.ServerStream[agentv1.ListResponse]) (err error) {
+func (r fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListRequest], out *connect.ServerStream[agentv1.ListResponse]) (err error) {
 	var n uint32
 	defer func() {
-		r.cfg.recordRead(ctx, req.Header(), audit.FileOp{Op: "list", Path: req.Msg.Path, Entries: int(n)}, err)
+		r.records(ctx, req.Header()).Read(ctx, audit.FileOp{Op: "list", Path: req.Msg.Path, Entries: int(n)}, err)
 	}()
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpList, &req.Msg.Path, req.Msg.Recursive); err != nil {
+	if err := r.allowFile(ctx, req.Header(), policy.OpList, &req.Msg.Path, req.Msg.Recursive); err != nil {
 		return err
 	}
 	c, done, err := r.files(req.Header())
@@ -158,14 +133,14 @@ func (r *fileRelay) List(ctx context.Context, req *connect.Request[agentv1.ListR
 	return relayErr(ctx, done, s.Err())
 }
 
-func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequest], out *connect.ServerStream[agentv1.ReadResponse]) (err error) {
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpRead, &req.Msg.Path, false); err != nil {
+func (r fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequest], out *connect.ServerStream[agentv1.ReadResponse]) (err error) {
+	if err := r.allowFile(ctx, req.Header(), policy.OpRead, &req.Msg.Path, false); err != nil {
 		return err
 	}
 	var total int64
 	sum := sha256.New() // of what the client was sent
 	defer func() {
-		r.cfg.recordRead(ctx, req.Header(), audit.FileOp{Op: "read", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
+		r.records(ctx, req.Header()).Read(ctx, audit.FileOp{Op: "read", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
 	}()
 	c, done, err := r.files(req.Header())
 	if err != nil {
@@ -189,16 +164,16 @@ func (r *fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadR
 	return relayErr(ctx, done, s.Err())
 }
 
-func (r *fileRelay) Write(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
+func (r fileRelay) Write(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
 	return r.relayWrite(ctx, in, false, agentv1connect.FileServiceClient.Write)
 }
 
-func (r *fileRelay) WriteTar(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
+func (r fileRelay) WriteTar(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
 	return r.relayWrite(ctx, in, true, agentv1connect.FileServiceClient.WriteTar)
 }
 
 // relayWrite passes a header, data and commit stream on to the guest.
-func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest], tree bool,
+func (r fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest], tree bool,
 	open func(agentv1connect.FileServiceClient, context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse]) (_ *connect.Response[agentv1.WriteResponse], err error) {
 	c, done, err := r.files(in.RequestHeader())
 	if err != nil {
@@ -214,10 +189,11 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 	if hdr == nil {
 		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: the first message must be the header"))
 	}
-	if err := r.cfg.allowFile(ctx, in.RequestHeader(), policy.OpWrite, &hdr.Path, tree); err != nil {
+	if err := r.allowFile(ctx, in.RequestHeader(), policy.OpWrite, &hdr.Path, tree); err != nil {
 		return nil, err
 	}
-	act, err := r.cfg.beginFile(ctx, in.RequestHeader(), audit.FileIntent{Action: "file.write", Path: hdr.Path, Mode: hdr.Mode, Tar: tree})
+	rc := r.records(ctx, in.RequestHeader())
+	act, err := rc.BeginFile(ctx, audit.FileIntent{Action: "file.write", Path: hdr.Path, Mode: hdr.Mode, Tar: tree})
 	if err != nil {
 		return nil, err
 	}
@@ -225,15 +201,15 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 	if tree {
 		op.Op = "write_tar"
 	}
-	content := r.cfg.newContentBlob()
+	content := rc.Content()
 	var resp *connect.Response[agentv1.WriteResponse]
 	defer func() {
-		blob, why := content.finish(err != nil)
+		blob, why := content.Finish(err != nil)
 		op.Content = why
 		if resp != nil {
 			op.Size, op.Digest = resp.Msg.Size, resp.Msg.Digest
 		}
-		act.end(ctx, op, blob, err)
+		act.EndFile(ctx, op, blob, err)
 	}()
 	// Cancelled when we return, so the guest drops a write that did not
 	// complete instead of committing it.
@@ -256,7 +232,7 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 		// that closed without one gave up, and the guest writes nothing.
 		sent += int64(len(in.Msg().GetData()))
 		sum.Write(in.Msg().GetData())
-		content.write(in.Msg().GetData())
+		content.Write(in.Msg().GetData())
 	}
 	if err := in.Err(); err != nil {
 		return nil, err
@@ -274,14 +250,14 @@ func (r *fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[age
 
 // ReadTar relays an archive. carreld does not look inside: whoever
 // extracts it must treat it as hostile (tarfs.Extract does).
-func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.ReadTarRequest], out *connect.ServerStream[agentv1.ReadResponse]) (err error) {
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpRead, &req.Msg.Path, true); err != nil {
+func (r fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.ReadTarRequest], out *connect.ServerStream[agentv1.ReadResponse]) (err error) {
+	if err := r.allowFile(ctx, req.Header(), policy.OpRead, &req.Msg.Path, true); err != nil {
 		return err
 	}
 	var total int64
 	sum := sha256.New()
 	defer func() {
-		r.cfg.recordRead(ctx, req.Header(), audit.FileOp{Op: "read_tar", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
+		r.records(ctx, req.Header()).Read(ctx, audit.FileOp{Op: "read_tar", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
 	}()
 	c, done, err := r.files(req.Header())
 	if err != nil {
@@ -304,13 +280,13 @@ func (r *fileRelay) ReadTar(ctx context.Context, req *connect.Request[agentv1.Re
 
 // unary relays a file action whose reply carries nothing to check: its
 // intent is recorded before the guest sees it, its outcome after.
-func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Request[Req], intent audit.FileIntent,
+func unary[Req, Resp any](ctx context.Context, r fileRelay, req *connect.Request[Req], intent audit.FileIntent,
 	call func(agentv1connect.FileServiceClient, context.Context, *connect.Request[Req]) (*connect.Response[Resp], error)) (*connect.Response[Resp], error) {
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return nil, err
 	}
-	act, err := r.cfg.beginFile(ctx, req.Header(), intent)
+	act, err := r.records(ctx, req.Header()).BeginFile(ctx, intent)
 	if err != nil {
 		return nil, err
 	}
@@ -318,47 +294,47 @@ func unary[Req, Resp any](ctx context.Context, r *fileRelay, req *connect.Reques
 	if err != nil {
 		err = relayErr(ctx, done, err)
 	}
-	act.end(ctx, audit.FileOp{Op: strings.TrimPrefix(intent.Action, "file."), Path: intent.Path, To: intent.To}, "", err)
+	act.EndFile(ctx, audit.FileOp{Op: strings.TrimPrefix(intent.Action, "file."), Path: intent.Path, To: intent.To}, "", err)
 	if err != nil {
 		return nil, err
 	}
 	return connect.NewResponse(resp.Msg), nil
 }
 
-func (r *fileRelay) MakeDir(ctx context.Context, req *connect.Request[agentv1.MakeDirRequest]) (*connect.Response[agentv1.MakeDirResponse], error) {
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.Path, req.Msg.Parents); err != nil {
+func (r fileRelay) MakeDir(ctx context.Context, req *connect.Request[agentv1.MakeDirRequest]) (*connect.Response[agentv1.MakeDirResponse], error) {
+	if err := r.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.Path, req.Msg.Parents); err != nil {
 		return nil, err
 	}
 	return unary(ctx, r, req, audit.FileIntent{Action: "file.mkdir", Path: req.Msg.Path, Mode: req.Msg.Mode, Recursive: req.Msg.Parents}, agentv1connect.FileServiceClient.MakeDir)
 }
 
-func (r *fileRelay) Remove(ctx context.Context, req *connect.Request[agentv1.RemoveRequest]) (*connect.Response[agentv1.RemoveResponse], error) {
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpDelete, &req.Msg.Path, req.Msg.Recursive); err != nil {
+func (r fileRelay) Remove(ctx context.Context, req *connect.Request[agentv1.RemoveRequest]) (*connect.Response[agentv1.RemoveResponse], error) {
+	if err := r.allowFile(ctx, req.Header(), policy.OpDelete, &req.Msg.Path, req.Msg.Recursive); err != nil {
 		return nil, err
 	}
 	return unary(ctx, r, req, audit.FileIntent{Action: "file.remove", Path: req.Msg.Path, Recursive: req.Msg.Recursive}, agentv1connect.FileServiceClient.Remove)
 }
 
-func (r *fileRelay) Rename(ctx context.Context, req *connect.Request[agentv1.RenameRequest]) (*connect.Response[agentv1.RenameResponse], error) {
+func (r fileRelay) Rename(ctx context.Context, req *connect.Request[agentv1.RenameRequest]) (*connect.Response[agentv1.RenameResponse], error) {
 	// A rename deletes its source and creates its target.
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpDelete, &req.Msg.From, true); err != nil {
+	if err := r.allowFile(ctx, req.Header(), policy.OpDelete, &req.Msg.From, true); err != nil {
 		return nil, err
 	}
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.To, true); err != nil {
+	if err := r.allowFile(ctx, req.Header(), policy.OpCreate, &req.Msg.To, true); err != nil {
 		return nil, err
 	}
 	return unary(ctx, r, req, audit.FileIntent{Action: "file.rename", Path: req.Msg.From, To: req.Msg.To}, agentv1connect.FileServiceClient.Rename)
 }
 
-func (r *fileRelay) Chmod(ctx context.Context, req *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error) {
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
+func (r fileRelay) Chmod(ctx context.Context, req *connect.Request[agentv1.ChmodRequest]) (*connect.Response[agentv1.ChmodResponse], error) {
+	if err := r.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
 		return nil, err
 	}
 	return unary(ctx, r, req, audit.FileIntent{Action: "file.chmod", Path: req.Msg.Path, Mode: req.Msg.Mode}, agentv1connect.FileServiceClient.Chmod)
 }
 
-func (r *fileRelay) Chown(ctx context.Context, req *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error) {
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
+func (r fileRelay) Chown(ctx context.Context, req *connect.Request[agentv1.ChownRequest]) (*connect.Response[agentv1.ChownResponse], error) {
+	if err := r.allowFile(ctx, req.Header(), policy.OpChmod, &req.Msg.Path, false); err != nil {
 		return nil, err
 	}
 	return unary(ctx, r, req, audit.FileIntent{Action: "file.chown", Path: req.Msg.Path, UID: &req.Msg.Uid, GID: &req.Msg.Gid}, agentv1connect.FileServiceClient.Chown)

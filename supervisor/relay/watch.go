@@ -1,4 +1,4 @@
-package api
+package relay
 
 import (
 	"context"
@@ -16,12 +16,12 @@ import (
 
 // Caps on a watch relayed from the guest.
 const (
-	// defaultWatchRate is the events a second asked of the guest when the
-	// client names no rate; maxWatchRate is the most a client may ask.
-	defaultWatchRate = 1000
-	maxWatchRate     = 10_000
-	// maxWatchBatch is the most events in one message.
-	maxWatchBatch = 1024
+	// DefaultWatchRate is the events a second asked of the guest when the
+	// client names no rate; MaxWatchRate is the most a client may ask.
+	DefaultWatchRate = 1000
+	MaxWatchRate     = 10_000
+	// MaxWatchBatch is the most events in one message.
+	MaxWatchBatch = 1024
 	// watchRateWindow is how long a guest may average twice the rate
 	// asked of it before its stream is ended.
 	watchRateWindow = 5 * time.Second
@@ -39,25 +39,26 @@ var ErrWatchRate = errors.New("guest exceeded the watch event rate")
 // it has its stream ended with CodeResourceExhausted. Time this relay
 // spends waiting on a slow client earns the guest that much more, since
 // what the guest sent meanwhile arrives at once.
-func (r *fileRelay) Watch(ctx context.Context, req *connect.Request[agentv1.WatchRequest], out *connect.ServerStream[agentv1.WatchResponse]) error {
+func (r fileRelay) Watch(ctx context.Context, req *connect.Request[agentv1.WatchRequest], out *connect.ServerStream[agentv1.WatchResponse]) error {
 	p := req.Msg.Path
-	if !strings.HasPrefix(p, "/") || strings.ContainsRune(p, 0) || len(p) > maxPathBytes {
+	if !strings.HasPrefix(p, "/") || strings.ContainsRune(p, 0) || len(p) > MaxPathBytes {
 		return connect.NewError(connect.CodeInvalidArgument, errors.New("watch: the path must be absolute, without NUL bytes, at most 4096 bytes"))
 	}
 	root := path.Clean(p)
-	if err := r.cfg.allowFile(ctx, req.Header(), policy.OpWatch, &root, req.Msg.Recursive); err != nil {
+	if err := r.allowFile(ctx, req.Header(), policy.OpWatch, &root, req.Msg.Recursive); err != nil {
 		return err
 	}
 	rate := req.Msg.MaxEventsPerSecond
 	if rate == 0 {
-		rate = defaultWatchRate
+		rate = DefaultWatchRate
 	}
-	rate = min(rate, maxWatchRate)
+	rate = min(rate, MaxWatchRate)
 
 	c, done, err := r.files(req.Header())
 	if err != nil {
 		return err
 	}
+	rc := r.records(ctx, req.Header())
 	ctx, cancel := context.WithCancel(ctx)
 	s, err := c.Watch(ctx, connect.NewRequest(&agentv1.WatchRequest{Path: root, Recursive: req.Msg.Recursive, MaxEventsPerSecond: rate}))
 	if err != nil {
@@ -83,7 +84,7 @@ func (r *fileRelay) Watch(ctx context.Context, req *connect.Request[agentv1.Watc
 		if !events.take(now, float64(len(msg.Events))) || !msgs.take(now, 1) {
 			return connect.NewError(connect.CodeResourceExhausted, ErrWatchRate)
 		}
-		if err := r.cfg.recordWatch(ctx, req.Header(), root, msg); err != nil {
+		if err := rc.Watch(ctx, root, msg); err != nil {
 			return err
 		}
 		if err := out.Send(msg); err != nil {
@@ -98,7 +99,7 @@ func (r *fileRelay) Watch(ctx context.Context, req *connect.Request[agentv1.Watc
 
 // checkWatch checks one message of a watch of root.
 func checkWatch(root string, recursive bool, msg *agentv1.WatchResponse) error {
-	if len(msg.Events) > maxWatchBatch {
+	if len(msg.Events) > MaxWatchBatch {
 		return errGuest("%d watch events in one message", len(msg.Events))
 	}
 	for _, e := range msg.Events {
@@ -128,8 +129,8 @@ func checkWatch(root string, recursive bool, msg *agentv1.WatchResponse) error {
 // (just below it, unless recursive).
 func checkWatchPath(root string, recursive bool, p string) error {
 	switch {
-	case len(p) > maxPathBytes:
-		return errGuest("path over %d bytes", maxPathBytes)
+	case len(p) > MaxPathBytes:
+		return errGuest("path over %d bytes", MaxPathBytes)
 	case !strings.HasPrefix(p, "/") || strings.ContainsRune(p, 0) || path.Clean(p) != p:
 		return errGuest("invalid path %q", protocol.CleanText(p, 256))
 	}

@@ -1,4 +1,4 @@
-package api
+package relay
 
 import (
 	"context"
@@ -13,26 +13,24 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
-// maxPortChunk caps one data message from the guest (the agent sends at
+// MaxPortChunk caps one data message from the guest (the agent sends at
 // most 32 KiB). A client's larger messages are split to this
 // size on their way in.
-const maxPortChunk = 64 << 10
+const MaxPortChunk = 64 << 10
 
 // portRelay serves carrel.agent.v1.PortService on carreld's socket for the
 // VM named in the Carrel-Vm header: each call is one TCP connection to a
 // port on the guest's loopback. The host checks the request before the
 // guest sees it, and the shape of everything the guest sends back.
-type portRelay struct {
-	cfg Config
-}
+type portRelay struct{ *Relay }
 
-var _ agentv1connect.PortServiceHandler = (*portRelay)(nil)
+var _ agentv1connect.PortServiceHandler = portRelay{}
 
 // Connect relays one connection. It ends when the guest ends the call
 // (after both directions are closed, or with the connection's error), when
 // the client goes away, or when either side breaks the protocol.
-func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.PortData, agentv1.PortData]) (err error) {
-	link, err := linkFor(r.cfg, in.RequestHeader())
+func (r portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.PortData, agentv1.PortData]) (err error) {
+	link, err := r.link(in.RequestHeader())
 	if err != nil {
 		return err
 	}
@@ -50,15 +48,15 @@ func (r *portRelay) Connect(ctx context.Context, in *connect.BidiStream[agentv1.
 	if _, err := protocol.PortAddress(open.GetHost(), open.GetPort()); err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("port connect: %w", err))
 	}
-	if err := r.cfg.allowForward(ctx, in.RequestHeader().Get(protocol.VMHeader), open.Host, open.Port); err != nil {
+	if err := r.allowForward(ctx, in.RequestHeader().Get(protocol.VMHeader), open.Host, open.Port); err != nil {
 		return err
 	}
 	var chk portCheck
-	act, err := r.cfg.beginForward(ctx, in.RequestHeader(), open.Host, open.Port)
+	act, err := r.call(ctx, in.RequestHeader().Get(protocol.VMHeader)).BeginForward(ctx, open.Host, open.Port)
 	if err != nil {
 		return err
 	}
-	defer func() { act.endForward(ctx, chk.fromGuest, err) }()
+	defer func() { act.EndForward(ctx, chk.fromGuest, err) }()
 	c, done := link.Ports()
 
 	ctx, cancel := context.WithCancel(ctx)
@@ -142,7 +140,7 @@ func relayToGuest(in *connect.BidiStream[agentv1.PortData, agentv1.PortData], g 
 		switch m := msg.Msg.(type) {
 		case *agentv1.PortData_Data:
 			for b := m.Data; len(b) > 0; {
-				n := min(len(b), maxPortChunk)
+				n := min(len(b), MaxPortChunk)
 				if g.Send(&agentv1.PortData{Msg: &agentv1.PortData_Data{Data: b[:n]}}) != nil {
 					return nil
 				}
@@ -161,7 +159,7 @@ func relayToGuest(in *connect.BidiStream[agentv1.PortData, agentv1.PortData], g 
 }
 
 // portCheck enforces the shape of the guest's side of a connection after
-// opened: data chunks of at most maxPortChunk, then one close, then nothing.
+// opened: data chunks of at most MaxPortChunk, then one close, then nothing.
 type portCheck struct {
 	closed    bool
 	fromGuest int64 // data bytes relayed from the guest
@@ -174,8 +172,8 @@ func (c *portCheck) check(msg *agentv1.PortData) (*agentv1.PortData, error) {
 		if c.closed {
 			return nil, errGuest("data after close")
 		}
-		if len(m.Data) > maxPortChunk {
-			return nil, errGuest("a %d-byte chunk, over the %d-byte cap", len(m.Data), maxPortChunk)
+		if len(m.Data) > MaxPortChunk {
+			return nil, errGuest("a %d-byte chunk, over the %d-byte cap", len(m.Data), MaxPortChunk)
 		}
 		c.fromGuest += int64(len(m.Data))
 		return &agentv1.PortData{Msg: &agentv1.PortData_Data{Data: m.Data}}, nil

@@ -1,0 +1,225 @@
+package recorder
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/audit"
+)
+
+// maxRecordedWrite is the largest file write whose content the audit log
+// keeps as a blob (a rerun replays it); a larger one is recorded by size
+// and digest only.
+const maxRecordedWrite = 16 << 20
+
+// Action records one action that changes the guest (a file write, a
+// forwarded connection): its intent before the guest sees it, its outcome
+// after. A nil *Action records nothing.
+type Action struct {
+	c *Call
+	p *audit.Pending
+}
+
+func (c *Call) begin(ctx context.Context, what string, intent any) (*Action, error) {
+	data, err := json.Marshal(intent)
+	if err != nil {
+		return nil, err
+	}
+	p, err := c.r.log.Begin(ctx, c.record("", audit.Host, data))
+	if err != nil {
+		return nil, &notRecorded{what + " not forwarded: its audit record could not be written", err}
+	}
+	return &Action{c: c, p: p}, nil
+}
+
+// end ties the outcome rec to the intent, even when ctx has ended.
+func (a *Action) end(ctx context.Context, rec audit.Record, what string) {
+	if _, err := a.p.End(context.WithoutCancel(ctx), rec); err != nil && !errors.Is(err, audit.ErrEnded) {
+		a.c.r.logger.Error(what+" outcome not recorded; recovery will mark it unknown", "vm", a.c.vm, "err", err)
+	}
+}
+
+// BeginFile makes a file action's intent durable; the action must not be
+// forwarded when that fails (the error matches ErrNotRecorded).
+func (c *Call) BeginFile(ctx context.Context, in audit.FileIntent) (*Action, error) {
+	if c == nil {
+		return nil, nil
+	}
+	in.Caller = c.caller
+	return c.begin(ctx, in.Action, in)
+}
+
+// EndFile records the action's file.op, with err's text when it failed
+// and the content's blob when one was kept.
+func (a *Action) EndFile(ctx context.Context, op audit.FileOp, blob string, err error) {
+	if a == nil {
+		return
+	}
+	if err != nil {
+		op.Error = protocol.CleanText(err.Error(), 1024)
+	}
+	data, merr := json.Marshal(op)
+	if merr != nil {
+		return
+	}
+	rec := a.c.record(audit.KindFileOp, audit.Host, data)
+	if blob != "" {
+		rec.Blobs = []string{blob}
+	}
+	a.end(ctx, rec, "file "+op.Op)
+}
+
+// Read records a read, a stat or a listing after it: it changed nothing,
+// and its decision is already on record.
+func (c *Call) Read(ctx context.Context, op audit.FileOp, err error) {
+	if c == nil {
+		return
+	}
+	if err != nil {
+		op.Error = protocol.CleanText(err.Error(), 1024)
+	}
+	data, merr := json.Marshal(op)
+	if merr != nil {
+		return
+	}
+	if _, err := c.r.log.Append(context.WithoutCancel(ctx), c.record(audit.KindFileOp, audit.Host, data)); err != nil {
+		c.r.logger.Error("file read not recorded", "vm", c.vm, "op", op.Op, "err", err)
+	}
+}
+
+// BeginForward makes a forwarded connection's intent durable before the
+// guest is asked to open it.
+func (c *Call) BeginForward(ctx context.Context, host string, port uint32) (*Action, error) {
+	if c == nil {
+		return nil, nil
+	}
+	return c.begin(ctx, "connection", audit.ForwardIntent{Action: audit.ActionForward, Caller: c.caller, Host: host, Port: port})
+}
+
+// EndForward records a forwarded connection's outcome.
+func (a *Action) EndForward(ctx context.Context, fromGuest int64, err error) {
+	if a == nil {
+		return
+	}
+	out := audit.ForwardOutcome{BytesFromGuest: fromGuest}
+	if err != nil {
+		out.Error = protocol.CleanText(err.Error(), 1024)
+	}
+	data, _ := json.Marshal(out)
+	a.end(ctx, a.c.record(audit.KindOutcome, audit.Host, data), "forward")
+}
+
+// Content copies what a write sends into a blob as it is relayed, up to
+// maxRecordedWrite bytes. A nil *Content keeps nothing.
+type Content struct {
+	w    *io.PipeWriter
+	n    int64
+	over bool
+	done chan struct{}
+	dig  string
+	err  error
+}
+
+var errTooLargeToKeep = errors.New("larger than the content the audit log keeps")
+
+// Content starts keeping a write's content.
+func (c *Call) Content() *Content {
+	if c == nil {
+		return nil
+	}
+	r, w := io.Pipe()
+	b := &Content{w: w, done: make(chan struct{})}
+	go func() {
+		defer close(b.done)
+		b.dig, b.err = c.r.log.PutBlob(r)
+		r.CloseWithError(b.err) // unblocks a writer if PutBlob failed early
+	}()
+	return b
+}
+
+// Write keeps p, unless the content is already over the cap.
+func (b *Content) Write(p []byte) {
+	if b == nil || b.over || len(p) == 0 {
+		return
+	}
+	b.n += int64(len(p))
+	if b.n > maxRecordedWrite {
+		b.over = true
+		b.w.CloseWithError(errTooLargeToKeep)
+		return
+	}
+	if _, err := b.w.Write(p); err != nil {
+		b.over = true
+	}
+}
+
+// Finish returns the blob's digest, or "" and why the content is not
+// kept. abort drops the content (the write did not happen).
+func (b *Content) Finish(abort bool) (blob, why string) {
+	if b == nil {
+		return "", ""
+	}
+	if abort {
+		b.w.CloseWithError(errors.New("write abandoned"))
+	} else {
+		b.w.Close()
+	}
+	<-b.done
+	switch {
+	case abort:
+		return "", ""
+	case b.n > maxRecordedWrite:
+		return "", fmt.Sprintf("not kept: over %d MiB", maxRecordedWrite>>20)
+	case b.err != nil:
+		return "", "not kept: " + protocol.CleanText(b.err.Error(), 256)
+	}
+	return b.dig, ""
+}
+
+// watchRecordBytes bounds one watch.event record's data, under the log's
+// cap; a message with more is recorded as several.
+const watchRecordBytes = 48 << 10
+
+// Watch records the events of one checked watch message, reported by the
+// guest, before they are relayed.
+func (c *Call) Watch(ctx context.Context, root string, msg *agentv1.WatchResponse) error {
+	if c == nil {
+		return nil
+	}
+	flush := func(d audit.Watch) error {
+		data, err := json.Marshal(d)
+		if err != nil {
+			return err
+		}
+		_, err = c.r.log.Append(ctx, c.record(audit.KindWatchEvent, audit.Guest, data))
+		return err
+	}
+	d := audit.Watch{Watch: root, Dropped: msg.Dropped}
+	size := 0
+	for _, e := range msg.Events {
+		ev := audit.WatchEvent{Op: strings.ToLower(strings.TrimPrefix(e.Op.String(), "WATCH_OP_")), Path: e.Path, OldPath: e.OldPath, Dir: e.IsDir, TimeNs: e.TimeUnixNano}
+		// JSON may escape a byte as six.
+		n := 6*(len(ev.Path)+len(ev.OldPath)) + 96
+		if size+n > watchRecordBytes && len(d.Events) > 0 {
+			if err := flush(d); err != nil {
+				return &notRecorded{"watch events could not be recorded", err}
+			}
+			d, size = audit.Watch{Watch: root}, 0
+		}
+		d.Events = append(d.Events, ev)
+		size += n
+	}
+	if len(d.Events) == 0 && d.Dropped == 0 {
+		return nil
+	}
+	if err := flush(d); err != nil {
+		return &notRecorded{"watch events could not be recorded", err}
+	}
+	return nil
+}

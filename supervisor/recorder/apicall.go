@@ -1,0 +1,48 @@
+package recorder
+
+import (
+	"context"
+	"encoding/json"
+	"time"
+
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/audit"
+)
+
+// APICall is one call to carreld's API, for its "api.call" record once
+// it ends. The API's interceptor fills in the caller, the VM and the
+// decision as it authorizes the call.
+type APICall struct {
+	audit.APICall
+	// VM is the VM the call named, if any; Session its run then.
+	VM, Session string
+	start       time.Time
+}
+
+// NewAPICall starts timing a call to procedure.
+func NewAPICall(procedure string) *APICall {
+	return &APICall{APICall: audit.APICall{Procedure: procedure}, start: time.Now()}
+}
+
+// APICallEnded records a call once it has ended, before its reply (or
+// its stream's end) reaches the caller, with code the connect code its
+// error maps to ("ok" for none). Its admission is already on record (the
+// api decision); a failure here is logged.
+func (r *Recorder) APICallEnded(ctx context.Context, c *APICall, code string, err error) {
+	if r == nil {
+		return
+	}
+	c.DurationNs = time.Since(c.start).Nanoseconds()
+	c.Code = code
+	if err != nil {
+		c.Error = protocol.CleanText(err.Error(), 1024)
+	}
+	data, merr := json.Marshal(c.APICall)
+	if merr != nil {
+		return
+	}
+	rec := audit.Record{Kind: audit.KindAPICall, VM: c.VM, Session: c.Session, Provenance: audit.Host, Data: data}
+	if _, err := r.log.Append(context.WithoutCancel(ctx), rec); err != nil {
+		r.logger.Error("api call not recorded", "procedure", c.Procedure, "err", err)
+	}
+}

@@ -1,0 +1,99 @@
+// Package recorder writes carreld's audit records: every policy decision,
+// every step in a VM's life, and, for each call relayed to a guest, the
+// intent before it is forwarded, what the guest sent back and the outcome.
+//
+// A Recorder writes to one audit log. A call's facts (its VM, the VM's
+// session and the caller) are taken once, in a Call, and every record the
+// call writes carries them. A nil *Recorder, and so a nil *Call, records
+// nothing: carreld always has a log; unit tests of the relays may not.
+package recorder
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+
+	"github.com/carrel-os/carrel/supervisor/audit"
+)
+
+// Log is the part of the audit log the recorder writes to: records,
+// write-ahead intents for actions and their outcomes, and blobs.
+type Log interface {
+	Append(ctx context.Context, rec audit.Record) (uint64, error)
+	Begin(ctx context.Context, rec audit.Record) (*audit.Pending, error)
+	PutBlob(r io.Reader) (string, error)
+}
+
+var _ Log = (*audit.Log)(nil)
+
+// ErrNotRecorded is wrapped by the error of an action that did not go
+// ahead because its record could not be written.
+var ErrNotRecorded = errors.New("audit record not written")
+
+// notRecorded is an action refused for want of its record: its message
+// says what did not happen and why, and it matches ErrNotRecorded.
+type notRecorded struct {
+	what string
+	err  error
+}
+
+func (e *notRecorded) Error() string        { return e.what + ": " + e.err.Error() }
+func (e *notRecorded) Unwrap() error        { return e.err }
+func (e *notRecorded) Is(target error) bool { return target == ErrNotRecorded }
+
+// Recorder writes carreld's records to one audit log.
+type Recorder struct {
+	log    Log
+	logger *slog.Logger
+}
+
+// New returns a recorder writing to log; failures that cannot reach a
+// caller are logged to logger (slog.Default() if nil).
+func New(log Log, logger *slog.Logger) *Recorder {
+	if logger == nil {
+		logger = slog.Default()
+	}
+	return &Recorder{log: log, logger: logger}
+}
+
+// Call is one call's part of the log: every record it writes names its VM
+// (if any), the VM's session and, for intents, its caller.
+type Call struct {
+	r       *Recorder
+	vm      string
+	session string
+	caller  audit.Caller
+}
+
+// Call starts recording one call that acts on vm in its run session for
+// caller. On a nil Recorder it returns nil, which records nothing.
+func (r *Recorder) Call(vm, session string, caller audit.Caller) *Call {
+	if r == nil {
+		return nil
+	}
+	return &Call{r: r, vm: vm, session: session, caller: caller}
+}
+
+// record is a host record of kind for the call's VM.
+func (c *Call) record(kind string, prov audit.Provenance, data []byte) audit.Record {
+	return audit.Record{Kind: kind, VM: c.vm, Session: c.session, Provenance: prov, Data: data}
+}
+
+type sessionKey struct{}
+
+type vmSession struct{ vm, session string }
+
+// WithSession returns ctx saying that vm is in its run session: a policy
+// decision about vm made under ctx is recorded in that session.
+func WithSession(ctx context.Context, vm, session string) context.Context {
+	return context.WithValue(ctx, sessionKey{}, vmSession{vm, session})
+}
+
+// sessionOf is the session ctx gives vm, or "".
+func sessionOf(ctx context.Context, vm string) string {
+	if s, ok := ctx.Value(sessionKey{}).(vmSession); ok && s.vm == vm {
+		return s.session
+	}
+	return ""
+}

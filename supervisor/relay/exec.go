@@ -1,0 +1,236 @@
+package relay
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net/http"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/recorder"
+)
+
+// Exec runs a command in vm for VMService.Exec: the guest's checked
+// events go to send, up to and including the exit status. It is the same
+// route as AgentService.Exec and Process.
+func (r *Relay) Exec(ctx context.Context, vm string, req *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
+	h := http.Header{}
+	h.Set(protocol.VMHeader, vm)
+	return r.exec(ctx, h, req, send)
+}
+
+// exec runs a command without stdin: the guest's Exec.
+func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
+	return r.run(ctx, h, req, false, func(ctx context.Context, c agentv1connect.AgentServiceClient, _ *recorder.Exec) (guestEvents, error) {
+		s, err := c.Exec(ctx, connect.NewRequest(req))
+		if err != nil {
+			return nil, err
+		}
+		return serverEvents{s}, nil
+	}, send)
+}
+
+// process runs (or attaches to) a command with the client's stdin,
+// signals and resizes: the guest's Process. recv gives the client's
+// messages after first.
+func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.ProcessInput,
+	recv func() (*agentv1.ProcessInput, error), send func(*agentv1.ExecResponse) error) error {
+	start := first.GetStart()
+	return r.run(ctx, h, start, start.GetDetach(), func(ctx context.Context, c agentv1connect.AgentServiceClient, rec *recorder.Exec) (guestEvents, error) {
+		ctx, cancel := context.WithCancel(ctx)
+		g := c.Process(ctx)
+		// Cancelling ctx alone does not wake a Receive while the request
+		// body is open (net/http's HTTP/2 client): close the response when
+		// the client goes, so the guest side ends at once.
+		stop := context.AfterFunc(ctx, func() { g.CloseResponse() })
+		// A failed send shows up as the guest's reply (or its absence).
+		_ = g.Send(first)
+		go func() {
+			// Client to guest. The guest checks these too; the host has
+			// already capped their size.
+			for {
+				msg, err := recv()
+				if err != nil {
+					g.CloseRequest()
+					return
+				}
+				// What the guest is sent is recorded first.
+				if rec.Output(ctx, recorder.Stdin, msg.GetStdin()) != nil {
+					cancel()
+					return
+				}
+				if g.Send(msg) != nil {
+					return
+				}
+			}
+		}()
+		return bidiEvents{g, func() { stop(); cancel() }}, nil
+	}, send)
+}
+
+// guestEvents is a command's stream of events from the guest.
+type guestEvents interface {
+	// Receive returns the next event, or io.EOF at a clean end.
+	Receive() (*agentv1.ExecResponse, error)
+	Close()
+}
+
+type serverEvents struct {
+	s *connect.ServerStreamForClient[agentv1.ExecResponse]
+}
+
+func (e serverEvents) Receive() (*agentv1.ExecResponse, error) {
+	if e.s.Receive() {
+		return e.s.Msg(), nil
+	}
+	if err := e.s.Err(); err != nil {
+		return nil, err
+	}
+	return nil, io.EOF
+}
+
+func (e serverEvents) Close() { e.s.Close() }
+
+type bidiEvents struct {
+	g    *connect.BidiStreamForClient[agentv1.ProcessInput, agentv1.ExecResponse]
+	stop func()
+}
+
+func (e bidiEvents) Receive() (*agentv1.ExecResponse, error) { return e.g.Receive() }
+
+func (e bidiEvents) Close() {
+	e.g.CloseResponse()
+	e.stop()
+}
+
+// run is the one route of a command through the host, whichever call
+// brought it. A start (nil for an attach, which starts nothing) is
+// decided by the VM's policy and its intent recorded before open asks the
+// guest; then every event the guest sends is checked, its output
+// recorded, and only then passed to send. The outcome is recorded when
+// the call ends, however it ends.
+func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecRequest, detach bool,
+	open func(context.Context, agentv1connect.AgentServiceClient, *recorder.Exec) (guestEvents, error),
+	send func(*agentv1.ExecResponse) error) (err error) {
+	link, err := r.link(h)
+	if err != nil {
+		return err
+	}
+	var rec *recorder.Exec
+	if start != nil {
+		vm := h.Get(protocol.VMHeader)
+		if err := r.allowExec(ctx, vm, start); err != nil {
+			return err
+		}
+		if rec, err = r.call(ctx, vm).BeginExec(ctx, start, detach); err != nil {
+			return err
+		}
+	}
+	var chk eventCheck
+	defer func() { rec.Finish(ctx, chk.result(), err) }()
+	c, done := link.Agent()
+	g, err := open(ctx, c, rec)
+	if err != nil {
+		return relayErr(ctx, done, err)
+	}
+	defer g.Close()
+	for {
+		ev, err := g.Receive()
+		if err != nil {
+			return chk.end(relayErr(ctx, done, ignoreEOF(err)))
+		}
+		if err := chk.check(ev); err != nil {
+			return err
+		}
+		if err := rec.Event(ctx, ev); err != nil {
+			return err
+		}
+		if err := send(ev); err != nil {
+			return err
+		}
+		if chk.exited {
+			return nil
+		}
+	}
+}
+
+// eventCheck enforces the shape of an exec event stream from the guest:
+// known events only, the start at most once and first, an exit status in
+// range, and nothing after it.
+type eventCheck struct {
+	events  int
+	started bool
+	id      string // the guest's exec id (its file.activity records name it)
+	exited  bool
+	// What the audit record of the command's end says.
+	exit           *agentv1.ExitStatus
+	stdout, stderr int64
+}
+
+func (c *eventCheck) check(ev *agentv1.ExecResponse) error {
+	c.events++
+	if c.exited {
+		return errGuest("an event after the exit status")
+	}
+	switch e := ev.Event.(type) {
+	case *agentv1.ExecResponse_Started:
+		// The id goes to the client as it is (carrel exec -d prints it):
+		// only the agent's own alphabet passes.
+		if c.started || c.events != 1 || e.Started == nil || e.Started.Pid <= 0 || !protocol.ValidExecID(e.Started.Id) {
+			return errGuest("an invalid start event")
+		}
+		c.started, c.id = true, e.Started.Id
+	case *agentv1.ExecResponse_Exit:
+		x := e.Exit
+		if x == nil || x.Code < 0 || x.Code > 255 || !validSignalName(x.Signal) {
+			return connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent sent an invalid exit status"))
+		}
+		c.exited, c.exit = true, x
+	case *agentv1.ExecResponse_Stdout:
+		c.stdout += int64(len(e.Stdout))
+	case *agentv1.ExecResponse_Stderr:
+		c.stderr += int64(len(e.Stderr))
+	default:
+		return connect.NewError(connect.CodeDataLoss, errors.New("exec: guest agent sent an unknown event"))
+	}
+	return nil
+}
+
+// result is what the stream showed, for the command's outcome record.
+func (c *eventCheck) result() recorder.Result {
+	return recorder.Result{ID: c.id, Exit: c.exit, Stdout: c.stdout, Stderr: c.stderr}
+}
+
+// end turns a stream's end into the call's error: a stream may end without
+// an exit status only with an error.
+func (c *eventCheck) end(err error) error {
+	if err == nil && !c.exited {
+		return connect.NewError(connect.CodeDataLoss, errors.New("guest agent ended the stream without an exit status"))
+	}
+	return err
+}
+
+// validSignalName reports whether s can name the signal that ended a
+// command: empty, or up to 16 of [A-Z0-9+-] (SIGTERM, SIGRTMIN+3).
+func validSignalName(s string) bool {
+	if len(s) > 16 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; !('A' <= c && c <= 'Z' || '0' <= c && c <= '9' || c == '+' || c == '-') {
+			return false
+		}
+	}
+	return true
+}
+
+func ignoreEOF(err error) error {
+	if errors.Is(err, io.EOF) {
+		return nil
+	}
+	return err
+}
