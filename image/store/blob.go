@@ -1,15 +1,31 @@
 package store
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
-	"errors"
 	"fmt"
-	"io"
 	"os"
+	"path/filepath"
 
 	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
+
+// newBlobs returns the blob store of the image store in dir:
+// blobs/sha256/<hex>, world-readable and read-only, written through temp
+// files in tmp/. Putting a blob again replaces it, which repairs a damaged
+// copy.
+func newBlobs(dir string) cas.Store {
+	return cas.Store{
+		Root:        filepath.Join(dir, blobDir),
+		Layout:      cas.Flat,
+		TempDir:     filepath.Join(dir, tmpDir),
+		TempPattern: ".blob-*",
+		Perm:        0o444,
+		Replace:     true,
+	}
+}
+
+// blobPath is where the blob of a valid digest lives.
+func (s *Store) blobPath(digest string) string { return s.blobs.Path(digest) }
 
 // PutBlob copies the regular file at src into the store and returns its
 // digest and size. The copy is hashed as it is written and committed with a
@@ -33,22 +49,16 @@ func (s *Store) PutBlob(src string) (manifest.Part, error) {
 		return manifest.Part{}, fmt.Errorf("put blob %s: file is empty", src)
 	}
 
-	tmp, err := s.createTemp(".blob-*")
+	st, err := s.blobs.Stage(in)
 	if err != nil {
 		return manifest.Part{}, fmt.Errorf("put blob %s: %w", src, err)
 	}
-	h := sha256.New()
-	n, err := io.Copy(io.MultiWriter(tmp, h), in)
-	if err == nil && n != fi.Size() {
-		err = fmt.Errorf("size changed from %d to %d bytes while copying", fi.Size(), n)
+	defer st.Discard() // no-op once committed
+	if st.Size != fi.Size() {
+		return manifest.Part{}, fmt.Errorf("put blob %s: size changed from %d to %d bytes while copying", src, fi.Size(), st.Size)
 	}
-	if err != nil {
-		tmp.Close()
-		return manifest.Part{}, errors.Join(fmt.Errorf("put blob %s: %w", src, err), os.Remove(tmp.Name()))
-	}
-	p := manifest.Part{Digest: manifest.DigestPrefix + hex.EncodeToString(h.Sum(nil)), Size: n}
-	if err := commit(tmp, 0o444, s.blobPath(p.Digest)); err != nil {
+	if err := st.Commit(); err != nil {
 		return manifest.Part{}, fmt.Errorf("put blob %s: %w", src, err)
 	}
-	return p, nil
+	return manifest.Part{Digest: st.Digest, Size: st.Size}, nil
 }

@@ -1,8 +1,6 @@
 package store
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -129,33 +127,21 @@ func (s *Store) stage(f imagedir.File) (string, error) {
 		return "", err
 	}
 	defer in.Close()
-	tmp, err := s.createTemp(".import-*")
+	blobs := s.blobs // whose temp files are named as an import's
+	blobs.TempPattern = ".import-*"
+	st, err := blobs.Stage(io.LimitReader(in, f.Part.Size+1))
 	if err != nil {
 		return "", err
 	}
-	h := sha256.New()
-	n, err := io.Copy(io.MultiWriter(tmp, h), io.LimitReader(in, f.Part.Size+1))
-	if err == nil && n != f.Part.Size {
-		err = fmt.Errorf("%s is %d bytes now, the manifest says %d", f.Path, n, f.Part.Size)
+	switch {
+	case st.Size != f.Part.Size:
+		err = fmt.Errorf("%s is %d bytes now, the manifest says %d", f.Path, st.Size, f.Part.Size)
+	case st.Digest != f.Part.Digest:
+		err = fmt.Errorf("%s hashes to %s, the manifest says %s: %w", f.Path, st.Digest, f.Part.Digest, imagedir.ErrInvalid)
+	default:
+		return st.Temp, nil
 	}
-	if err == nil {
-		if got := manifest.DigestPrefix + hex.EncodeToString(h.Sum(nil)); got != f.Part.Digest {
-			err = fmt.Errorf("%s hashes to %s, the manifest says %s: %w", f.Path, got, f.Part.Digest, imagedir.ErrInvalid)
-		}
-	}
-	if err == nil {
-		err = tmp.Chmod(0o444)
-	}
-	if err == nil {
-		err = tmp.Sync()
-	}
-	if cerr := tmp.Close(); err == nil {
-		err = cerr
-	}
-	if err != nil {
-		return "", errors.Join(err, os.Remove(tmp.Name()))
-	}
-	return tmp.Name(), nil
+	return "", errors.Join(err, st.Discard())
 }
 
 // stageBytes writes data to a synced temp file of mode perm in the store

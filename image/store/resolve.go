@@ -1,11 +1,8 @@
 package store
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -14,6 +11,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/image/manifest"
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
 
 // Resolved is an image whose manifest and parts were found in the store.
@@ -129,29 +127,15 @@ func (s *Store) Verify(ref string) (*Resolved, error) {
 	}
 	for _, np := range r.Manifest.Parts() {
 		p := np.Part
-		got, _, err := hashFile(s.blobPath(p.Digest))
-		if err != nil {
+		var bad *cas.MismatchError
+		switch err := s.blobs.Check(p.Digest); {
+		case errors.As(err, &bad):
+			return nil, fmt.Errorf("verify %q: blob %s hashes to %s: %w", ref, p.Digest, bad.Got, ErrCorrupt)
+		case err != nil:
 			return nil, fmt.Errorf("verify %q: %w", ref, err)
-		}
-		if got != p.Digest {
-			return nil, fmt.Errorf("verify %q: blob %s hashes to %s: %w", ref, p.Digest, got, ErrCorrupt)
 		}
 	}
 	return r, nil
-}
-
-func hashFile(path string) (digest string, size int64, err error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return "", 0, err
-	}
-	defer f.Close()
-	h := sha256.New()
-	n, err := io.Copy(h, f)
-	if err != nil {
-		return "", 0, fmt.Errorf("hash %s: %w", path, err)
-	}
-	return manifest.DigestPrefix + hex.EncodeToString(h.Sum(nil)), n, nil
 }
 
 // Entry is one stored image as List reports it.

@@ -23,6 +23,7 @@ import (
 
 	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/supervisor/atomicfile"
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
 
 const (
@@ -51,7 +52,8 @@ var (
 // Store is a content-addressed image store rooted at one directory. Its
 // methods are safe for concurrent use, also by several processes.
 type Store struct {
-	dir string
+	dir   string
+	blobs cas.Store
 }
 
 // Open returns the store rooted at dir, creating its layout if needed, and
@@ -69,7 +71,7 @@ func Open(dir string) (*Store, error) {
 			return nil, fmt.Errorf("open image store: %w", err)
 		}
 	}
-	s := &Store{dir: abs}
+	s := &Store{dir: abs, blobs: newBlobs(abs)}
 	s.removeStaleTemps(time.Now().Add(-staleTemp))
 	return s, nil
 }
@@ -93,10 +95,6 @@ func (s *Store) removeStaleTemps(before time.Time) {
 }
 
 func hexOf(digest string) string { return strings.TrimPrefix(digest, manifest.DigestPrefix) }
-
-func (s *Store) blobPath(digest string) string {
-	return filepath.Join(s.dir, blobDir, hexOf(digest))
-}
 
 func (s *Store) manifestPath(digest string) string {
 	return filepath.Join(s.dir, manifestDir, hexOf(digest)+".json")

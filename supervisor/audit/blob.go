@@ -1,46 +1,39 @@
 package audit
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"os"
 	"path/filepath"
 
-	"github.com/carrel-os/carrel/supervisor/atomicfile"
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
 
 const (
-	blobDir      = "blobs"
-	digestPrefix = "sha256:"
+	blobDir = "blobs"
+	// blobTemp names PutBlob's temp files in blobs/; Open removes those a
+	// crash left behind.
+	blobTemp = ".put-*"
 )
 
-// validDigest: "sha256:" and 64 lower-case hex digits.
-func validDigest(d string) bool {
-	if len(d) != len(digestPrefix)+64 || d[:len(digestPrefix)] != digestPrefix {
-		return false
+// blobs is the blob store of the log in dir: blobs/sha256/<2 hex>/<62 hex>,
+// read-only to the owner, written through temp files in blobs/.
+func blobs(dir string) *cas.Store {
+	return &cas.Store{
+		Root:        filepath.Join(dir, blobDir, "sha256"),
+		Layout:      cas.Fanout,
+		TempDir:     filepath.Join(dir, blobDir),
+		TempPattern: blobTemp,
+		Perm:        0o400,
 	}
-	for _, c := range []byte(d[len(digestPrefix):]) {
-		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
-			return false
-		}
-	}
-	return true
 }
 
-// blobPath is where a valid digest's blob lives:
-// blobs/sha256/<2 hex>/<62 hex>.
-func blobPath(dir, digest string) string {
-	h := digest[len(digestPrefix):]
-	return filepath.Join(dir, blobDir, "sha256", h[:2], h[2:])
-}
+// blobPath is where a valid digest's blob lives.
+func blobPath(dir, digest string) string { return blobs(dir).Path(digest) }
 
 // BlobPath returns where the log in dir keeps the blob digest.
 func BlobPath(dir, digest string) (string, error) {
-	if !validDigest(digest) {
+	if !cas.Valid(digest) {
 		return "", fmt.Errorf("%w: blob reference %q: want sha256:<64 hex>", ErrInvalid, digest)
 	}
 	return blobPath(dir, digest), nil
@@ -56,47 +49,9 @@ func (l *Log) PutBlob(r io.Reader) (string, error) {
 }
 
 func putBlob(dir string, r io.Reader) (string, error) {
-	root := filepath.Join(dir, blobDir)
-	f, err := os.CreateTemp(root, ".put-*")
+	digest, _, err := blobs(dir).Put(r)
 	if err != nil {
 		return "", fmt.Errorf("put blob: %w", err)
-	}
-	tmp := f.Name()
-	defer os.Remove(tmp) // no-op once renamed
-	h := sha256.New()
-	if _, err := io.Copy(io.MultiWriter(f, h), r); err != nil {
-		f.Close()
-		return "", fmt.Errorf("put blob: %w", err)
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return "", fmt.Errorf("put blob: sync: %w", err)
-	}
-	if err := f.Close(); err != nil {
-		return "", fmt.Errorf("put blob: %w", err)
-	}
-	digest := digestPrefix + hex.EncodeToString(h.Sum(nil))
-	path := blobPath(dir, digest)
-	if _, err := os.Stat(path); err == nil {
-		return digest, nil // content-addressed: already stored
-	}
-	shard := filepath.Dir(path)
-	if _, err := os.Stat(shard); errors.Is(err, fs.ErrNotExist) {
-		if err := os.MkdirAll(shard, 0o700); err != nil {
-			return "", fmt.Errorf("put blob: %w", err)
-		}
-		if err := atomicfile.SyncDir(filepath.Dir(shard)); err != nil {
-			return "", fmt.Errorf("put blob: sync: %w", err)
-		}
-	}
-	if err := os.Chmod(tmp, 0o400); err != nil {
-		return "", fmt.Errorf("put blob: %w", err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return "", fmt.Errorf("put blob: %w", err)
-	}
-	if err := atomicfile.SyncDir(shard); err != nil {
-		return "", fmt.Errorf("put blob: sync: %w", err)
 	}
 	return digest, nil
 }
@@ -112,18 +67,4 @@ func (l *Log) OpenBlob(digest string) (*os.File, error) {
 
 // checkBlob hashes a stored blob; it returns nil when the content matches
 // its name.
-func checkBlob(dir, digest string) error {
-	f, err := os.Open(blobPath(dir, digest))
-	if err != nil {
-		return err
-	}
-	defer f.Close()
-	h := sha256.New()
-	if _, err := io.Copy(h, f); err != nil {
-		return err
-	}
-	if got := digestPrefix + hex.EncodeToString(h.Sum(nil)); got != digest {
-		return fmt.Errorf("content hashes to %s", got)
-	}
-	return nil
-}
+func checkBlob(dir, digest string) error { return blobs(dir).Check(digest) }

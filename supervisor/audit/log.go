@@ -171,7 +171,7 @@ func (l *Log) openFiles() error {
 		return fmt.Errorf("lock audit log %s: %w", l.dir, err)
 	}
 	// A crash in PutBlob leaves its temporary file behind.
-	if left, _ := filepath.Glob(filepath.Join(l.dir, blobDir, ".put-*")); len(left) > 0 {
+	if left, _ := filepath.Glob(filepath.Join(l.dir, blobDir, blobTemp)); len(left) > 0 {
 		for _, f := range left {
 			os.Remove(f)
 		}

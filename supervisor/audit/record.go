@@ -7,6 +7,8 @@ import (
 	"strconv"
 	"time"
 	"unicode/utf8"
+
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
 
 // Provenance says who vouches for a record.
@@ -118,7 +120,7 @@ func encodeBody(r *Record) ([]byte, error) {
 		return nil, fmt.Errorf("%w: %d blob references, the cap is %d", ErrTooLarge, len(r.Blobs), maxBlobRefs)
 	}
 	for _, b := range r.Blobs {
-		if !validDigest(b) {
+		if !cas.Valid(b) {
 			return nil, fmt.Errorf("%w: blob reference %q: want sha256:<64 hex>", ErrInvalid, b)
 		}
 	}

@@ -8,6 +8,8 @@ import (
 	"sync"
 
 	"golang.org/x/mod/sumdb/tlog"
+
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
 
 // Verify reads records.log once, in three stages: one goroutine reads
@@ -259,7 +261,7 @@ func (v *verifier) checkRecord(it *vitem, pos uint64, at func(ProblemKind, strin
 		}
 	}
 	for _, d := range it.blobs {
-		if !validDigest(d) {
+		if !cas.Valid(d) {
 			at(ProblemRecord, fmt.Sprintf("blob reference %q", d))
 		} else if _, ok := v.refs[d]; !ok {
 			v.refs[d] = pos
