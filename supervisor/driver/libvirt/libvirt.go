@@ -96,6 +96,10 @@ type Driver struct {
 	sub     *subscription
 	subErr  error         // why the last registration failed
 	pending chan struct{} // closed when the registration in flight ends
+	// waiting, when set (by tests only, before any Wait), is called each
+	// time a Wait has found its domain running with its watch in place:
+	// from then on the domain's end reaches it as an event.
+	waiting func(driver.Instance)
 }
 
 var _ driver.Driver = (*Driver)(nil)
@@ -574,6 +578,9 @@ func (d *Driver) waitOnce(ctx context.Context, inst driver.Instance, u lv.UUID) 
 		return true, nil
 	} else if err != nil {
 		return false, err
+	}
+	if d.waiting != nil {
+		d.waiting(inst)
 	}
 	select {
 	case <-ended:

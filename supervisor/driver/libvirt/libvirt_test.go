@@ -142,6 +142,28 @@ func waitErr(ctx context.Context, d *Driver, inst driver.Instance) <-chan error 
 	return ch
 }
 
+// awaitWaiting returns once the driver's waiting hook, which sends each
+// waiting domain's name on waiting, has reported a Wait on each of domains.
+func awaitWaiting(t *testing.T, waiting <-chan string, domains ...string) {
+	t.Helper()
+	want := map[string]int{}
+	for _, d := range domains {
+		want[d]++
+	}
+	timeout := time.After(30 * time.Second)
+	for range domains {
+		select {
+		case d := <-waiting:
+			if want[d] == 0 {
+				t.Fatalf("a wait on %s is in place, not one of %v", d, domains)
+			}
+			want[d]--
+		case <-timeout:
+			t.Fatalf("waits not in place after 30s: %v", want)
+		}
+	}
+}
+
 func TestLifecycleOnLibvirtd(t *testing.T) {
 	e := newEnv(t)
 	ctx := context.Background()
@@ -229,10 +251,17 @@ func TestLifecycleOnLibvirtd(t *testing.T) {
 	}
 	wctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
+	waiting := make(chan string, 16)
+	d2.waiting = func(i driver.Instance) {
+		select {
+		case waiting <- i.Domain:
+		default: // a wait retried past the buffer: the test fails anyway
+		}
+	}
 	waited, waited2 := waitErr(wctx, d2, inst), waitErr(wctx, d2, inst)
-	time.Sleep(200 * time.Millisecond) // these subscribe first
+	awaitWaiting(t, waiting, inst.Domain, inst.Domain) // these watch first
 	otherWaited := waitErr(wctx, d2, other)
-	time.Sleep(200 * time.Millisecond)
+	awaitWaiting(t, waiting, other.Domain) // so its end comes as an event
 	if err := d2.Kill(ctx, other); err != nil {
 		t.Fatal(err)
 	}
