@@ -599,8 +599,9 @@ func readDirNames(t *testing.T, dir string) []string {
 // needImageTest skips a test that builds a real image (what it does is
 // what), unless CARREL_IMAGE_TEST=1 asks for it and the host has apt-get.
 // Under CARREL_REQUIRE_VM=1 it fails instead. make integration sets both
-// for TestBuildDebian, which needs no network once the cache holds the
-// kernel and busybox.
+// for TestBuildDebian and TestBuildDebianQemuGA, which need no network once
+// the cache holds the kernel, busybox and qemu-guest-agent (tests/qga then
+// runs the qemu-ga the latter left unpacked there).
 func needImageTest(t *testing.T, what string) {
 	t.Helper()
 	skip := func(why string) {

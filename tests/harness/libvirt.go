@@ -2,7 +2,6 @@ package harness
 
 import (
 	"errors"
-	"os"
 	"os/exec"
 	"strings"
 
@@ -22,10 +21,7 @@ func StartLibvirt(t TB) {
 	RequireVM(t)
 	err := libvirttest.Ensure()
 	if errors.Is(err, libvirttest.ErrUnavailable) {
-		if os.Getenv("CARREL_REQUIRE_VM") == "1" {
-			t.Fatal(err.Error() + " and CARREL_REQUIRE_VM=1: run `make deps` as root")
-		}
-		t.Skip("skipping libvirt tests: ", err)
+		Unavailable(t, err.Error()+": run `make deps` as root")
 	}
 	if err != nil {
 		t.Fatal(err)
