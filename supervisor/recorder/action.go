@@ -61,18 +61,20 @@ func (a *Action) EndFile(ctx context.Context, op audit.FileOp, blob string, err 
 	if a == nil {
 		return
 	}
-	if err != nil {
-		op.Error = protocol.CleanText(err.Error(), 1024)
-	}
-	data, merr := json.Marshal(op)
-	if merr != nil {
-		return
-	}
-	rec := a.c.record(audit.KindFileOp, audit.Host, data)
+	rec := a.c.fileOp(op, err)
 	if blob != "" {
 		rec.Blobs = []string{blob}
 	}
 	a.end(ctx, rec, "file "+op.Op)
+}
+
+// fileOp is op's file.op record, with err's text when it failed.
+func (c *Call) fileOp(op audit.FileOp, err error) audit.Record {
+	if err != nil {
+		op.Error = protocol.CleanText(err.Error(), 1024)
+	}
+	data, _ := json.Marshal(op) // a struct of strings and numbers
+	return c.record(audit.KindFileOp, audit.Host, data)
 }
 
 // Read records a read, a stat or a listing after it: it changed nothing,
@@ -81,14 +83,7 @@ func (c *Call) Read(ctx context.Context, op audit.FileOp, err error) {
 	if c == nil {
 		return
 	}
-	if err != nil {
-		op.Error = protocol.CleanText(err.Error(), 1024)
-	}
-	data, merr := json.Marshal(op)
-	if merr != nil {
-		return
-	}
-	if _, err := c.r.log.Append(context.WithoutCancel(ctx), c.record(audit.KindFileOp, audit.Host, data)); err != nil {
+	if _, err := c.r.log.Append(context.WithoutCancel(ctx), c.fileOp(op, err)); err != nil {
 		c.r.logger.Error("file read not recorded", "vm", c.vm, "op", op.Op, "err", err)
 	}
 }
