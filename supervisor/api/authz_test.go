@@ -156,10 +156,23 @@ func TestExecIsRecorded(t *testing.T) {
 	if err := s.Err(); err != nil {
 		t.Fatal(err)
 	}
+	// An attempt on a stopped VM is decided and on record too, with the
+	// error its client got.
+	if _, err := c.VMs.StopVM(ctx, connect.NewRequest(&apiv1.StopVMRequest{Name: "a", Force: true})); err != nil {
+		t.Fatal(err)
+	}
+	s, err = c.VMs.Exec(ctx, connect.NewRequest(&apiv1.ExecRequest{Vm: "a", Argv: []string{"echo", "again"}}))
+	if err == nil {
+		for s.Receive() {
+		}
+		err = s.Err()
+	}
+	if connect.CodeOf(err) != connect.CodeFailedPrecondition {
+		t.Fatalf("exec on a stopped vm: %v", err)
+	}
 	dir := alog.Dir()
 	alog.Close()
-	var intent *audit.Record
-	var outcome *audit.Record
+	var intents, outcomes []audit.Record
 	if err := audit.Scan(dir, func(_ uint64, _ int64, payload []byte) error {
 		r, err := audit.Decode(payload)
 		if err != nil {
@@ -167,16 +180,20 @@ func TestExecIsRecorded(t *testing.T) {
 		}
 		switch r.Kind {
 		case audit.KindIntent:
-			intent = &r
+			intents = append(intents, r)
 		case audit.KindExecExit:
-			outcome = &r
+			outcomes = append(outcomes, r)
 		}
 		return nil
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if intent == nil || outcome == nil {
-		t.Fatalf("exec records: intent %v, outcome %v", intent, outcome)
+	if len(intents) != 2 || len(outcomes) != 2 {
+		t.Fatalf("exec records: intents %v, outcomes %v", intents, outcomes)
+	}
+	intent, outcome := &intents[0], &outcomes[0]
+	if x := outcomes[1]; *x.Intent != intents[1].Seq || !strings.Contains(string(x.Data), `"error":`) || !strings.Contains(string(x.Data), "stopped") {
+		t.Errorf("outcome on a stopped vm: %s", x.Data)
 	}
 	if !strings.Contains(string(intent.Data), `"action":"exec"`) || !strings.Contains(string(intent.Data), `"argv":["echo","hello"]`) || !strings.Contains(string(intent.Data), `"user":"agent"`) || intent.VM != "a" {
 		t.Errorf("intent: %s", intent.Data)

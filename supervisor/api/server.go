@@ -6,8 +6,8 @@
 // interceptor (authz.go) before a handler runs, and gets an api.call record
 // when it ends. The agent's services are served by supervisor/relay, which
 // decides each operation again with its VM's policy and records it before
-// anything is forwarded. Handlers return errors as they come; the error
-// interceptor gives each its connect code (toConnect).
+// anything is forwarded. The error interceptor gives every error a handler
+// returns its connect code (toConnect).
 package api
 
 import (
@@ -203,7 +203,7 @@ func (errorInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) 
 }
 
 // toConnect maps errors to RPC codes: carreld's own connect errors pass
-// as they are, a guest agent's are rebuilt (guestError), and the errors
+// as they are, a guest agent's are rebuilt (relay.GuestError), and the errors
 // of the VM manager, the GPUs and the audit log get theirs.
 func toConnect(err error) error {
 	if err == nil {

@@ -116,15 +116,9 @@ func (s *vmService) Exec(ctx context.Context, req *connect.Request[apiv1.ExecReq
 	if timeout > maxExecTimeout {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("exec: timeout is over %s", maxExecTimeout))
 	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	err := s.relay.Exec(ctx, m.Vm, &agentv1.ExecRequest{Argv: m.Argv, Env: m.Env, Cwd: m.Cwd}, func(ev *agentv1.ExecResponse) error {
+	return s.relay.Exec(ctx, m.Vm, &agentv1.ExecRequest{Argv: m.Argv, Env: m.Env, Cwd: m.Cwd}, timeout, func(ev *agentv1.ExecResponse) error {
 		return out.Send(execEvent(ev))
 	})
-	if err != nil && ctx.Err() == context.DeadlineExceeded {
-		return connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
-	}
-	return err
 }
 
 // execEvent is a guest's exec event, already checked by the relay, as

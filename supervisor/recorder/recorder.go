@@ -4,8 +4,9 @@
 //
 // A Recorder writes to one audit log. A call's facts (its VM, the VM's
 // session and the caller) are taken once, in a Call, and every record the
-// call writes carries them. A nil *Recorder, and so a nil *Call, records
-// nothing: carreld always has a log; unit tests of the relays may not.
+// call writes carries them. A nil *Recorder's Call is nil, and a nil
+// *Call (with what it begins) and APICallEnded on a nil *Recorder record
+// nothing: carreld always has a log; unit tests of the handlers may not.
 package recorder
 
 import (

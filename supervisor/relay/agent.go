@@ -68,15 +68,18 @@ func (r agentRelay) Shutdown(context.Context, *connect.Request[agentv1.ShutdownR
 
 // Exec runs a command and relays its events (see Relay.exec).
 func (r agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], out *connect.ServerStream[agentv1.ExecResponse]) error {
-	return r.exec(ctx, req.Header(), req.Msg, out.Send)
+	return r.exec(ctx, req.Header(), req.Msg, 0, out.Send)
 }
 
 // Process relays an interactive session both ways: the client's stdin,
 // signals and resizes to the guest, the guest's checked events back (see
-// Relay.exec). The first message starts a command, decided here before
-// the guest sees it, or attaches to one the policy allowed when it
-// started.
+// Relay.process and Relay.run). The first message starts a command,
+// decided here before the guest sees it, or attaches to one the policy
+// allowed when it started.
 func (r agentRelay) Process(ctx context.Context, in *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
+	if _, err := vmOf(in.RequestHeader()); err != nil {
+		return err
+	}
 	first, err := in.Receive()
 	if err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("process: no first message: %w", err))

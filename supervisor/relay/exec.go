@@ -3,8 +3,10 @@ package relay
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -14,18 +16,21 @@ import (
 	"github.com/carrel-os/carrel/supervisor/recorder"
 )
 
-// Exec runs a command in vm for VMService.Exec: the guest's checked
-// events go to send, up to and including the exit status. It is the same
-// route as AgentService.Exec and Process.
-func (r *Relay) Exec(ctx context.Context, vm string, req *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
+// Exec runs a command in vm for VMService.Exec, bounded by timeout: the
+// guest's checked events go to send, up to and including the exit status.
+// It is the same route as AgentService.Exec and Process.
+func (r *Relay) Exec(ctx context.Context, vm string, req *agentv1.ExecRequest, timeout time.Duration, send func(*agentv1.ExecResponse) error) error {
+	if vm == "" {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("exec: name the vm"))
+	}
 	h := http.Header{}
 	h.Set(protocol.VMHeader, vm)
-	return r.exec(ctx, h, req, send)
+	return r.exec(ctx, h, req, timeout, send)
 }
 
 // exec runs a command without stdin: the guest's Exec.
-func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
-	return r.run(ctx, h, req, false, func(ctx context.Context, c agentv1connect.AgentServiceClient, _ *recorder.Exec) (guestEvents, error) {
+func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecRequest, timeout time.Duration, send func(*agentv1.ExecResponse) error) error {
+	return r.run(ctx, h, req, false, timeout, func(ctx context.Context, c agentv1connect.AgentServiceClient, _ *recorder.Exec) (guestEvents, error) {
 		s, err := c.Exec(ctx, connect.NewRequest(req))
 		if err != nil {
 			return nil, err
@@ -40,7 +45,7 @@ func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecReques
 func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.ProcessInput,
 	recv func() (*agentv1.ProcessInput, error), send func(*agentv1.ExecResponse) error) error {
 	start := first.GetStart()
-	return r.run(ctx, h, start, start.GetDetach(), func(ctx context.Context, c agentv1connect.AgentServiceClient, rec *recorder.Exec) (guestEvents, error) {
+	return r.run(ctx, h, start, start.GetDetach(), 0, func(ctx context.Context, c agentv1connect.AgentServiceClient, rec *recorder.Exec) (guestEvents, error) {
 		ctx, cancel := context.WithCancel(ctx)
 		g := c.Process(ctx)
 		// Cancelling ctx alone does not wake a Receive while the request
@@ -109,20 +114,21 @@ func (e bidiEvents) Close() {
 
 // run is the one route of a command through the host, whichever call
 // brought it. A start (nil for an attach, which starts nothing) is
-// decided by the VM's policy and its intent recorded before open asks the
-// guest; then every event the guest sends is checked, its output
-// recorded, and only then passed to send. The outcome is recorded when
-// the call ends, however it ends.
-func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecRequest, detach bool,
+// decided by the VM's policy and its intent recorded before anything else,
+// so that an attempt on a stopped VM is on record too; then open asks the
+// guest, and every event the guest sends is checked, its output recorded,
+// and only then passed to send, up to the exit status. The outcome is
+// recorded when the call ends, however it ends, with the error the client
+// gets. A timeout (0: none) bounds the command from its start.
+func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecRequest, detach bool, timeout time.Duration,
 	open func(context.Context, agentv1connect.AgentServiceClient, *recorder.Exec) (guestEvents, error),
 	send func(*agentv1.ExecResponse) error) (err error) {
-	link, err := r.link(h)
+	vm, err := vmOf(h)
 	if err != nil {
 		return err
 	}
 	var rec *recorder.Exec
 	if start != nil {
-		vm := h.Get(protocol.VMHeader)
 		if err := r.allowExec(ctx, vm, start); err != nil {
 			return err
 		}
@@ -132,6 +138,20 @@ func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecReque
 	}
 	var chk eventCheck
 	defer func() { rec.Finish(ctx, chk.result(), err) }()
+	if timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+		defer func() {
+			if err != nil && ctx.Err() == context.DeadlineExceeded {
+				err = connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
+			}
+		}()
+	}
+	link, err := r.cfg.VMs.Link(vm)
+	if err != nil {
+		return err
+	}
 	c, done := link.Agent()
 	g, err := open(ctx, c, rec)
 	if err != nil {

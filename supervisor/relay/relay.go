@@ -92,7 +92,7 @@ func (r *Relay) call(ctx context.Context, vm string) *recorder.Call {
 		return nil
 	}
 	session := ""
-	if vm != "" {
+	if vm != "" && r.cfg.VMs != nil {
 		session = r.cfg.VMs.SessionOf(vm)
 	}
 	return r.cfg.Recorder.Call(vm, session, r.caller(ctx))
