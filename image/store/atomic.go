@@ -1,7 +1,6 @@
 package store
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -20,48 +19,14 @@ func (s *Store) createTemp(pattern string) (*os.File, error) {
 	return f, nil
 }
 
-// commit makes f durable with mode perm and renames it to dst, replacing any
-// file there, then syncs dst's directory. f is closed; on error it is
-// removed.
-func commit(f *os.File, perm os.FileMode, dst string) (err error) {
-	tmp := f.Name()
-	defer func() {
-		if err != nil {
-			err = errors.Join(err, os.Remove(tmp))
-		}
-	}()
-	if err := f.Chmod(perm); err != nil {
-		f.Close()
-		return fmt.Errorf("chmod %s: %w", tmp, err)
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return fmt.Errorf("sync %s: %w", tmp, err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("close %s: %w", tmp, err)
-	}
-	if err := os.Rename(tmp, dst); err != nil {
-		return fmt.Errorf("rename into place: %w", err)
-	}
-	if err := atomicfile.SyncDir(filepath.Dir(dst)); err != nil {
-		return err
-	}
-	return nil
-}
-
-// writeAtomic writes data to dst through a synced temp file and a rename, so
-// readers see either the old content or the new, never a torn file.
+// writeAtomic writes data to dst through a synced temp file in the
+// store's tmp directory and a rename, so readers see either the old
+// content or the new, never a torn file.
 func (s *Store) writeAtomic(dst string, data []byte, perm os.FileMode) error {
-	f, err := s.createTemp(".write-*")
-	if err != nil {
+	return atomicfile.WriteVia(filepath.Join(s.dir, tmpDir), dst, perm, func(w io.Writer) error {
+		_, err := w.Write(data)
 		return err
-	}
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return errors.Join(fmt.Errorf("write %s: %w", f.Name(), err), os.Remove(f.Name()))
-	}
-	return commit(f, perm, dst)
+	})
 }
 
 // readLimited reads at most limit bytes of path; a longer file is an error.

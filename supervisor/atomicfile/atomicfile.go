@@ -16,8 +16,15 @@ import (
 // or any step before the rename fails, path is untouched and the temporary
 // file is removed.
 func Write(path string, perm os.FileMode, fill func(w io.Writer) error) error {
+	return WriteVia(filepath.Dir(path), path, perm, fill)
+}
+
+// WriteVia is Write with the temporary file in tmpDir, which must be on
+// path's file system: for a directory whose every entry readers take for
+// a finished file (a store's tags, say).
+func WriteVia(tmpDir, path string, perm os.FileMode, fill func(w io.Writer) error) error {
 	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+"-*")
+	f, err := os.CreateTemp(tmpDir, "."+filepath.Base(path)+"-*")
 	if err != nil {
 		return err
 	}

@@ -82,3 +82,38 @@ func assertOnly(t *testing.T, dir string, names ...string) {
 		t.Fatalf("%s holds %q, want %q", dir, got, names)
 	}
 }
+
+// TestWriteVia: the temporary file lives in tmpDir, never beside path,
+// and is gone afterwards, whether the write worked or not.
+func TestWriteVia(t *testing.T) {
+	dir, tmp := t.TempDir(), t.TempDir()
+	path := filepath.Join(dir, "tag")
+	var seen []string
+	fill := func(fail error) func(io.Writer) error {
+		return func(w io.Writer) error {
+			for _, d := range []string{dir, tmp} {
+				es, _ := os.ReadDir(d)
+				for _, e := range es {
+					seen = append(seen, filepath.Join(d, e.Name()))
+				}
+			}
+			w.Write([]byte("v1"))
+			return fail
+		}
+	}
+	if err := WriteVia(tmp, path, 0o644, fill(nil)); err != nil {
+		t.Fatal(err)
+	}
+	if len(seen) != 1 || filepath.Dir(seen[0]) != tmp {
+		t.Errorf("while writing: %v, want one temp file in %s", seen, tmp)
+	}
+	if err := WriteVia(tmp, path, 0o644, fill(errors.New("boom"))); err == nil {
+		t.Fatal("a failed fill reported success")
+	}
+	if b, err := os.ReadFile(path); err != nil || string(b) != "v1" {
+		t.Errorf("after a failed write: %q %v", b, err)
+	}
+	if es, _ := os.ReadDir(tmp); len(es) != 0 {
+		t.Errorf("temp files left: %v", es)
+	}
+}
