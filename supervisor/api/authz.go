@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
@@ -43,6 +44,9 @@ func (authzInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) co
 func (a authzInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return func(ctx context.Context, conn connect.StreamingHandlerConn) (err error) {
 		proc := conn.Spec().Procedure
+		if heldUntilIntent[proc] && a.cfg.Recorder != nil {
+			ctx = recorder.Hold(ctx)
+		}
 		call := recorder.NewAPICall(proc)
 		defer func() { a.ended(ctx, call, err) }()
 		if proc == apiv1connect.VMServiceExecProcedure {
@@ -56,6 +60,16 @@ func (a authzInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc
 		}
 		return next(ctx, conn)
 	}
+}
+
+// heldUntilIntent are the calls whose decisions become durable with the
+// command's intent, in one group commit, and whose outcome with the
+// api.call record: the routes of a command, which write the intent (or,
+// for an attach, flush) before the guest sees anything (relay.run).
+var heldUntilIntent = map[string]bool{
+	apiv1connect.VMServiceExecProcedure:         true,
+	agentv1connect.AgentServiceExecProcedure:    true,
+	agentv1connect.AgentServiceProcessProcedure: true,
 }
 
 // authorizeOnReceive decides a server-streaming call on its request.

@@ -5,6 +5,8 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -322,5 +324,66 @@ func TestProcessRefusesHostileStreams(t *testing.T) {
 	}
 	if x := outcomes["output-first"]; x.ExecID != "" || x.StdoutBytes != 5 {
 		t.Errorf("output-first: outcome %+v", x)
+	}
+}
+
+// TestExecSyncs counts the audit log's group commits (each one fdatasync)
+// on a command's path: at most one from the call's arrival to the guest
+// seeing it (the api and exec decisions and the intent go together), and
+// at most one from the guest's exit status to the end of the reply (the
+// last output and the outcome go with the api.call record). Every record
+// is still there, in order, durable before what it admits.
+func TestExecSyncs(t *testing.T) {
+	var alog *audit.Log
+	var atStart, atExit atomic.Uint64
+	ctx, c, alog := processVM(t, func(_ context.Context, s *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
+		if _, err := s.Receive(); err != nil {
+			return err
+		}
+		atStart.Store(alog.Commits())
+		if err := s.Send(started(7, "e1")); err != nil {
+			return err
+		}
+		if err := s.Send(stdout("out")); err != nil {
+			return err
+		}
+		atExit.Store(alog.Commits())
+		return s.Send(exited(0, ""))
+	})
+	before := alog.Commits()
+	p := c.Agent.Process(ctx)
+	p.RequestHeader().Set(protocol.VMHeader, "a")
+	if err := p.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: &agentv1.ExecRequest{Argv: []string{"true"}}}}); err != nil {
+		t.Fatal(err)
+	}
+	p.CloseRequest()
+	for {
+		if _, err := p.Receive(); err != nil {
+			if !errors.Is(err, io.EOF) {
+				t.Fatal(err)
+			}
+			break
+		}
+	}
+	end := alog.Commits()
+	if n := atStart.Load() - before; n > 1 {
+		t.Errorf("%d fdatasyncs between the call's arrival and the guest", n)
+	}
+	if n := end - atExit.Load(); n > 1 {
+		t.Errorf("%d fdatasyncs between the guest's exit status and the reply", n)
+	}
+	t.Logf("fdatasyncs: %d before the guest, %d after its exit", atStart.Load()-before, end-atExit.Load())
+	kinds := []string{}
+	for _, r := range closeLog(t, alog, 1) {
+		switch r.Kind {
+		case audit.KindPolicyDecision, audit.KindIntent, audit.KindExecOutput, audit.KindExecExit, audit.KindAPICall:
+			if r.VM == "a" {
+				kinds = append(kinds, r.Kind)
+			}
+		}
+	}
+	want := []string{audit.KindPolicyDecision, audit.KindPolicyDecision, audit.KindIntent, audit.KindExecOutput, audit.KindExecExit, audit.KindAPICall}
+	if !slices.Equal(kinds[len(kinds)-len(want):], want) {
+		t.Errorf("records %v, want them to end %v", kinds, want)
 	}
 }

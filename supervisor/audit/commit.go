@@ -26,11 +26,10 @@ type batch struct {
 	err   error
 }
 
-// enqueue queues a record body for the committer, failing fast while the
-// log is closed or unavailable.
-func (l *Log) enqueue(body []byte) (*request, error) {
-	r := &request{body: body}
-	size := frameHeaderSize + maxPrefix + len(body)
+// enqueue queues record bodies for the committer, all under one lock, so
+// that they share a group commit where they fit in one batch. It fails
+// fast, queueing none, while the log is closed or unavailable.
+func (l *Log) enqueue(bodies ...[]byte) ([]*request, error) {
 	l.mu.Lock()
 	switch {
 	case l.closed:
@@ -42,19 +41,25 @@ func (l *Log) enqueue(body []byte) (*request, error) {
 		l.mu.Unlock()
 		return nil, err
 	}
-	var b *batch
-	if k := len(l.pending); k > 0 && l.pending[k-1].bytes+size <= maxBatchBytes {
-		b = l.pending[k-1]
-	} else {
-		b = &batch{done: make(chan struct{})}
-		l.pending = append(l.pending, b)
+	reqs := make([]*request, len(bodies))
+	for i, body := range bodies {
+		r := &request{body: body}
+		size := frameHeaderSize + maxPrefix + len(body)
+		var b *batch
+		if k := len(l.pending); k > 0 && l.pending[k-1].bytes+size <= maxBatchBytes {
+			b = l.pending[k-1]
+		} else {
+			b = &batch{done: make(chan struct{})}
+			l.pending = append(l.pending, b)
+		}
+		b.reqs = append(b.reqs, r)
+		b.bytes += size
+		r.b = b
+		reqs[i] = r
 	}
-	b.reqs = append(b.reqs, r)
-	b.bytes += size
-	r.b = b
 	l.mu.Unlock()
 	l.kick()
-	return r, nil
+	return reqs, nil
 }
 
 // kick wakes the committer if it is waiting.
@@ -168,6 +173,7 @@ func (l *Log) commit(b *batch) error {
 	l.offset += int64(len(buf))
 	l.next = seq
 	l.size.Store(seq)
+	l.commits.Add(1)
 	close(b.done)
 
 	l.hashFrames(buf)

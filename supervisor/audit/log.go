@@ -103,6 +103,7 @@ type Log struct {
 	refused    uint64
 
 	size     atomic.Uint64 // durable records
+	commits  atomic.Uint64 // group commits made
 	hashed   atomic.Uint64 // records whose stored hashes are in hashes.db or hashBuf
 	hashMu   sync.Mutex    // hashN and hashBuf, for proofs read outside the committer
 	hashCond sync.Cond     // on hashMu: hashed grew
@@ -235,35 +236,60 @@ func (l *Log) Close() error {
 // ends first, Append returns ctx's error and the record may or may not be
 // written.
 func (l *Log) Append(ctx context.Context, rec Record) (uint64, error) {
-	if err := ctx.Err(); err != nil {
-		return 0, err
-	}
-	if rec.Intent != nil && *rec.Intent >= l.size.Load() {
-		return 0, fmt.Errorf("%w: intent %d is not in the log", ErrInvalid, *rec.Intent)
-	}
-	body, err := encodeBody(&rec)
+	seqs, err := l.AppendAll(ctx, rec)
 	if err != nil {
 		return 0, err
 	}
-	for _, d := range rec.Blobs {
-		if _, err := os.Stat(blobPath(l.dir, d)); err != nil {
-			return 0, fmt.Errorf("%w: blob %s: %v", ErrInvalid, d, err)
-		}
-	}
-	r, err := l.enqueue(body)
-	if err != nil {
-		return 0, err
-	}
-	select {
-	case <-r.b.done:
-	case <-ctx.Done():
-		return 0, fmt.Errorf("audit append: %w (the record may still be written)", ctx.Err())
-	}
-	if r.b.err != nil {
-		return 0, r.b.err
-	}
-	return r.seq, nil
+	return seqs[0], nil
 }
+
+// AppendAll makes recs durable, in order, and returns their seqs. They are
+// queued together, so they share one group commit (one write, one
+// fdatasync) unless they are too large for one batch. Either all are
+// durable or AppendAll fails; after a failure, a prefix of them may be.
+func (l *Log) AppendAll(ctx context.Context, recs ...Record) ([]uint64, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	bodies := make([][]byte, len(recs))
+	for i := range recs {
+		rec := &recs[i]
+		if rec.Intent != nil && *rec.Intent >= l.size.Load() {
+			return nil, fmt.Errorf("%w: intent %d is not in the log", ErrInvalid, *rec.Intent)
+		}
+		body, err := encodeBody(rec)
+		if err != nil {
+			return nil, err
+		}
+		for _, d := range rec.Blobs {
+			if _, err := os.Stat(blobPath(l.dir, d)); err != nil {
+				return nil, fmt.Errorf("%w: blob %s: %v", ErrInvalid, d, err)
+			}
+		}
+		bodies[i] = body
+	}
+	reqs, err := l.enqueue(bodies...)
+	if err != nil {
+		return nil, err
+	}
+	seqs := make([]uint64, len(reqs))
+	for i, r := range reqs {
+		select {
+		case <-r.b.done:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("audit append: %w (the records may still be written)", ctx.Err())
+		}
+		if r.b.err != nil {
+			return nil, r.b.err
+		}
+		seqs[i] = r.seq
+	}
+	return seqs, nil
+}
+
+// Commits is how many group commits (each one write and one fdatasync of
+// the records file) the log has made since it was opened.
+func (l *Log) Commits() uint64 { return l.commits.Load() }
 
 // Health returns nil while the log can make records durable, and
 // otherwise an error wrapping ErrUnavailable and the cause.
@@ -305,17 +331,24 @@ type Pending struct {
 // Begin appends an "action.intent" record (rec.Kind empty or KindIntent)
 // and returns once it is durable: only then may the action run.
 func (l *Log) Begin(ctx context.Context, rec Record) (*Pending, error) {
+	return l.BeginAfter(ctx, nil, rec)
+}
+
+// BeginAfter is Begin with the records that admit the action (its policy
+// decisions, say) appended just before the intent, in the same group
+// commit: one fdatasync makes them all durable.
+func (l *Log) BeginAfter(ctx context.Context, before []Record, rec Record) (*Pending, error) {
 	if rec.Kind == "" {
 		rec.Kind = KindIntent
 	}
 	if rec.Kind != KindIntent || rec.Intent != nil {
 		return nil, fmt.Errorf("%w: an intent has kind %q and no intent field", ErrInvalid, KindIntent)
 	}
-	seq, err := l.Append(ctx, rec)
+	seqs, err := l.AppendAll(ctx, append(before[:len(before):len(before)], rec)...)
 	if err != nil {
 		return nil, err
 	}
-	return &Pending{l: l, seq: seq, vm: rec.VM, session: rec.Session}, nil
+	return &Pending{l: l, seq: seqs[len(seqs)-1], vm: rec.VM, session: rec.Session}, nil
 }
 
 // Seq is the intent record's seq.
@@ -330,6 +363,16 @@ func (p *Pending) End(ctx context.Context, rec Record) (uint64, error) {
 	if !p.ended.CompareAndSwap(false, true) {
 		return 0, ErrEnded
 	}
+	s, err := p.l.Append(ctx, p.Outcome(rec))
+	if err != nil {
+		p.ended.Store(false)
+	}
+	return s, err
+}
+
+// Outcome is rec as End would append it, for a caller that appends the
+// outcome with other records (AppendAll). It does not end p.
+func (p *Pending) Outcome(rec Record) Record {
 	if rec.Kind == "" {
 		rec.Kind = KindOutcome
 	}
@@ -341,9 +384,5 @@ func (p *Pending) End(ctx context.Context, rec Record) (uint64, error) {
 	}
 	seq := p.seq
 	rec.Intent = &seq
-	s, err := p.l.Append(ctx, rec)
-	if err != nil {
-		p.ended.Store(false)
-	}
-	return s, err
+	return rec
 }

@@ -31,7 +31,7 @@ func (c *Call) begin(ctx context.Context, what string, intent any) (*Action, err
 	if err != nil {
 		return nil, err
 	}
-	p, err := c.r.log.Begin(ctx, c.record("", audit.Host, data))
+	p, err := c.r.log.BeginAfter(ctx, takeHeld(ctx), c.record("", audit.Host, data))
 	if err != nil {
 		return nil, &notRecorded{what + " not forwarded: its audit record could not be written", err}
 	}
@@ -83,7 +83,7 @@ func (c *Call) Read(ctx context.Context, op audit.FileOp, err error) {
 	if c == nil {
 		return
 	}
-	if _, err := c.r.log.Append(context.WithoutCancel(ctx), c.fileOp(op, err)); err != nil {
+	if err := c.r.append(context.WithoutCancel(ctx), c.fileOp(op, err)); err != nil {
 		c.r.logger.Error("file read not recorded", "vm", c.vm, "op", op.Op, "err", err)
 	}
 }
@@ -192,8 +192,7 @@ func (c *Call) Watch(ctx context.Context, root string, msg *agentv1.WatchRespons
 		if err != nil {
 			return err
 		}
-		_, err = c.r.log.Append(ctx, c.record(audit.KindWatchEvent, audit.Guest, data))
-		return err
+		return c.r.append(ctx, c.record(audit.KindWatchEvent, audit.Guest, data))
 	}
 	d := audit.Watch{Watch: root, Dropped: msg.Dropped}
 	size := 0

@@ -27,7 +27,8 @@ func NewAPICall(procedure string) *APICall {
 // APICallEnded records a call once it has ended, before its reply (or
 // its stream's end) reaches the caller, with code the connect code its
 // error maps to ("ok" for none). Its admission is already on record (the
-// api decision); a failure here is logged.
+// api decision); a failure here is logged. The records the call held
+// back (Hold) are written with it.
 func (r *Recorder) APICallEnded(ctx context.Context, c *APICall, code string, err error) {
 	if r == nil {
 		return
@@ -42,7 +43,10 @@ func (r *Recorder) APICallEnded(ctx context.Context, c *APICall, code string, er
 		return
 	}
 	rec := audit.Record{Kind: audit.KindAPICall, VM: c.VM, Session: c.Session, Provenance: audit.Host, Data: data}
-	if _, err := r.log.Append(context.WithoutCancel(ctx), rec); err != nil {
-		r.logger.Error("api call not recorded", "procedure", c.Procedure, "err", err)
+	// What the call held back (a command's outcome, a denied decision)
+	// shares this record's group commit.
+	recs := append(takeHeld(ctx), rec)
+	if _, err := r.log.AppendAll(context.WithoutCancel(ctx), recs...); err != nil {
+		r.logger.Error("api call not recorded", "procedure", c.Procedure, "records", len(recs), "err", err)
 	}
 }

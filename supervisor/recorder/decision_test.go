@@ -53,14 +53,22 @@ func TestDecisionRecordKeepsEveryField(t *testing.T) {
 }
 
 // memLog keeps appended records; it takes no intents or blobs.
-type memLog struct{ recs []audit.Record }
-
-func (m *memLog) Append(_ context.Context, r audit.Record) (uint64, error) {
-	m.recs = append(m.recs, r)
-	return uint64(len(m.recs) - 1), nil
+type memLog struct {
+	recs    []audit.Record
+	commits int
 }
 
-func (m *memLog) Begin(context.Context, audit.Record) (*audit.Pending, error) {
+func (m *memLog) AppendAll(_ context.Context, recs ...audit.Record) ([]uint64, error) {
+	var seqs []uint64
+	for _, r := range recs {
+		seqs = append(seqs, uint64(len(m.recs)))
+		m.recs = append(m.recs, r)
+	}
+	m.commits++
+	return seqs, nil
+}
+
+func (m *memLog) BeginAfter(context.Context, []audit.Record, audit.Record) (*audit.Pending, error) {
 	return nil, errors.New("memLog takes no intents")
 }
 
@@ -92,5 +100,35 @@ func TestDecisionSession(t *testing.T) {
 	c.Read(ctx, audit.FileOp{Op: "stat"}, nil)
 	if len(log.recs) != 2 {
 		t.Errorf("records after nil calls: %d", len(log.recs))
+	}
+}
+
+// TestHeldDecisions: under Hold, decisions wait for the call's next
+// durable record and share its commit; Flush writes them at once.
+func TestHeldDecisions(t *testing.T) {
+	var log memLog
+	r := New(&log, nil)
+	ctx := Hold(context.Background())
+	for _, id := range []string{"dec-1", "dec-2"} {
+		if err := r.Decision(ctx, policy.Decision{ID: id, VM: "a", Allow: true}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(log.recs) != 0 {
+		t.Fatalf("held decisions written at once: %d", len(log.recs))
+	}
+	call := NewAPICall("/x")
+	r.APICallEnded(ctx, call, "ok", nil)
+	if len(log.recs) != 3 || log.commits != 1 || log.recs[2].Kind != audit.KindAPICall {
+		t.Errorf("api.call with the held decisions: %d records in %d commits", len(log.recs), log.commits)
+	}
+	if err := r.Decision(ctx, policy.Decision{ID: "dec-3", VM: "a", Allow: true}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Flush(ctx); err != nil || len(log.recs) != 4 || log.commits != 2 {
+		t.Errorf("flush: %v, %d records in %d commits", err, len(log.recs), log.commits)
+	}
+	if err := r.Flush(ctx); err != nil || log.commits != 2 {
+		t.Errorf("a flush with nothing held wrote: %v, %d commits", err, log.commits)
 	}
 }

@@ -81,7 +81,7 @@ func (c *Call) BeginExec(ctx context.Context, req *agentv1.ExecRequest, detach b
 	if err != nil {
 		return nil, err
 	}
-	p, err := c.r.log.Begin(ctx, c.record(audit.KindIntent, audit.Host, data))
+	p, err := c.r.log.BeginAfter(ctx, takeHeld(ctx), c.record(audit.KindIntent, audit.Host, data))
 	if err != nil {
 		return nil, &notRecorded{"exec not started: its audit record could not be written", err}
 	}
@@ -124,7 +124,7 @@ func (e *Exec) Output(ctx context.Context, stream Stream, p []byte) error {
 	if len(s.buf) < outputFlushBytes && len(s.chunks) < outputFlushChunks {
 		return nil
 	}
-	return e.flushLocked(ctx, stream)
+	return e.flushLocked(ctx, stream, false)
 }
 
 // Event records the output an exec event from the guest carries.
@@ -139,8 +139,9 @@ func (e *Exec) Event(ctx context.Context, ev *agentv1.ExecResponse) error {
 }
 
 // flushLocked writes one stream's pending bytes as a blob and an
-// "exec.output" record. e.mu must be held.
-func (e *Exec) flushLocked(ctx context.Context, stream Stream) error {
+// "exec.output" record, which is held back (Hold) when last is set: the
+// command's last output is durable with its outcome. e.mu must be held.
+func (e *Exec) flushLocked(ctx context.Context, stream Stream, last bool) error {
 	s := &e.streams[stream]
 	if len(s.buf) == 0 {
 		return nil
@@ -162,8 +163,10 @@ func (e *Exec) flushLocked(ctx context.Context, stream Stream) error {
 		}
 		rec := e.c.record(audit.KindExecOutput, prov, data)
 		rec.Blobs = []string{digest}
-		_, err = e.c.r.log.Append(context.WithoutCancel(ctx), rec)
-		return err
+		if last && hold(ctx, rec) {
+			return nil
+		}
+		return e.c.r.append(context.WithoutCancel(ctx), rec)
 	}()
 	if err != nil {
 		e.failed = &notRecorded{fmt.Sprintf("the command's %s could not be recorded", stream), err}
@@ -194,7 +197,7 @@ func (e *Exec) Finish(ctx context.Context, res Result, callErr error) {
 	e.mu.Lock()
 	e.ended = true
 	for i := range e.streams {
-		if err := e.flushLocked(ctx, Stream(i)); err != nil {
+		if err := e.flushLocked(ctx, Stream(i), true); err != nil {
 			log.Error("exec output not recorded", "vm", e.c.vm, "err", err)
 		}
 	}
@@ -210,7 +213,11 @@ func (e *Exec) Finish(ctx context.Context, res Result, callErr error) {
 		out.Error = "the call ended before the command did (detached)"
 	}
 	b, _ := json.Marshal(out)
-	if _, err := e.p.End(ctx, e.c.record(audit.KindExecExit, audit.Host, b)); err != nil && !errors.Is(err, audit.ErrEnded) {
+	rec := e.c.record(audit.KindExecExit, audit.Host, b)
+	if hold(ctx, e.p.Outcome(rec)) {
+		return // durable with the call's api.call record
+	}
+	if _, err := e.p.End(ctx, rec); err != nil && !errors.Is(err, audit.ErrEnded) {
 		log.Error("exec outcome not recorded; recovery will mark it unknown", "vm", e.c.vm, "err", err)
 	}
 }

@@ -19,8 +19,9 @@ const maxRecordedInput = 32 << 10
 
 // Decision makes a policy decision durable in the audit log before the
 // action it admits goes ahead (policystore.Store.Record). It is recorded
-// in the session that ctx gives its VM (WithSession).
-func (r *Recorder) Decision(ctx context.Context, d policy.Decision, in policy.Input) error {
+// in the session that ctx gives its VM (WithSession). Under Hold it is
+// held back for the call's next durable record.
+func (rc *Recorder) Decision(ctx context.Context, d policy.Decision, in policy.Input) error {
 	data := decisionRecord(d)
 	if len(d.Input) <= maxRecordedInput {
 		data.Input = d.Input
@@ -29,8 +30,11 @@ func (r *Recorder) Decision(ctx context.Context, d policy.Decision, in policy.In
 	if err != nil {
 		return err
 	}
-	_, err = r.log.Append(ctx, audit.Record{Kind: audit.KindPolicyDecision, VM: d.VM, Session: sessionOf(ctx, d.VM), Provenance: audit.Host, Data: b})
-	return err
+	rec := audit.Record{Kind: audit.KindPolicyDecision, VM: d.VM, Session: sessionOf(ctx, d.VM), Provenance: audit.Host, Data: b}
+	if hold(ctx, rec) {
+		return nil // durable with the call's next intent, or its end
+	}
+	return rc.append(ctx, rec)
 }
 
 // decisionRecord is d as its record holds it, without its input.
@@ -62,8 +66,7 @@ func (rc *Recorder) Lifecycle(pols *policystore.Store, manifests Manifests) func
 			if err != nil {
 				return err
 			}
-			_, err = l.Append(ctx, audit.Record{Kind: kind, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b})
-			return err
+			return rc.append(ctx, audit.Record{Kind: kind, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b})
 		}
 		data := audit.Lifecycle{Event: string(ev.Kind), ImageDigest: r.ImageDigest, RootHash: r.RootHash, Policy: r.PolicyName(),
 			MemoryBytes: r.MemoryBytes, CPUs: r.CPUs, Driver: r.Driver, Reason: ev.Reason, GPUs: r.GPUs}
@@ -85,8 +88,7 @@ func (rc *Recorder) Lifecycle(pols *policystore.Store, manifests Manifests) func
 		if err != nil {
 			return err
 		}
-		_, err = l.Append(ctx, audit.Record{Kind: audit.KindVMLifecycle, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b, Blobs: blobs})
-		return err
+		return rc.append(ctx, audit.Record{Kind: audit.KindVMLifecycle, VM: r.Name, Session: r.Session, Provenance: audit.Host, Data: b, Blobs: blobs})
 	}
 }
 

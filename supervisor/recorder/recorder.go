@@ -14,6 +14,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"sync"
 
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
@@ -21,8 +22,8 @@ import (
 // Log is the part of the audit log the recorder writes to: records,
 // write-ahead intents for actions and their outcomes, and blobs.
 type Log interface {
-	Append(ctx context.Context, rec audit.Record) (uint64, error)
-	Begin(ctx context.Context, rec audit.Record) (*audit.Pending, error)
+	AppendAll(ctx context.Context, recs ...audit.Record) ([]uint64, error)
+	BeginAfter(ctx context.Context, before []audit.Record, rec audit.Record) (*audit.Pending, error)
 	PutBlob(r io.Reader) (string, error)
 }
 
@@ -79,6 +80,73 @@ func (r *Recorder) Call(vm, session string, caller audit.Caller) *Call {
 // record is a host record of kind for the call's VM.
 func (c *Call) record(kind string, prov audit.Provenance, data []byte) audit.Record {
 	return audit.Record{Kind: kind, VM: c.vm, Session: c.session, Provenance: prov, Data: data}
+}
+
+// append makes one record durable.
+func (r *Recorder) append(ctx context.Context, rec audit.Record) error {
+	_, err := r.log.AppendAll(ctx, rec)
+	return err
+}
+
+// A call's records need not each cost an fdatasync of their own: the
+// decisions that admit a command can become durable with its intent, in
+// one group commit, and its last output and outcome with the call's
+// api.call record. Under a context from Hold, the recorder holds such
+// records back until the next record the call must have durable before
+// it goes on: an intent (BeginExec, BeginFile, BeginForward), the
+// api.call record (APICallEnded), or Flush. Nothing is less durable for
+// it: the action waits for its intent, and the reply for its api.call.
+type held struct {
+	mu   sync.Mutex
+	recs []audit.Record
+}
+
+type heldKey struct{}
+
+// Hold returns ctx holding back the records that may wait, until the
+// call's next durable record. Whoever holds must end the call with
+// APICallEnded (the API's interceptor does), or Flush.
+func Hold(ctx context.Context) context.Context {
+	return context.WithValue(ctx, heldKey{}, &held{})
+}
+
+// hold keeps recs for the next durable record of ctx's call; false when
+// ctx holds nothing back.
+func hold(ctx context.Context, recs ...audit.Record) bool {
+	h, ok := ctx.Value(heldKey{}).(*held)
+	if !ok {
+		return false
+	}
+	h.mu.Lock()
+	h.recs = append(h.recs, recs...)
+	h.mu.Unlock()
+	return true
+}
+
+// takeHeld returns, and forgets, the records held back under ctx.
+func takeHeld(ctx context.Context) []audit.Record {
+	h, ok := ctx.Value(heldKey{}).(*held)
+	if !ok {
+		return nil
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	recs := h.recs
+	h.recs = nil
+	return recs
+}
+
+// Flush makes the records held back under ctx durable now: before an
+// action that writes no intent of its own (an attach to a command).
+func (r *Recorder) Flush(ctx context.Context) error {
+	recs := takeHeld(ctx)
+	if r == nil || len(recs) == 0 {
+		return nil
+	}
+	if _, err := r.log.AppendAll(ctx, recs...); err != nil {
+		return &notRecorded{"the call's decisions could not be recorded", err}
+	}
+	return nil
 }
 
 type sessionKey struct{}

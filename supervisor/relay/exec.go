@@ -132,9 +132,12 @@ func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecReque
 		if err := r.allowExec(ctx, vm, start); err != nil {
 			return err
 		}
+		// The intent carries the call's decisions into the log with it.
 		if rec, err = r.call(ctx, vm).BeginExec(ctx, start, detach); err != nil {
 			return err
 		}
+	} else if err := r.cfg.Recorder.Flush(ctx); err != nil {
+		return err // an attach: its decision is durable before it goes on
 	}
 	var chk eventCheck
 	defer func() { rec.Finish(ctx, chk.result(), err) }()
