@@ -37,9 +37,9 @@ deps: ## Install missing system packages (Debian, as root)
 	else echo "deps: all system packages present ($(DEB_PACKAGES))"; fi
 
 .PHONY: build
-build: ## Build carreld, carrel and carrel-agent (static) into out/bin
+build: ## Build carreld, carrel, carrel-policy (the policy engine carrel runs) and carrel-agent (static) into out/bin
 	@mkdir -p $(BIN)
-	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/carreld ./cmd/carrel ./cmd/carrel-agent
+	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/carreld ./cmd/carrel ./cmd/carrel-policy ./cmd/carrel-agent
 
 .PHONY: run
 run: deps build ## Build, start carreld, build the dev image, boot a VM, run a short session, tear down

@@ -48,6 +48,7 @@ buildGo126Module (finalAttrs: {
   subPackages = [
     "cmd/carreld"
     "cmd/carrel"
+    "cmd/carrel-policy" # the policy engine carrel runs for policy test/check/eval
     "cmd/carrel-agent"
   ];
 

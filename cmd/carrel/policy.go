@@ -2,14 +2,12 @@ package main
 
 import (
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
-	"github.com/carrel-os/carrel/policy"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 )
 
@@ -21,18 +19,6 @@ func newPolicyCmd(g *globals) *cobra.Command {
 	c.AddCommand(newPolicyTestCmd(), newPolicyCheckCmd(), newPolicyEvalCmd(g), newPolicyApplyCmd(g),
 		newPolicyListCmd(g), newPolicyShowCmd(g), newPolicyDecisionsCmd(g))
 	return c
-}
-
-// loadBundle reads a policy from a directory, or names a built-in one
-// ("default", "coding-agent", ...) when no such directory exists.
-func loadBundle(arg string) (*policy.Bundle, error) {
-	if fi, err := os.Stat(arg); err == nil && fi.IsDir() {
-		return policy.LoadDir(arg)
-	}
-	if slices.Contains(policy.BuiltinNames(), arg) {
-		return policy.Builtin(arg)
-	}
-	return nil, fmt.Errorf("%s is neither a directory nor a built-in policy (%s)", arg, strings.Join(policy.BuiltinNames(), ", "))
 }
 
 func newPolicyListCmd(g *globals) *cobra.Command {

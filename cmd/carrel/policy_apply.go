@@ -9,6 +9,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
+	"github.com/carrel-os/carrel/policy/bundle"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 )
 
@@ -25,7 +26,7 @@ func newPolicyApplyCmd(g *globals) *cobra.Command {
 		RunE: func(cmd *cobra.Command, args []string) error {
 			req := &apiv1.ApplyPolicyRequest{Name: args[0], Vms: vms}
 			if len(args) == 2 {
-				b, err := loadBundle(args[1])
+				b, err := bundle.Load(args[1])
 				if err != nil {
 					return err
 				}

@@ -4,13 +4,11 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"slices"
-	"strings"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
-	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/policy/bundle"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 )
 
@@ -27,29 +25,15 @@ func newPolicyEvalCmd(g *globals) *cobra.Command {
 			if err := checkOutput(output); err != nil {
 				return err
 			}
-			if !slices.Contains(policy.KindNames(), kind) {
-				return fmt.Errorf("--kind must be one of %s", strings.Join(policy.KindNames(), ", "))
-			}
 			src, err := readInput(input)
 			if err != nil {
 				return err
 			}
 			var d *apiv1.Decision
-			if b, lerr := loadBundle(pol); lerr == nil {
-				p, err := policy.Compile(cmd.Context(), pol, b)
-				if err != nil {
+			if _, lerr := bundle.Load(pol); lerr == nil {
+				if d, err = evalLocal(kind, pol, src, cmd.ErrOrStderr()); err != nil {
 					return err
 				}
-				in, err := policy.DecodeInput(policy.Kind(kind), src)
-				if err != nil {
-					return err
-				}
-				dec, err := p.Decide(cmd.Context(), in)
-				if err != nil {
-					return err
-				}
-				d = &apiv1.Decision{Id: dec.ID, Kind: string(dec.Kind), Vm: dec.VM, Policy: dec.Policy, Revision: dec.Revision,
-					InputDigest: dec.InputDigest, Allow: dec.Allow, Rule: dec.Rule, Reason: dec.Reason}
 			} else {
 				resp, err := g.client().Policies.EvalPolicy(cmd.Context(), connect.NewRequest(&apiv1.EvalPolicyRequest{Policy: pol, Kind: kind, Input: src}))
 				if err != nil {
@@ -70,12 +54,16 @@ func newPolicyEvalCmd(g *globals) *cobra.Command {
 	}
 	c.Flags().StringVar(&input, "input", "", "input document, JSON (- for stdin)")
 	c.Flags().StringVar(&kind, "kind", "", "api, exec, fs, net or guest")
-	c.Flags().StringVar(&pol, "policy", policy.DefaultName, "a bundle directory, a built-in policy, or a policy applied to carreld")
+	c.Flags().StringVar(&pol, "policy", bundle.DefaultName, "a bundle directory, a built-in policy (evaluated here, by carrel-policy), or a policy applied to carreld")
 	addOutputFlag(c, &output)
 	c.MarkFlagRequired("input")
 	c.MarkFlagRequired("kind")
 	return c
 }
+
+// maxInputBytes caps an input document: carreld takes no larger (its
+// request cap, and policy.MaxInputBytes).
+const maxInputBytes = 1 << 20
 
 func readInput(name string) ([]byte, error) {
 	var r io.Reader = os.Stdin
@@ -87,12 +75,12 @@ func readInput(name string) ([]byte, error) {
 		defer f.Close()
 		r = f
 	}
-	b, err := io.ReadAll(io.LimitReader(r, policy.MaxInputBytes+1))
+	b, err := io.ReadAll(io.LimitReader(r, maxInputBytes+1))
 	if err != nil {
 		return nil, err
 	}
-	if len(b) > policy.MaxInputBytes {
-		return nil, fmt.Errorf("input over %d bytes", policy.MaxInputBytes)
+	if len(b) > maxInputBytes {
+		return nil, fmt.Errorf("input over %d bytes", maxInputBytes)
 	}
 	return b, nil
 }

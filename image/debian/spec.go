@@ -13,6 +13,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/carrel-os/carrel/image/manifest"
 )
@@ -78,10 +79,10 @@ type File struct {
 }
 
 var (
-	packageRE = regexp.MustCompile(`^[a-z0-9][a-z0-9+.-]{0,99}$`)
-	suiteRE   = regexp.MustCompile(`^[a-z][a-z0-9-]{0,31}$`)
-	userRE    = regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`)
-	envRE     = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,127}$`)
+	packageRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-z0-9][a-z0-9+.-]{0,99}$`) })
+	suiteRE   = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-z][a-z0-9-]{0,31}$`) })
+	userRE    = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`) })
+	envRE     = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]{0,127}$`) })
 )
 
 //go:embed specs/*.json
@@ -136,14 +137,14 @@ func (s *Spec) Validate() error {
 	if !manifest.ValidName(s.Name) {
 		return bad("name %q: want [a-z0-9][a-z0-9._-]{0,62}", s.Name)
 	}
-	if !suiteRE.MatchString(s.Suite) {
+	if !suiteRE().MatchString(s.Suite) {
 		return bad("suite %q", s.Suite)
 	}
 	if len(s.Packages) == 0 || len(s.Packages) > maxPackages {
 		return bad("%d packages: want 1 to %d", len(s.Packages), maxPackages)
 	}
 	for _, p := range s.Packages {
-		if !packageRE.MatchString(p) {
+		if !packageRE().MatchString(p) {
 			return bad("package %q is not a Debian package name", p)
 		}
 	}
@@ -154,7 +155,7 @@ func (s *Spec) Validate() error {
 	uids := map[int]bool{}
 	for _, u := range s.Users {
 		switch {
-		case !userRE.MatchString(u.Name) || u.Name == "root":
+		case !userRE().MatchString(u.Name) || u.Name == "root":
 			return bad("user name %q", u.Name)
 		case seen[u.Name] || uids[u.UID]:
 			return bad("user %q or uid %d given twice", u.Name, u.UID)
@@ -167,7 +168,7 @@ func (s *Spec) Validate() error {
 			return bad("user %q: shell %q", u.Name, u.Shell)
 		}
 		for _, g := range u.Groups {
-			if !userRE.MatchString(g) {
+			if !userRE().MatchString(g) {
 				return bad("user %q: group %q", u.Name, g)
 			}
 		}
@@ -196,7 +197,7 @@ func (s *Spec) Validate() error {
 	for k, v := range s.Env {
 		// The value is written as KEY="VALUE" for carrel-agent, which takes
 		// it as it is, and for a login shell, which must not expand it.
-		if !envRE.MatchString(k) || strings.ContainsAny(v, "\x00\n\"\\$`") || len(v) > 4096 {
+		if !envRE().MatchString(k) || strings.ContainsAny(v, "\x00\n\"\\$`") || len(v) > 4096 {
 			return bad("environment variable %q: want a name of [A-Za-z0-9_] and a value without quotes, backslashes, $, backquotes or newlines", k)
 		}
 		envBytes += len(k) + len(v) + 4

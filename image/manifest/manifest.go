@@ -18,6 +18,7 @@ import (
 	"io"
 	"regexp"
 	"strings"
+	"sync"
 )
 
 // SchemaVersion is the manifest schema this package writes. Version 2 adds
@@ -118,8 +119,8 @@ type NamedPart struct {
 }
 
 var (
-	nameRE    = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
-	kernverRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._+~-]{0,63}$`)
+	nameRE    = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`) })
+	kernverRE = sync.OnceValue(func() *regexp.Regexp { return regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._+~-]{0,63}$`) })
 )
 
 // knownArches are the Go architecture names an image may target.
@@ -127,7 +128,7 @@ var knownArches = map[string]bool{"amd64": true, "arm64": true}
 
 // ValidName reports whether s is acceptable as an image name (and as a
 // store tag): [a-z0-9][a-z0-9._-]{0,62}.
-func ValidName(s string) bool { return nameRE.MatchString(s) }
+func ValidName(s string) bool { return nameRE().MatchString(s) }
 
 // ValidateDigest returns nil if d is "sha256:" followed by 64 lower-case hex
 // digits.
@@ -164,7 +165,7 @@ func (m *Manifest) Validate() error {
 	if !knownArches[m.Arch] {
 		return fmt.Errorf("%w: unknown arch %q", ErrInvalid, m.Arch)
 	}
-	if !kernverRE.MatchString(m.KernelVersion) {
+	if !kernverRE().MatchString(m.KernelVersion) {
 		return fmt.Errorf("%w: kernel_version %q", ErrInvalid, m.KernelVersion)
 	}
 	if err := m.Kernel.validate(); err != nil {

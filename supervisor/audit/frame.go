@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"sync"
 )
 
 const (
@@ -20,12 +21,12 @@ const (
 	readBufSize   = 4 << 20
 )
 
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+var castagnoli = sync.OnceValue(func() *crc32.Table { return crc32.MakeTable(crc32.Castagnoli) })
 
 // putFrameHeader fills the 8 bytes before payload.
 func putFrameHeader(hdr, payload []byte) {
 	binary.LittleEndian.PutUint32(hdr[0:4], uint32(len(payload)))
-	binary.LittleEndian.PutUint32(hdr[4:8], crc32.Checksum(payload, castagnoli))
+	binary.LittleEndian.PutUint32(hdr[4:8], crc32.Checksum(payload, castagnoli()))
 }
 
 // frameError is a frame that cannot be read: where, and why.
@@ -109,7 +110,7 @@ func (fr *frameReader) next() ([]byte, int64, error) {
 		return nil, off, &frameError{off: off, reason: fmt.Sprintf("cut short: %d of %d bytes", avail, total)}
 	}
 	p := fr.buf[fr.pos+frameHeaderSize : fr.pos+total]
-	if crc32.Checksum(p, castagnoli) != sum {
+	if crc32.Checksum(p, castagnoli()) != sum {
 		return nil, off, &frameError{off: off, reason: "crc mismatch", crc: true, n: int(n)}
 	}
 	fr.pos += total

@@ -86,7 +86,7 @@ func expectProblems(t *testing.T, dir string, opts VerifyOptions, wants ...want)
 
 func resealFrame(b []byte, off int64) {
 	n := binary.LittleEndian.Uint32(b[off:])
-	binary.LittleEndian.PutUint32(b[off+4:], crc32.Checksum(b[off+8:off+8+int64(n)], castagnoli))
+	binary.LittleEndian.PutUint32(b[off+4:], crc32.Checksum(b[off+8:off+8+int64(n)], castagnoli()))
 }
 
 func TestTamperFlippedByte(t *testing.T) {

@@ -12,6 +12,7 @@ import (
 	"io/fs"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/carrel-os/carrel/image/manifest"
@@ -29,7 +30,11 @@ var (
 	reportHTML string
 )
 
-var reportTmpl = template.Must(template.New("report").Parse(reportHTML))
+// reportTmpl is parsed on first use: a program that links review but
+// writes no report does not pay for it at start.
+var reportTmpl = sync.OnceValue(func() *template.Template {
+	return template.Must(template.New("report").Parse(reportHTML))
+})
 
 // ReportOptions tune WriteReport.
 type ReportOptions struct {
@@ -114,7 +119,7 @@ func WriteReport(w io.Writer, r *audit.Reader, s *Session, opts ReportOptions) e
 			v.CastNote = fmt.Sprintf("The terminal stops after %s of output: %s more is left out of this page (carrel audit replay --cast writes all of it).", bytesText(st.Bytes), bytesText(st.Omitted))
 		}
 	}
-	return reportTmpl.Execute(w, v)
+	return reportTmpl().Execute(w, v)
 }
 
 type reportView struct {
