@@ -5,7 +5,7 @@ SHELL := /bin/bash
 export CGO_ENABLED := 0
 GO      ?= go
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
-LDFLAGS := -s -w -X github.com/carrel-os/carrel/supervisor/daemon.Version=$(VERSION) -X github.com/carrel-os/carrel/guest-agent/server.Version=$(VERSION)
+LDFLAGS := -s -w -X github.com/carrel-os/carrel/supervisor/daemon.Version=$(VERSION) -X github.com/carrel-os/carrel/guest-agent/server.Version=$(VERSION) -X main.version=$(VERSION)
 BIN     := $(CURDIR)/out/bin
 # Downloaded packages, and built Debian images, are cached here between
 # runs (outside the checkout, so that a fresh clone finds them too).

@@ -61,6 +61,7 @@ buildGo126Module (finalAttrs: {
     "-w"
     "-X github.com/carrel-os/carrel/supervisor/daemon.Version=${finalAttrs.version}"
     "-X github.com/carrel-os/carrel/guest-agent/server.Version=${finalAttrs.version}"
+    "-X main.version=${finalAttrs.version}"
   ];
 
   postInstall = ''

@@ -18,11 +18,15 @@ func (g *globals) client() *client.Client {
 	return client.New(g.socket)
 }
 
+// version is carrel's version, set by the build (make build: git describe).
+var version = "dev"
+
 func newRootCmd() *cobra.Command {
 	g := &globals{}
 	root := &cobra.Command{
 		Use:           "carrel",
 		Short:         "Run AI agents in their own VMs, with hard walls and a full record",
+		Version:       version,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}

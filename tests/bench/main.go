@@ -184,6 +184,7 @@ func main() {
 		benchAgentBoot(t, d, agent, *machine, *rounds)
 	}
 	if *doWarm {
+		benchCLIStart(t, *execs)
 		benchWarmExec(d, *execs)
 	}
 	if *doOverhead {
@@ -226,6 +227,43 @@ func accelOf(d *harness.Daemon) string {
 		return "unknown accelerator"
 	}
 	return resp.Msg.Accelerator
+}
+
+// benchCLIStart measures the CLI's start alone (`carrel --version`, which
+// reaches no daemon) against a static hello-world Go binary, interleaved:
+// what carrel's size and package initialisation cost every command.
+func benchCLIStart(t *tb, runs int) {
+	dir, err := os.MkdirTemp("", "carrel-hello-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer os.RemoveAll(dir)
+	src := filepath.Join(dir, "hello.go")
+	if err := os.WriteFile(src, []byte("package main\n\nimport \"os\"\n\nfunc main() { os.Stdout.WriteString(\"hello\\n\") }\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	hello := filepath.Join(dir, "hello")
+	build := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w", "-o", hello, src)
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build hello: %v\n%s", err, out)
+	}
+	carrel := filepath.Join(harness.Bins(t), "carrel")
+	var cli, floor []time.Duration
+	run := func(lat *[]time.Duration, name string, args ...string) {
+		start := time.Now()
+		if out, err := exec.Command(name, args...).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v\n%s", name, err, out)
+		}
+		*lat = append(*lat, time.Since(start))
+	}
+	for i := 0; i < runs; i++ {
+		run(&cli, carrel, "--version")
+		run(&floor, hello)
+	}
+	r := func(d time.Duration) time.Duration { return d.Round(10 * time.Microsecond) }
+	fmt.Printf("\nCLI start alone, %d runs interleaved: `carrel --version` p50 %v p99 %v; a static hello-world Go binary p50 %v p99 %v; carrel adds %v at p50\n",
+		runs, r(percentile(cli, 50)), r(percentile(cli, 99)), r(percentile(floor, 50)), r(percentile(floor, 99)), r(percentile(cli, 50)-percentile(floor, 50)))
 }
 
 func benchWarmExec(d *harness.Daemon, execs int) {

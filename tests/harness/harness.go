@@ -66,7 +66,8 @@ var (
 	binErr  error
 )
 
-// Bins returns a directory with carreld, carrel and carrel-agent: the ones
+// Bins returns a directory with carreld, carrel, carrel-policy and
+// carrel-agent: the ones
 // `make` built (CARREL_BIN_DIR), else freshly built ones.
 func Bins(t TB) string {
 	t.Helper()
@@ -79,7 +80,7 @@ func Bins(t TB) string {
 		if binErr != nil {
 			return
 		}
-		cmd := exec.Command("go", "build", "-o", binDir+"/", "./cmd/carreld", "./cmd/carrel", "./cmd/carrel-agent")
+		cmd := exec.Command("go", "build", "-o", binDir+"/", "./cmd/carreld", "./cmd/carrel", "./cmd/carrel-policy", "./cmd/carrel-agent")
 		cmd.Dir = RepoRoot()
 		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 		if out, err := cmd.CombinedOutput(); err != nil {
