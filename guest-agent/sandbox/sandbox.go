@@ -232,6 +232,9 @@ type Guard struct {
 
 	mu  sync.Mutex // serialises Set
 	cur atomic.Pointer[Sandbox]
+
+	spawnMu sync.Mutex // serialises Spawn
+	spawner *spawner   // the thread that forks under cur, once made
 }
 
 // Current returns the sandbox in force, or nil before the first Set.

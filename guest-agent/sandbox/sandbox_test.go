@@ -5,9 +5,11 @@ package sandbox
 import (
 	"bytes"
 	"errors"
+	"golang.org/x/sys/unix"
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -228,13 +230,50 @@ func spawnSh(t *testing.T, g *Guard, script string) (int, string, bool) {
 }
 
 func TestSpawnSetsNoNewPrivs(t *testing.T) {
-	for _, g := range []*Guard{nil, {}} {
+	g := &Guard{}
+	for _, g := range []*Guard{nil, g} {
 		code, out, landlocked := spawnSh(t, g, "grep NoNewPrivs /proc/self/status")
 		if code != 0 || !strings.Contains(out, "NoNewPrivs:\t1") || landlocked {
 			t.Errorf("child: exit %d, landlocked %v, %q; want NoNewPrivs 1", code, landlocked, out)
 		}
 	}
+	// The Guard's spawner thread alone is confined, and only until it is
+	// retired.
+	waitThreadsClean(t, g.spawnerTID())
+	g.stopSpawner()
 	waitThreadsClean(t)
+}
+
+// TestSpawnerIsKeptPerSandbox: commands under one sandbox are forked from
+// one confined thread; a new sandbox gets a new thread, and the old one
+// ends.
+func TestSpawnerIsKeptPerSandbox(t *testing.T) {
+	requireLandlock(t)
+	g := &Guard{}
+	t.Cleanup(g.stopSpawner)
+	tids := func() (a, b int) {
+		for _, p := range []*int{&a, &b} {
+			if _, err := g.Spawn(func() error { *p = unix.Gettid(); return nil }); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return a, b
+	}
+	if _, err := g.Set(Policy{ReadOnly: systemRoots}); err != nil {
+		t.Fatal(err)
+	}
+	a1, a2 := tids()
+	if a1 != a2 || a1 == unix.Getpid() {
+		t.Fatalf("two spawns under one sandbox ran on threads %d and %d", a1, a2)
+	}
+	if _, err := g.Set(Policy{ReadOnly: systemRoots}); err != nil {
+		t.Fatal(err)
+	}
+	b1, b2 := tids()
+	if b1 != b2 || b1 == a1 {
+		t.Fatalf("spawns under a new sandbox ran on threads %d and %d (the old one was %d)", b1, b2, a1)
+	}
+	waitThreadsClean(t, b1) // a1 has ended
 }
 
 func TestSpawnLandlocksOnlyTheChild(t *testing.T) {
@@ -287,6 +326,7 @@ func TestSpawnLandlocksOnlyTheChild(t *testing.T) {
 		spawnSh(t, g, "true")
 	}
 	wg.Wait()
+	g.stopSpawner()
 	waitThreadsClean(t)
 }
 
@@ -346,11 +386,13 @@ func TestSpawnDoesNotStartWhatItCannotConfine(t *testing.T) {
 
 // waitThreadsClean fails unless, soon, no thread of the test process has
 // no_new_privs: the threads that confined children are gone.
-func waitThreadsClean(t *testing.T) {
+func waitThreadsClean(t *testing.T, spawners ...int) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
-		tainted := taintedThreads(t)
+		tainted := slices.DeleteFunc(taintedThreads(t), func(tid string) bool {
+			return slices.Contains(spawners, atoi(tid))
+		})
 		if len(tainted) == 0 {
 			return
 		}
@@ -359,6 +401,11 @@ func waitThreadsClean(t *testing.T) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
+}
+
+func atoi(s string) int {
+	n, _ := strconv.Atoi(s)
+	return n
 }
 
 func taintedThreads(t *testing.T) []string {
