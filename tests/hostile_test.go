@@ -40,8 +40,11 @@ func TestHostileGuestLink(t *testing.T) {
 	for _, mode := range []string{"garbage", "oversized", "slowloris", "silent"} {
 		t.Run(mode, func(t *testing.T) {
 			before := strings.Count(d.Logs(), "guest agent unhealthy")
+			asked := time.Now()
 			d.Must("exec", "bad", "--", "sh", "-c", "echo "+mode+" > /tmp/misbehave")
 			waitAgent(t, d, "bad", "AGENT_STATE_UNHEALTHY", 60*time.Second)
+			// The agent misbehaves about a second after it is asked.
+			t.Logf("%s: the host marked the agent unhealthy %s after it was asked to misbehave", mode, time.Since(asked).Round(100*time.Millisecond))
 			// carreld answers, and the other VM works, while this one is bad.
 			start := time.Now()
 			if out := d.Must("exec", "good", "--", "echo", "fine"); out != "fine\n" {
