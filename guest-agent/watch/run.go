@@ -18,8 +18,11 @@ import (
 const (
 	// pairWait is how long a MOVED_FROM waits for its MOVED_TO. The kernel
 	// queues both halves within the one rename call, so this only covers
-	// a read that fell between them.
-	pairWait = 10 * time.Millisecond
+	// a read that fell between them; but a guest whose vCPU the host
+	// preempts (TCG on a busy host) can stall there for tens of
+	// milliseconds, and 10 ms once split a rename in make test. A move out
+	// of the tree is reported this much later.
+	pairWait = 200 * time.Millisecond
 	// scannedTTL is how long a create reported by a scan waits to be
 	// matched (and swallowed) by the kernel's own event for it.
 	scannedTTL = 2 * time.Second
