@@ -4,8 +4,8 @@
 // survives a hostile guest. It is built only with -tags carrel_misbehave
 // (tests/hostile_test.go does) and never ships.
 //
-// Writing a mode to /tmp/misbehave inside the guest (with carrel exec)
-// makes the agent, a second after it notices (it looks every 100 ms), do
+// Writing a mode and a newline to /tmp/misbehave inside the guest (with
+// carrel exec) makes the agent, a second after it notices (it looks every 100 ms), do
 // that to its current connection to the host, once:
 //
 //	garbage    write random bytes into the HTTP/2 stream
@@ -60,7 +60,9 @@ func (l *misbehavingListener) Accept() (net.Conn, error) {
 func (l *misbehavingListener) watch() {
 	for range time.Tick(100 * time.Millisecond) {
 		b, err := os.ReadFile(misbehaveFile)
-		if err != nil {
+		if err != nil || !strings.HasSuffix(string(b), "\n") {
+			// Not there, or caught between the shell's open and its write
+			// (which once lost the mode, and the test waited in vain).
 			continue
 		}
 		os.Remove(misbehaveFile)
