@@ -208,23 +208,36 @@ func TestFaultRecordsFile(t *testing.T) {
 	}
 }
 
+// ckptFaults fails checkpoint writes with err while it is set.
+type ckptFaults struct {
+	mu  sync.Mutex
+	err error
+}
+
+func (c *ckptFaults) set(err error) {
+	c.mu.Lock()
+	c.err = err
+	c.mu.Unlock()
+}
+
+func (c *ckptFaults) writeFile(p string, b []byte, m os.FileMode) error {
+	c.mu.Lock()
+	err := c.err
+	c.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	return atomicfile.WriteFile(p, b, m)
+}
+
 // A hashes.db or checkpoint failure also turns the log unavailable; the
 // batch already durable stays acknowledged.
 func TestFaultHashesAndCheckpoint(t *testing.T) {
 	dir := t.TempDir()
 	f := &faults{}
-	var ckptErr error
-	var mu sync.Mutex
+	var ckpt ckptFaults
 	opts := Options{open: f.open, RetryInterval: 5 * time.Millisecond, CheckpointEvery: 5,
-		writeFile: func(p string, b []byte, m os.FileMode) error {
-			mu.Lock()
-			err := ckptErr
-			mu.Unlock()
-			if err != nil {
-				return err
-			}
-			return atomicfile.WriteFile(p, b, m)
-		}}
+		writeFile: ckpt.writeFile}
 	ev := newEvents(&opts)
 	l := openLog(t, dir, opts)
 	ctx := context.Background()
@@ -247,9 +260,7 @@ func TestFaultHashesAndCheckpoint(t *testing.T) {
 	f.set("", nil, nil, nil, false)
 	ev.waitRecover(t)
 
-	mu.Lock()
-	ckptErr = syscall.ENOSPC
-	mu.Unlock()
+	ckpt.set(syscall.ENOSPC)
 	// Append until the checkpoint due at CheckpointEvery fails.
 	for i := 0; ; i++ {
 		if _, err := l.Append(ctx, sample(i)); err != nil {
@@ -265,9 +276,7 @@ func TestFaultHashesAndCheckpoint(t *testing.T) {
 	if err := ev.waitFault(t); !errors.Is(err, syscall.ENOSPC) {
 		t.Errorf("OnFault: %v", err)
 	}
-	mu.Lock()
-	ckptErr = nil
-	mu.Unlock()
+	ckpt.set(nil)
 	ev.waitRecover(t)
 	if cp := l.Checkpoint(); cp == nil || cp.Size < 5 {
 		t.Errorf("checkpoint after recovery: %+v", cp)
@@ -345,31 +354,18 @@ func TestFaultRealENOSPC(t *testing.T) {
 // further appends.
 func TestFaultCheckpointWhileIdle(t *testing.T) {
 	dir := t.TempDir()
-	var mu sync.Mutex
-	var ckptErr error
+	var ckpt ckptFaults
 	opts := Options{RetryInterval: 5 * time.Millisecond, CheckpointEvery: 5,
-		writeFile: func(p string, b []byte, m os.FileMode) error {
-			mu.Lock()
-			err := ckptErr
-			mu.Unlock()
-			if err != nil {
-				return err
-			}
-			return atomicfile.WriteFile(p, b, m)
-		}}
+		writeFile: ckpt.writeFile}
 	ev := newEvents(&opts)
 	l := openLog(t, dir, opts)
 	defer l.Close()
-	mu.Lock()
-	ckptErr = syscall.ENOSPC
-	mu.Unlock()
+	ckpt.set(syscall.ENOSPC)
 	appendN(t, l, 5)
 	if err := ev.waitFault(t); !errors.Is(err, syscall.ENOSPC) {
 		t.Errorf("OnFault: %v", err)
 	}
-	mu.Lock()
-	ckptErr = nil
-	mu.Unlock()
+	ckpt.set(nil)
 	ev.waitRecover(t)
 	if cp := l.Checkpoint(); cp == nil || cp.Size < 5 {
 		t.Errorf("checkpoint after recovery: %+v", cp)
