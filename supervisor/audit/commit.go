@@ -29,7 +29,7 @@ type batch struct {
 // enqueue queues record bodies for the committer, all under one lock, so
 // that they share a group commit where they fit in one batch. It fails
 // fast, queueing none, while the log is closed or unavailable.
-func (l *Log) enqueue(bodies ...[]byte) ([]*request, error) {
+func (l *Log) enqueue(bodies ...[]byte) ([]request, error) {
 	l.mu.Lock()
 	switch {
 	case l.closed:
@@ -41,9 +41,10 @@ func (l *Log) enqueue(bodies ...[]byte) ([]*request, error) {
 		l.mu.Unlock()
 		return nil, err
 	}
-	reqs := make([]*request, len(bodies))
+	reqs := make([]request, len(bodies)) // one allocation for the group
 	for i, body := range bodies {
-		r := &request{body: body}
+		r := &reqs[i]
+		r.body = body
 		size := frameHeaderSize + maxPrefix + len(body)
 		var b *batch
 		if k := len(l.pending); k > 0 && l.pending[k-1].bytes+size <= maxBatchBytes {
@@ -55,7 +56,6 @@ func (l *Log) enqueue(bodies ...[]byte) ([]*request, error) {
 		b.reqs = append(b.reqs, r)
 		b.bytes += size
 		r.b = b
-		reqs[i] = r
 	}
 	l.mu.Unlock()
 	l.kick()

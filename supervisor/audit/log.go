@@ -236,11 +236,18 @@ func (l *Log) Close() error {
 // ends first, Append returns ctx's error and the record may or may not be
 // written.
 func (l *Log) Append(ctx context.Context, rec Record) (uint64, error) {
-	seqs, err := l.AppendAll(ctx, rec)
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	body, err := l.encode(&rec)
 	if err != nil {
 		return 0, err
 	}
-	return seqs[0], nil
+	reqs, err := l.enqueue(body)
+	if err != nil {
+		return 0, err
+	}
+	return wait(ctx, &reqs[0])
 }
 
 // AppendAll makes recs durable, in order, and returns their seqs. They are
@@ -253,18 +260,9 @@ func (l *Log) AppendAll(ctx context.Context, recs ...Record) ([]uint64, error) {
 	}
 	bodies := make([][]byte, len(recs))
 	for i := range recs {
-		rec := &recs[i]
-		if rec.Intent != nil && *rec.Intent >= l.size.Load() {
-			return nil, fmt.Errorf("%w: intent %d is not in the log", ErrInvalid, *rec.Intent)
-		}
-		body, err := encodeBody(rec)
+		body, err := l.encode(&recs[i])
 		if err != nil {
 			return nil, err
-		}
-		for _, d := range rec.Blobs {
-			if _, err := os.Stat(blobPath(l.dir, d)); err != nil {
-				return nil, fmt.Errorf("%w: blob %s: %v", ErrInvalid, d, err)
-			}
 		}
 		bodies[i] = body
 	}
@@ -273,18 +271,42 @@ func (l *Log) AppendAll(ctx context.Context, recs ...Record) ([]uint64, error) {
 		return nil, err
 	}
 	seqs := make([]uint64, len(reqs))
-	for i, r := range reqs {
-		select {
-		case <-r.b.done:
-		case <-ctx.Done():
-			return nil, fmt.Errorf("audit append: %w (the records may still be written)", ctx.Err())
+	for i := range reqs {
+		if seqs[i], err = wait(ctx, &reqs[i]); err != nil {
+			return nil, err
 		}
-		if r.b.err != nil {
-			return nil, r.b.err
-		}
-		seqs[i] = r.seq
 	}
 	return seqs, nil
+}
+
+// encode checks rec and returns its body.
+func (l *Log) encode(rec *Record) ([]byte, error) {
+	if rec.Intent != nil && *rec.Intent >= l.size.Load() {
+		return nil, fmt.Errorf("%w: intent %d is not in the log", ErrInvalid, *rec.Intent)
+	}
+	body, err := encodeBody(rec)
+	if err != nil {
+		return nil, err
+	}
+	for _, d := range rec.Blobs {
+		if _, err := os.Stat(blobPath(l.dir, d)); err != nil {
+			return nil, fmt.Errorf("%w: blob %s: %v", ErrInvalid, d, err)
+		}
+	}
+	return body, nil
+}
+
+// wait returns r's seq once its batch is durable, or why it is not.
+func wait(ctx context.Context, r *request) (uint64, error) {
+	select {
+	case <-r.b.done:
+	case <-ctx.Done():
+		return 0, fmt.Errorf("audit append: %w (the record may still be written)", ctx.Err())
+	}
+	if r.b.err != nil {
+		return 0, r.b.err
+	}
+	return r.seq, nil
 }
 
 // Commits is how many group commits (each one write and one fdatasync of
