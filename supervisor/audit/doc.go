@@ -32,11 +32,13 @@
 //   - Durable: Append returns only after its record is written and
 //     fdatasync'd. Concurrent appends are group-committed: one write and one
 //     fdatasync per batch, one batch at a time; records queue while a batch
-//     is being made durable and form the next.
+//     is being made durable and form the next. [Log.AppendAll] queues its
+//     records together, so they share one batch where they fit in one.
 //   - Dense: sequence numbers start at 0 and have no gaps; a failed batch
 //     consumes none.
 //   - Write-ahead: [Log.Begin] makes an "action.intent" record durable before
-//     the action may run; [Pending.End] appends its outcome, a record whose
+//     the action may run ([Log.BeginAfter]: with the records that admit it,
+//     in the same batch); [Pending.End] appends its outcome, a record whose
 //     intent field is the intent's seq.
 //   - Crash recovery: [Open] truncates a torn tail: a bad frame (cut short,
 //     impossible length or bad CRC) that can only be part of the one batch
