@@ -49,10 +49,14 @@ func (s State) String() string {
 
 // Defaults for deadlines.
 const (
-	// HealthTimeout bounds one health probe.
+	// HealthTimeout bounds one health probe. An answer takes milliseconds
+	// even from a loaded TCG guest; five seconds without one means the
+	// guest is wedged or holds the connection with a frame it never ends.
 	HealthTimeout = 5 * time.Second
-	// KeepaliveInterval is how often a ready agent is probed.
-	KeepaliveInterval = 10 * time.Second
+	// KeepaliveInterval is how often a ready agent is probed. With
+	// HealthTimeout it bounds how long a wedged or desynced link goes
+	// unnoticed: at most 4 s + 5 s.
+	KeepaliveInterval = 4 * time.Second
 )
 
 // ErrNotReady is returned by WaitReady when ctx ends before the agent
