@@ -97,6 +97,7 @@ type Runner struct {
 	// the command does).
 	OnStart func(pid int, id string)
 
+	users   user.Cache // lookups in Users
 	mu      sync.Mutex
 	running map[string]*Proc // by id
 }

@@ -30,7 +30,7 @@ func (r *Runner) resolveUser(spec string) (*user.User, *syscall.Credential, erro
 	}
 	euid := geteuid()
 	if euid != 0 && spec == "" {
-		u, err := r.Users.Lookup(strconv.Itoa(euid))
+		u, err := r.users.Lookup(r.Users, strconv.Itoa(euid))
 		if err != nil { // no passwd file: the environment still works
 			u = &user.User{UID: uint32(euid), GID: uint32(os.Getegid()), Home: "/"}
 			if home := os.Getenv("HOME"); home != "" {
@@ -42,7 +42,7 @@ func (r *Runner) resolveUser(spec string) (*user.User, *syscall.Credential, erro
 	if spec == "" {
 		spec = DefaultUser
 	}
-	u, err := r.Users.Lookup(spec)
+	u, err := r.users.Lookup(r.Users, spec)
 	switch {
 	case errors.Is(err, user.ErrUnknown):
 		return nil, nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("exec: %w", err))

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"time"
 
@@ -24,6 +25,16 @@ func (s *service) Process(ctx context.Context, stream *connect.BidiStream[agentv
 	start := time.Now()
 	ls := &loggedStream{BidiStream: stream}
 	err := s.sessions.Process(ctx, ls)
+	// A call that went well is logged at debug level only: the host's
+	// audit log has it, and under emulation each console line costs the
+	// guest milliseconds of CPU on the path of the next command.
+	level := slog.LevelDebug
+	if err != nil {
+		level = slog.LevelInfo
+	}
+	if !s.cfg.Log.Enabled(ctx, level) {
+		return err
+	}
 	log := s.cfg.Log.With("rpc", "Process", "duration", time.Since(start))
 	if req := ls.first.GetStart(); req != nil {
 		log = log.With("argv0", firstArg(req.GetArgv()), "user", truncate(req.GetUser()), "tty", req.GetTty(), "detach", req.GetDetach())
@@ -39,7 +50,7 @@ func (s *service) Process(ctx context.Context, stream *connect.BidiStream[agentv
 	if err != nil {
 		log.Info("process call ended", "err", err)
 	} else {
-		log.Info("process call done")
+		log.Debug("process call done")
 	}
 	return err
 }
@@ -127,7 +138,7 @@ func (s *service) Signal(_ context.Context, req *connect.Request[agentv1.SignalR
 		log.Info("signal failed", "err", err)
 		return nil, err
 	}
-	log.Info("signalled")
+	log.Debug("signalled")
 	return connect.NewResponse(&agentv1.SignalResponse{}), nil
 }
 

@@ -172,13 +172,20 @@ func (s *service) Exec(ctx context.Context, req *connect.Request[agentv1.ExecReq
 		}
 		return stream.Send(m)
 	})
+	level := slog.LevelDebug // as for Process
+	if err != nil {
+		level = slog.LevelInfo
+	}
+	if !s.cfg.Log.Enabled(ctx, level) {
+		return err
+	}
 	log := s.cfg.Log.With("rpc", "Exec", "argv0", firstArg(req.Msg.GetArgv()), "user", truncate(req.Msg.GetUser()),
 		"tty", req.Msg.GetTty(), "exec_id", id, "duration", time.Since(start))
 	switch {
 	case err != nil:
 		log.Info("exec failed", "err", err)
 	case exit != nil:
-		log.Info("exec done", "code", exit.Code, "signal", exit.Signal)
+		log.Debug("exec done", "code", exit.Code, "signal", exit.Signal)
 	}
 	return err
 }
