@@ -137,7 +137,7 @@ func (l *serialListener) connect() (net.Conn, error) {
 	// os.NewFile registers the non-blocking fd with the runtime poller, so
 	// reads park instead of blocking a thread and deadlines work.
 	f := os.NewFile(uintptr(fd), l.path)
-	return &serialConn{f: f, addr: serialAddr(l.name), release: func() { <-l.slot }}, nil
+	return &serialConn{f: f, w: newPortWriter(f), addr: serialAddr(l.name), release: func() { <-l.slot }}, nil
 }
 
 // Close makes Accept return net.ErrClosed. It does not close a live
@@ -186,9 +186,14 @@ type serialAddr string
 func (a serialAddr) Network() string { return serialNetwork }
 func (a serialAddr) String() string  { return string(a) }
 
+// closeLinger is how long Close waits for queued writes to reach the
+// host.
+const closeLinger = 500 * time.Millisecond
+
 // serialConn is an open port. Close releases the listener's slot.
 type serialConn struct {
 	f        *os.File
+	w        *portWriter // all writes go through it
 	addr     serialAddr
 	release  func()
 	once     sync.Once
@@ -198,20 +203,23 @@ type serialConn struct {
 var _ net.Conn = (*serialConn)(nil)
 
 func (c *serialConn) Read(b []byte) (int, error)  { return c.f.Read(b) }
-func (c *serialConn) Write(b []byte) (int, error) { return c.f.Write(b) }
+func (c *serialConn) Write(b []byte) (int, error) { return c.w.Write(b) }
 
 // Close closes the port and lets the listener accept again. Only the first
 // call does anything.
 func (c *serialConn) Close() error {
 	c.once.Do(func() {
+		c.w.close(closeLinger)
 		c.closeErr = c.f.Close()
 		c.release()
 	})
 	return c.closeErr
 }
 
-func (c *serialConn) LocalAddr() net.Addr                { return c.addr }
-func (c *serialConn) RemoteAddr() net.Addr               { return c.addr }
-func (c *serialConn) SetDeadline(t time.Time) error      { return c.f.SetDeadline(t) }
+func (c *serialConn) LocalAddr() net.Addr  { return c.addr }
+func (c *serialConn) RemoteAddr() net.Addr { return c.addr }
+func (c *serialConn) SetDeadline(t time.Time) error {
+	return errors.Join(c.f.SetReadDeadline(t), c.w.SetWriteDeadline(t))
+}
 func (c *serialConn) SetReadDeadline(t time.Time) error  { return c.f.SetReadDeadline(t) }
-func (c *serialConn) SetWriteDeadline(t time.Time) error { return c.f.SetWriteDeadline(t) }
+func (c *serialConn) SetWriteDeadline(t time.Time) error { return c.w.SetWriteDeadline(t) }
