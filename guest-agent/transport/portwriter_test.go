@@ -13,10 +13,15 @@ import (
 
 // gatedWriter records each write, and holds the first until released.
 type gatedWriter struct {
-	mu     sync.Mutex
-	writes [][]byte
-	gate   chan struct{}
-	fail   error
+	mu      sync.Mutex
+	writes  [][]byte
+	started chan struct{} // closed once the first write is under way
+	gate    chan struct{}
+	fail    error
+}
+
+func newGated(fail error) *gatedWriter {
+	return &gatedWriter{started: make(chan struct{}), gate: make(chan struct{}), fail: fail}
 }
 
 func (g *gatedWriter) Write(b []byte) (int, error) {
@@ -26,6 +31,7 @@ func (g *gatedWriter) Write(b []byte) (int, error) {
 	fail := g.fail
 	g.mu.Unlock()
 	if first {
+		close(g.started)
 		<-g.gate
 	}
 	if fail != nil {
@@ -43,14 +49,17 @@ func (g *gatedWriter) all() (n int, data []byte) {
 }
 
 func TestPortWriterMergesWhileAWriteIsUnderWay(t *testing.T) {
-	g := &gatedWriter{gate: make(chan struct{})}
+	g := newGated(nil)
 	w := newPortWriter(g)
 	var want []byte
-	for _, s := range []string{"headers", "message", "exit", "trailers"} {
+	for i, s := range []string{"headers", "message", "exit", "trailers"} {
 		if n, err := w.Write([]byte(s)); n != len(s) || err != nil {
 			t.Fatalf("write %q: %d, %v", s, n, err)
 		}
 		want = append(want, s...)
+		if i == 0 {
+			<-g.started
+		}
 	}
 	close(g.gate)
 	w.close(5 * time.Second) // waits for the queue
@@ -95,12 +104,13 @@ func TestPortWriterKeepsOrderAcrossLargeWrites(t *testing.T) {
 }
 
 func TestPortWriterWaitsUnderTheDeadlineWhenFull(t *testing.T) {
-	g := &gatedWriter{gate: make(chan struct{})}
+	g := newGated(nil)
 	w := newPortWriter(g)
 	chunk := make([]byte, maxQueuedWrite)
-	if _, err := w.Write(chunk); err != nil { // now being written, held
+	if _, err := w.Write(chunk); err != nil {
 		t.Fatal(err)
 	}
+	<-g.started // now being written, held
 	for range maxQueued / maxQueuedWrite {
 		if _, err := w.Write(chunk); err != nil {
 			t.Fatal(err)
@@ -119,7 +129,7 @@ func TestPortWriterWaitsUnderTheDeadlineWhenFull(t *testing.T) {
 
 func TestPortWriterFailsAfterAFailedWrite(t *testing.T) {
 	broken := errors.New("port gone")
-	g := &gatedWriter{gate: make(chan struct{}), fail: broken}
+	g := newGated(broken)
 	w := newPortWriter(g)
 	w.Write([]byte("a"))
 	close(g.gate)
