@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/carrel-os/carrel/guest-agent/cgroups"
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
@@ -87,5 +88,40 @@ func TestCommandsRunInTheirOwnGroup(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(r.Cgroups.Path(), st.Id)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the command's group is still there after it ended: %v", err)
+	}
+}
+
+// TestNextGroupIsMadeAhead checks that once a command has started, the
+// next command's group is made in the background, and that the next
+// command runs in it.
+func TestNextGroupIsMadeAhead(t *testing.T) {
+	r := runner(t)
+	r.Cgroups = testGroups(t)
+	var res result
+	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"true"}}, res.send); err != nil {
+		t.Fatal(err)
+	}
+	var spare string
+	for deadline := time.Now().Add(5 * time.Second); spare == "" && time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		r.mu.Lock()
+		if r.spare != nil {
+			spare = r.spare.id
+		}
+		r.mu.Unlock()
+	}
+	if spare == "" {
+		t.Fatal("no group was made ahead after a command started")
+	}
+	if fi, err := os.Stat(filepath.Join(r.Cgroups.Path(), spare)); err != nil || !fi.IsDir() {
+		t.Fatalf("the group made ahead is not there: %v", err)
+	}
+	res = result{}
+	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"cat", "/proc/self/cgroup"}}, res.send); err != nil {
+		t.Fatal(err)
+	}
+	st := res.events[0].GetStarted()
+	want := "0::/" + filepath.Base(r.Cgroups.Path()) + "/" + spare + "\n"
+	if st.Id != spare || !strings.Contains(res.stdout.String(), want) {
+		t.Errorf("the next command is %s, in %q; want it in the group made ahead, %s", st.Id, res.stdout.String(), spare)
 	}
 }

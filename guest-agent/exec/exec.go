@@ -100,6 +100,7 @@ type Runner struct {
 	users   user.Cache // lookups in Users
 	mu      sync.Mutex
 	running map[string]*Proc // by id
+	spare   *group           // the next command's cgroup, made ahead
 }
 
 // Run runs req for the Exec call, with no input (stdin is /dev/null, or

@@ -101,23 +101,69 @@ func (r *Runner) Start(req *agentv1.ExecRequest, stdin bool) (*Proc, error) {
 }
 
 // newGroup picks the id of a command about to start and, with Cgroups,
-// makes its group. Without Cgroups (or if the group cannot be made) the id
+// its group: the one made ahead for it if there is one, else a new one.
+// Either way the next command's group is then made ahead, off this
+// command's path: making a cgroup costs an emulated guest over a
+// millisecond. Without Cgroups (or if the group cannot be made) the id
 // is "", for register to pick, and the group nil.
 func (r *Runner) newGroup() (string, *os.File) {
 	if r.Cgroups == nil {
 		return "", nil
 	}
+	r.mu.Lock()
+	g := r.spare
+	r.spare = nil
+	r.mu.Unlock()
+	if g == nil {
+		if g = r.makeGroup(); g == nil {
+			return "", nil
+		}
+	}
+	go r.makeSpare()
+	return g.id, g.f
+}
+
+// group is a command's cgroup, made and open.
+type group struct {
+	id string
+	f  *os.File
+}
+
+func (r *Runner) makeGroup() *group {
 	for range 4 { // a taken id (os.ErrExist) is all but impossible
 		id := NewID()
 		f, err := r.Cgroups.Create(id)
 		if err == nil {
-			return id, f
+			return &group{id, f}
 		}
 		if !errors.Is(err, os.ErrExist) {
 			break
 		}
 	}
-	return "", nil
+	return nil
+}
+
+// makeSpare makes the next command's group, unless one is ready.
+func (r *Runner) makeSpare() {
+	r.mu.Lock()
+	ready := r.spare != nil
+	r.mu.Unlock()
+	if ready {
+		return
+	}
+	g := r.makeGroup()
+	if g == nil {
+		return
+	}
+	r.mu.Lock()
+	if r.spare == nil {
+		r.spare, g = g, nil
+	}
+	r.mu.Unlock()
+	if g != nil { // another was made meanwhile
+		g.f.Close()
+		r.Cgroups.Remove(g.id)
+	}
 }
 
 // start starts the command with the given id ("" for register to pick),
