@@ -293,6 +293,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	if err != nil {
 		return driver.Instance{}, err
 	}
+	steps := newStepTimer()
 	name := DomainName(spec.Name)
 	var capsXML string
 	err = d.do(ctx, "read host capabilities", func(c *lv.Libvirt) (err error) {
@@ -306,6 +307,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	if err != nil {
 		return driver.Instance{}, err
 	}
+	steps.done("capabilities")
 	readOnly := []string{spec.Kernel, spec.Initrd}
 	var readWrite []string
 	for _, disk := range spec.Disks {
@@ -336,6 +338,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 			return driver.Instance{}, fmt.Errorf("let qemu (uid %d) write %s: %w", uid, p, err)
 		}
 	}
+	steps.done("acls")
 	// libvirtd binds the sockets itself; stale ones from a domain that
 	// died with libvirtd would be in its way.
 	for _, p := range []string{l.agent, l.console} {
@@ -381,6 +384,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	if err != nil {
 		return fail(err)
 	}
+	steps.done("create")
 	// The memory limit is in place before the guest runs (see memoryLimit).
 	err = d.do(ctx, "limit memory of domain "+name, func(c *lv.Libvirt) error {
 		return c.DomainSetMemoryParameters(dom, []lv.TypedParam{memoryLimit(spec, d.cfg.Accelerator)}, uint32(lv.DomainAffectLive))
@@ -388,6 +392,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	if err != nil {
 		return fail(err)
 	}
+	steps.done("memory limit")
 	if spec.CID != 0 {
 		var live string
 		err := d.do(ctx, "read domain "+name, func(c *lv.Libvirt) (err error) {
@@ -414,8 +419,27 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 		}
 		inst.PID = pid
 	}
+	steps.done("checks")
+	d.log.Debug("domain created, paused", append([]any{"vm", spec.Name, "domain", name}, steps.attrs()...)...)
 	return inst, nil
 }
+
+// stepTimer times the steps of a domain's start, for the debug log: where
+// the time between carreld's request and a paused domain goes.
+type stepTimer struct {
+	last  time.Time
+	steps []any
+}
+
+func newStepTimer() *stepTimer { return &stepTimer{last: time.Now()} }
+
+func (t *stepTimer) done(step string) {
+	now := time.Now()
+	t.steps = append(t.steps, step, now.Sub(t.last).Round(time.Microsecond))
+	t.last = now
+}
+
+func (t *stepTimer) attrs() []any { return t.steps }
 
 func newUUID() (string, error) {
 	var b [16]byte
