@@ -17,15 +17,20 @@ type outcome struct {
 // Policy, with an empty cache) and bundles may use only deterministic
 // builtins, so the same input always gets the same outcome. When full it
 // forgets its oldest entry.
+//
+// It starts empty and grows with use: carreld compiles every built-in
+// policy at start, and a cache sized for its bound up front (about 1 MiB)
+// would cost that much per policy whether or not any VM uses it.
 type decisionCache struct {
 	mu    sync.Mutex
+	max   int
 	m     map[string]outcome
-	order []string // ring of keys, oldest at next
+	order []string // keys as put; once max long, a ring with the oldest at next
 	next  int
 }
 
-func newDecisionCache(n int) *decisionCache {
-	return &decisionCache{m: make(map[string]outcome, n), order: make([]string, n)}
+func newDecisionCache(max int) *decisionCache {
+	return &decisionCache{max: max, m: map[string]outcome{}}
 }
 
 func (c *decisionCache) get(key string) (outcome, bool) {
@@ -41,10 +46,12 @@ func (c *decisionCache) put(key string, o outcome) {
 	if _, ok := c.m[key]; ok {
 		return
 	}
-	if old := c.order[c.next]; old != "" {
-		delete(c.m, old)
+	if len(c.order) < c.max {
+		c.order = append(c.order, key)
+	} else {
+		delete(c.m, c.order[c.next])
+		c.order[c.next] = key
+		c.next = (c.next + 1) % c.max
 	}
-	c.order[c.next] = key
-	c.next = (c.next + 1) % len(c.order)
 	c.m[key] = o
 }
