@@ -10,21 +10,30 @@ import (
 // `carrel policy decisions`; the audit log keeps all of them.
 const decisionLogSize = 4096
 
-// ring is a bounded, concurrent log of decisions.
+// ring is a bounded, concurrent log of decisions. It grows as decisions
+// come, up to its bound, and keeps each without its input JSON, which
+// the audit log holds and a listing never shows: a busy VM's inputs
+// (command lines, paths) would otherwise stay in carreld's memory.
 type ring struct {
 	mu   sync.Mutex
-	buf  []policy.Decision
+	size int
+	buf  []policy.Decision // once size long, a ring with the oldest at next
 	next int
 	full bool
 }
 
-func newRing(n int) *ring { return &ring{buf: make([]policy.Decision, n)} }
+func newRing(n int) *ring { return &ring{size: n} }
 
 func (r *ring) add(d policy.Decision) {
+	d.Input = nil
 	r.mu.Lock()
-	r.buf[r.next] = d
+	if len(r.buf) < r.size {
+		r.buf = append(r.buf, d)
+	} else {
+		r.buf[r.next] = d
+	}
 	r.next++
-	if r.next == len(r.buf) {
+	if r.next == r.size {
 		r.next, r.full = 0, true
 	}
 	r.mu.Unlock()
