@@ -41,9 +41,37 @@ type Info struct {
 }
 
 type entry struct {
-	pol       *policy.Policy
+	revision  string
 	builtin   bool
 	appliedAt time.Time
+
+	// A built-in example is compiled when it is first used: each costs
+	// about 1 MiB compiled, and most hosts use none of them. Until then
+	// src is its bundle; afterwards pol (or err) is set and src is nil.
+	once sync.Once
+	src  *policy.Bundle
+	pol  *policy.Policy
+	err  error
+}
+
+// compiled returns e's compiled policy, compiling it on first use.
+func (e *entry) compiled(name string) (*policy.Policy, error) {
+	e.once.Do(func() {
+		if e.src == nil {
+			return
+		}
+		e.pol, e.err = policy.Compile(context.Background(), name, e.src)
+		if e.err != nil {
+			e.err = fmt.Errorf("built-in policy %s: %w", name, e.err)
+		}
+		e.src = nil
+	})
+	return e.pol, e.err
+}
+
+// compiledEntry is an entry for p, compiled already.
+func compiledEntry(p *policy.Policy, builtin bool, appliedAt time.Time) *entry {
+	return &entry{revision: p.Revision, builtin: builtin, appliedAt: appliedAt, pol: p}
 }
 
 // Store holds every policy by name.
@@ -62,9 +90,10 @@ type Store struct {
 	Record func(ctx context.Context, d policy.Decision, in policy.Input) error
 }
 
-// Open compiles the built-in policies and every policy applied earlier
-// under dir. A stored policy that no longer compiles is an error: carreld
-// must not start with a VM's policy silently missing.
+// Open compiles the default policy and every policy applied earlier under
+// dir; the other built-in policies are compiled when first used. A stored
+// policy that no longer compiles is an error: carreld must not start with
+// a VM's policy silently missing.
 func Open(ctx context.Context, dir string, log *slog.Logger) (*Store, error) {
 	if log == nil {
 		log = slog.Default()
@@ -78,11 +107,15 @@ func Open(ctx context.Context, dir string, log *slog.Logger) (*Store, error) {
 		if err != nil {
 			return nil, fmt.Errorf("built-in policy %s: %w", name, err)
 		}
+		if name != policy.DefaultName {
+			s.entries[name] = &entry{revision: b.Revision, builtin: true, src: b}
+			continue
+		}
 		p, err := policy.Compile(ctx, name, b)
 		if err != nil {
 			return nil, fmt.Errorf("built-in policy %s: %w", name, err)
 		}
-		s.entries[name] = &entry{pol: p, builtin: true}
+		s.entries[name] = compiledEntry(p, true, time.Time{})
 	}
 	des, err := os.ReadDir(dir)
 	if err != nil {
@@ -101,12 +134,11 @@ func Open(ctx context.Context, dir string, log *slog.Logger) (*Store, error) {
 		if err != nil {
 			return nil, fmt.Errorf("stored policy %s: %w", name, err)
 		}
-		fi, _ := de.Info()
-		e := &entry{pol: p, builtin: s.entries[name] != nil}
-		if fi != nil {
-			e.appliedAt = fi.ModTime().UTC()
+		var appliedAt time.Time
+		if fi, _ := de.Info(); fi != nil {
+			appliedAt = fi.ModTime().UTC()
 		}
-		s.entries[name] = e
+		s.entries[name] = compiledEntry(p, s.entries[name] != nil, appliedAt)
 	}
 	return s, nil
 }
@@ -119,7 +151,7 @@ func (s *Store) Get(name string) (*policy.Policy, error) {
 	if e == nil {
 		return nil, fmt.Errorf("%w: %q", policy.ErrNoSuchPolicy, name)
 	}
-	return e.pol, nil
+	return e.compiled(name)
 }
 
 // List describes every policy, by name.
@@ -128,7 +160,7 @@ func (s *Store) List() []Info {
 	defer s.mu.RUnlock()
 	out := make([]Info, 0, len(s.entries))
 	for name, e := range s.entries {
-		out = append(out, Info{Name: name, Revision: e.pol.Revision, Builtin: e.builtin, AppliedAt: e.appliedAt})
+		out = append(out, Info{Name: name, Revision: e.revision, Builtin: e.builtin, AppliedAt: e.appliedAt})
 	}
 	slices.SortFunc(out, func(a, b Info) int {
 		switch {
@@ -184,14 +216,15 @@ func (s *Store) Apply(ctx context.Context, name string, b *policy.Bundle) (*poli
 
 	s.mu.Lock()
 	builtin := slices.Contains(policy.BuiltinNames(), name)
-	s.entries[name] = &entry{pol: p, builtin: builtin, appliedAt: time.Now().UTC()}
+	s.entries[name] = compiledEntry(p, builtin, time.Now().UTC())
 	s.mu.Unlock()
 	s.log.Info("policy applied", "policy", name, "revision", p.Revision, "tests", len(results))
 	return p, results, nil
 }
 
 // Decide evaluates in with the policy called name and records the
-// decision. A missing policy is a deny, not a pass.
+// decision. A missing policy, or a built-in one that fails to compile, is
+// a deny, not a pass.
 func (s *Store) Decide(ctx context.Context, name string, in policy.Input) (policy.Decision, error) {
 	p, err := s.Get(name)
 	var d policy.Decision
@@ -199,6 +232,9 @@ func (s *Store) Decide(ctx context.Context, name string, in policy.Input) (polic
 		d = policy.Decision{
 			Time: time.Now().UTC(), Kind: in.Kind(), VM: in.VMName(), Policy: name,
 			Rule: "carrel.no_such_policy", Reason: fmt.Sprintf("policy %q does not exist", name),
+		}
+		if !errors.Is(err, policy.ErrNoSuchPolicy) {
+			d.Rule, d.Reason = "carrel.policy_not_compiled", err.Error()
 		}
 	} else {
 		d, err = p.Decide(ctx, in)
