@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -196,6 +197,33 @@ func TestCompressedModules(t *testing.T) {
 	}
 	if _, err := tr.Module("comp_zst"); !errors.Is(err, kmod.ErrUnsupportedCompression) {
 		t.Fatalf("zst: %v", err)
+	}
+	want, err := os.ReadFile(got[0].File)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b, err := kmod.ReadFile(got[0].File); err != nil || !bytes.Equal(b, want) {
+		t.Fatalf("ReadFile(plain) = %d bytes, %v; want %d", len(b), err, len(want))
+	}
+}
+
+// TestReadFileOneBuffer: a plain module, whose size is known, is read into
+// one buffer of that size, not grown into one as io.ReadAll would.
+func TestReadFileOneBuffer(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "big.ko")
+	want := bytes.Repeat([]byte("module!\n"), 1<<17) // 1 MiB
+	if err := os.WriteFile(path, want, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	b, err := kmod.ReadFile(path)
+	runtime.ReadMemStats(&after)
+	if err != nil || !bytes.Equal(b, want) {
+		t.Fatalf("ReadFile = %d bytes, %v; want %d", len(b), err, len(want))
+	}
+	if alloc := after.TotalAlloc - before.TotalAlloc; alloc > uint64(len(want))+64<<10 {
+		t.Errorf("ReadFile of %d bytes allocated %d", len(want), alloc)
 	}
 }
 
