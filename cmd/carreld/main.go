@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/supervisor/daemon"
+	"github.com/carrel-os/carrel/supervisor/debugserver"
 )
 
 func main() {
@@ -34,6 +36,8 @@ func main() {
 		return nil
 	})
 	flag.StringVar(&level, "log-level", "info", "debug, info, warn or error")
+	var debugSocket string
+	flag.StringVar(&debugSocket, "debug-socket", "", "serve Go's runtime profiles (net/http/pprof: goroutines, heap, CPU) on this unix socket, mode 0600, for load tests and leak hunts; off when empty. Put it in a directory only root can reach")
 	version := flag.Bool("version", false, "print the version and exit")
 	config := flag.String("config", "", "JSON file of settings named as these flags, e.g. {\"driver\": \"libvirt\"}; flags given here win")
 	flag.Parse()
@@ -62,7 +66,7 @@ func main() {
 	}
 	// Image builds run tools in other working directories, so every path
 	// given on the command line is made absolute once, here.
-	for _, p := range []*string{&cfg.StateDir, &cfg.Socket, &cfg.CacheDir, &cfg.AgentBinary, &cfg.EgressHosts} {
+	for _, p := range []*string{&cfg.StateDir, &cfg.Socket, &cfg.CacheDir, &cfg.AgentBinary, &cfg.EgressHosts, &debugSocket} {
 		if *p == "" {
 			continue
 		}
@@ -78,6 +82,12 @@ func main() {
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
+	if debugSocket != "" {
+		if err := serveDebug(ctx, debugSocket, cfg.Logger); err != nil {
+			cfg.Logger.Error("carreld failed", "err", err)
+			os.Exit(1)
+		}
+	}
 	if err := daemon.Run(ctx, cfg); err != nil {
 		cfg.Logger.Error("carreld failed", "err", err)
 		os.Exit(1)
@@ -94,4 +104,27 @@ func defaultAgent() string {
 		}
 	}
 	return "/usr/libexec/carrel/carrel-agent"
+}
+
+// serveDebug starts the profiles server on a unix socket at path, replacing
+// a socket a killed carreld left there.
+func serveDebug(ctx context.Context, path string, log *slog.Logger) error {
+	if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+		return fmt.Errorf("debug socket: %w", err)
+	}
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return fmt.Errorf("debug socket: %w", err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return fmt.Errorf("debug socket: %w", err)
+	}
+	log.Warn("serving runtime profiles on the debug socket", "path", path)
+	go func() {
+		if err := debugserver.Serve(ctx, l); err != nil {
+			log.Error("debug socket", "err", err)
+		}
+	}()
+	return nil
 }
