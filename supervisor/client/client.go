@@ -57,7 +57,14 @@ type Client struct {
 	Tokens   apiv1connect.TokenServiceClient
 	// GPUs lists the host's GPUs, for carrel vm create --gpu.
 	GPUs apiv1connect.GPUServiceClient
+
+	hc *http.Client
 }
+
+// CloseIdleConnections closes the connections to carreld that carry no
+// call, so that carreld can let go of them: a long-lived program done
+// with carreld for now should call it. The client stays usable.
+func (c *Client) CloseIdleConnections() { c.hc.CloseIdleConnections() }
 
 // An Option configures a Client.
 type Option func(*options)
@@ -108,6 +115,8 @@ func New(path string, opt ...Option) *Client {
 		Policies: apiv1connect.NewPolicyServiceClient(hc, base, opts...),
 		Tokens:   apiv1connect.NewTokenServiceClient(hc, base, opts...),
 		GPUs:     apiv1connect.NewGPUServiceClient(hc, base, opts...),
+
+		hc: hc,
 	}
 }
 
