@@ -32,7 +32,21 @@
 //   - dm-verity (-verity): a file read through the verified root against
 //     the same erofs unverified, in one VM (see image.go).
 //
-// Every section is on by default; each prints medians and ratios.
+// Every section above is on by default; each prints medians and ratios.
+// Three more are off unless asked for, and asking for any of them turns
+// the others off unless they are named too (make bench-load, make soak):
+//
+//   - load (-load): -load-vms VMs with -load-clients clients each, for
+//     -load-duration, each client looping over exec, a 1 MiB cp each way,
+//     stat and list; throughput, p50/p99 per operation, carreld's RSS,
+//     goroutines and fds before and after, QEMU's PSS, audit records per
+//     second, with pass/fail checks (see load.go);
+//   - fault injection (-fault): the load, with one VM's QEMU stopped
+//     (SIGSTOP) for -fault-stop midway (see load.go);
+//   - soak (-soak): the load at a lower rate for -soak-duration, with
+//     carreld killed and restarted every -soak-restart (see soak.go).
+//
+// A failed check of these three makes the program exit 1.
 package main
 
 import (
@@ -110,7 +124,36 @@ func main() {
 	doImage := flag.Bool("image", true, "the agent image: build time (cold, warm, cached) and size, boot to agent-ready against the dev image and bare QEMU, first python3 after boot")
 	doVerity := flag.Bool("verity", true, "dm-verity's cost: a file read from the verified root against the same erofs unverified, in one VM")
 	verityMiB := flag.Int64("verity-size", 256, "file size for -verity, MiB")
+	doLoad := flag.Bool("load", false, "load: -load-vms VMs x -load-clients clients for -load-duration, with pass/fail checks; alone, turns the default sections off")
+	doFault := flag.Bool("fault", false, "fault injection: the load (its flags), with one VM's QEMU stopped for -fault-stop midway")
+	doSoak := flag.Bool("soak", false, "soak: a lower-rate load for -soak-duration with carreld killed and restarted every -soak-restart")
+	load := loadConfig{opTimeout: 2 * time.Minute}
+	flag.IntVar(&load.vms, "load-vms", 10, "VMs for -load and -fault")
+	flag.IntVar(&load.clients, "load-clients", 8, "concurrent clients per VM for -load and -fault")
+	flag.DurationVar(&load.duration, "load-duration", 5*time.Minute, "how long -load and -fault load the VMs")
+	flag.StringVar(&load.memory, "load-memory", "256M", "memory of each VM of -load, -fault and -soak")
+	flag.DurationVar(&load.settle, "load-settle", 3*time.Minute, "longest wait after the load for carreld's RSS, goroutines and fds to come back")
+	flag.DurationVar(&load.faultStop, "fault-stop", 30*time.Second, "how long -fault keeps the VM's QEMU stopped")
+	soak := loadConfig{opTimeout: 2 * time.Minute}
+	flag.IntVar(&soak.vms, "soak-vms", 4, "VMs for -soak")
+	flag.IntVar(&soak.clients, "soak-clients", 2, "clients per VM for -soak")
+	flag.DurationVar(&soak.pause, "soak-pause", time.Second, "pause between a -soak client's rounds (its lower rate)")
+	flag.DurationVar(&soak.duration, "soak-duration", time.Hour, "how long -soak runs")
+	soakEvery := flag.Duration("soak-restart", 10*time.Minute, "how often -soak kills carreld (SIGKILL) and starts it again")
 	flag.Parse()
+	soak.memory, soak.settle = load.memory, load.settle
+	load.fault = *doFault
+	if *doLoad || *doFault || *doSoak {
+		// These run alone unless other sections are named as well.
+		named := map[string]bool{}
+		flag.Visit(func(f *flag.Flag) { named[f.Name] = true })
+		for name, on := range map[string]*bool{"boot": doBoot, "warm-exec": doWarm, "qga-exec": doQGAExec, "qga-files": doQGAFiles,
+			"policy": doPolicy, "audit": doAudit, "egress": doEgress, "overhead": doOverhead, "image": doImage, "verity": doVerity} {
+			if !named[name] {
+				*on = false
+			}
+		}
+	}
 	log.SetFlags(0)
 	switch {
 	case *rounds < 1 || *execs < 1 || *fileRounds < 1:
@@ -121,6 +164,12 @@ func main() {
 		log.Fatal("-egress-rounds must be at least 1")
 	case *chunkKiB < 1 || *chunkKiB<<10 > qga.MaxReadCount:
 		log.Fatalf("-qga-chunk must be 1..%d (KiB)", qga.MaxReadCount>>10)
+	case load.vms < 1 || load.clients < 1 || soak.vms < 1 || soak.clients < 1:
+		log.Fatal("-load-vms, -load-clients, -soak-vms and -soak-clients must be at least 1")
+	case *doFault && load.vms < 2:
+		log.Fatal("-fault needs at least 2 VMs (-load-vms): one stopped, the others loaded")
+	case *doSoak && *soakEvery >= soak.duration:
+		log.Fatal("-soak-restart must be shorter than -soak-duration")
 	}
 
 	if *doPolicy {
@@ -133,7 +182,8 @@ func main() {
 			log.Fatalf("audit benchmark: %v", err)
 		}
 	}
-	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity {
+	loadMode := *doLoad || *doFault || *doSoak
+	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity && !loadMode {
 		return // no VM needed
 	}
 
@@ -150,7 +200,14 @@ func main() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	d := harness.New(t, "--driver", "qemu", "--machine", *machine, "--egress-hosts", hosts)
+	args := []string{"--driver", "qemu", "--machine", *machine, "--egress-hosts", hosts}
+	var debugSock string
+	if loadMode {
+		// The load's goroutine counts come from carreld's profiles.
+		debugSock = filepath.Join(hostsDir, "debug.sock")
+		args = append(args, "--debug-socket", debugSock)
+	}
+	d := harness.New(t, args...)
 	d.Start()
 	digest := d.BuildImage()
 	st, err := store.Open(filepath.Join(d.State, "images"))
@@ -217,6 +274,17 @@ func main() {
 			}
 		}
 		d.Must("vm", "rm", "--force", b.vm)
+	}
+	passed := true
+	if *doLoad || *doFault {
+		passed = benchLoad(t, d, debugSock, load) && passed
+	}
+	if *doSoak {
+		passed = benchSoak(t, d, debugSock, soak, *soakEvery) && passed
+	}
+	if !passed {
+		t.cleanup()
+		os.Exit(1)
 	}
 }
 
