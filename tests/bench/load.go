@@ -65,6 +65,7 @@ type loadConfig struct {
 	pause        time.Duration // between a client's rounds: the soak's lower rate
 	opTimeout    time.Duration // each operation's deadline
 	settle       time.Duration // longest wait for carreld to come back to its start
+	warmup       time.Duration // the same load, before the baseline
 	fault        bool
 	faultStop    time.Duration
 }
@@ -127,6 +128,32 @@ func bootLoadVMs(t *tb, d *harness.Daemon, prefix string, cfg loadConfig) []stri
 		names = append(names, name)
 	}
 	return names
+}
+
+// warmUp runs the load for cfg.warmup and returns carreld's stats once it
+// has stopped: the baseline. Memory that carreld keeps because it has
+// served this load once (code paths first run, buffer pools grown to the
+// load's concurrency, heap the runtime has not yet returned) is then in
+// the baseline; what grows with the amount of work, as a leak does, is
+// not.
+func warmUp(t *tb, d *harness.Daemon, debugSock string, names []string, cfg loadConfig) procStats {
+	time.Sleep(5 * time.Second) // let boots' leftovers settle
+	cold := mustStats(t, d, debugSock)
+	fmt.Printf("  carreld with the VMs booted, before any load: %s\n", cold)
+	if cfg.warmup <= 0 {
+		return cold
+	}
+	l := startLoad(d, names, cfg)
+	time.Sleep(cfg.warmup)
+	l.stopLoad()
+	if _, bad := failures(l.snapshot(), nil); len(bad) > 0 {
+		printErrors("errors while warming up", bad, 10)
+		t.Fatalf("the warm-up (%s of the same load) failed", cfg.warmup)
+	}
+	time.Sleep(5 * time.Second)
+	before := mustStats(t, d, debugSock)
+	fmt.Printf("  after %s of the same load as a warm-up (the baseline): %s\n", cfg.warmup, before)
+	return before
 }
 
 // startLoad starts cfg.clients clients per VM; they run until stopLoad.
@@ -368,8 +395,7 @@ func benchLoad(t *tb, d *harness.Daemon, debugSock string, cfg loadConfig) bool 
 	fmt.Printf("\nload: %d VMs (%s, 1 vCPU) x %d clients for %s, each round: exec `echo ok`, 1 MiB cp in, 1 MiB cp out, stat, list; %s per operation\n",
 		cfg.vms, cfg.memory, cfg.clients, cfg.duration, cfg.opTimeout)
 	names := bootLoadVMs(t, d, "load", cfg)
-	time.Sleep(5 * time.Second) // let boots' leftovers settle before the baseline
-	before := mustStats(t, d, debugSock)
+	before := warmUp(t, d, debugSock, names, cfg)
 	pssBefore := qemuPSSAll(t, d, names)
 
 	l := startLoad(d, names, cfg)

@@ -24,12 +24,21 @@ import (
 
 // procStats is one look at carreld.
 type procStats struct {
-	rss                 uint64
-	threads, fds, gorts int
+	rss, rssAnon, rssFile uint64
+	threads, fds, gorts   int
+	heap                  heapStats
 }
 
+// heapStats are Go's own memory statistics (runtime.MemStats), which tell
+// a leak (HeapAlloc keeps growing) from memory the runtime holds on to
+// (idle, not yet released to the kernel).
+type heapStats struct{ alloc, inuse, idle, released, sys uint64 }
+
+func mib(b uint64) float64 { return float64(b) / (1 << 20) }
+
 func (s procStats) String() string {
-	return fmt.Sprintf("RSS %.1f MiB, %d goroutines, %d fds, %d threads", float64(s.rss)/(1<<20), s.gorts, s.fds, s.threads)
+	return fmt.Sprintf("RSS %.1f MiB (anon %.1f, file %.1f; Go live heap %.1f, idle not released %.1f), %d goroutines, %d fds, %d threads",
+		mib(s.rss), mib(s.rssAnon), mib(s.rssFile), mib(s.heap.alloc), mib(s.heap.idle-s.heap.released), s.gorts, s.fds, s.threads)
 }
 
 func carreldStats(pid int, debugSock string) (procStats, error) {
@@ -43,8 +52,17 @@ func carreldStats(pid int, debugSock string) (procStats, error) {
 		return s, err
 	}
 	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "Threads:"); ok {
+		k, v, _ := strings.Cut(line, ":")
+		var kb uint64
+		switch k {
+		case "Threads":
 			fmt.Sscan(v, &s.threads)
+		case "RssAnon":
+			fmt.Sscan(v, &kb)
+			s.rssAnon = kb << 10
+		case "RssFile":
+			fmt.Sscan(v, &kb)
+			s.rssFile = kb << 10
 		}
 	}
 	fds, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
@@ -52,31 +70,65 @@ func carreldStats(pid int, debugSock string) (procStats, error) {
 		return s, err
 	}
 	s.fds = len(fds)
-	s.gorts, err = goroutines(debugSock)
+	if s.gorts, err = goroutines(debugSock); err != nil {
+		return s, err
+	}
+	s.heap, err = goHeap(debugSock)
 	return s, err
 }
 
-// goroutines reads carreld's goroutine count from its --debug-socket.
-func goroutines(sock string) (int, error) {
-	hc := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+// debugGet fetches a profile from carreld's --debug-socket.
+func debugGet(sock, path string) (string, error) {
+	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", sock)
 	}}}
 	defer hc.CloseIdleConnections()
-	resp, err := hc.Get("http://carreld/debug/pprof/goroutine?debug=1")
+	resp, err := hc.Get("http://carreld" + path)
 	if err != nil {
-		return 0, err
+		return "", err
 	}
 	defer resp.Body.Close()
-	line, err := io.ReadAll(io.LimitReader(resp.Body, 128))
+	b, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	return string(b), err
+}
+
+// goroutines reads carreld's goroutine count.
+func goroutines(sock string) (int, error) {
+	prof, err := debugGet(sock, "/debug/pprof/goroutine?debug=1")
 	if err != nil {
 		return 0, err
 	}
 	var n int
-	if _, err := fmt.Sscanf(string(line), "goroutine profile: total %d", &n); err != nil {
-		return 0, fmt.Errorf("goroutine profile: %q: %w", line, err)
+	if _, err := fmt.Sscanf(prof, "goroutine profile: total %d", &n); err != nil {
+		return 0, fmt.Errorf("goroutine profile: %.80q: %w", prof, err)
 	}
 	return n, nil
+}
+
+// goHeap reads carreld's runtime.MemStats from the end of its heap
+// profile ("# HeapAlloc = N" lines), after a garbage collection (gc=1), so
+// that HeapAlloc is the live heap.
+func goHeap(sock string) (heapStats, error) {
+	var h heapStats
+	prof, err := debugGet(sock, "/debug/pprof/heap?gc=1&debug=1")
+	if err != nil {
+		return h, err
+	}
+	fields := map[string]*uint64{"HeapAlloc": &h.alloc, "HeapInuse": &h.inuse, "HeapIdle": &h.idle, "HeapReleased": &h.released, "Sys": &h.sys}
+	for _, line := range strings.Split(prof, "\n") {
+		var k string
+		var v uint64
+		if n, _ := fmt.Sscanf(line, "# %s = %d", &k, &v); n == 2 {
+			if p, ok := fields[k]; ok {
+				*p = v
+			}
+		}
+	}
+	if h.sys == 0 {
+		return h, fmt.Errorf("no runtime.MemStats in the heap profile")
+	}
+	return h, nil
 }
 
 func mustStats(t *tb, d *harness.Daemon, debugSock string) procStats {
@@ -100,6 +152,7 @@ func settledFrom(before, after procStats) bool {
 // back).
 func settleStats(t *tb, d *harness.Daemon, debugSock string, before procStats, limit time.Duration) (procStats, time.Duration) {
 	start := time.Now()
+	shown := start
 	for {
 		s := mustStats(t, d, debugSock)
 		if settledFrom(before, s) {
@@ -107,6 +160,10 @@ func settleStats(t *tb, d *harness.Daemon, debugSock string, before procStats, l
 		}
 		if time.Since(start) > limit {
 			return s, -1
+		}
+		if time.Since(shown) >= 30*time.Second {
+			fmt.Printf("  %s after the load: %s\n", time.Since(start).Round(time.Second), s)
+			shown = time.Now()
 		}
 		time.Sleep(5 * time.Second)
 	}

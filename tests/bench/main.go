@@ -133,6 +133,7 @@ func main() {
 	flag.DurationVar(&load.duration, "load-duration", 5*time.Minute, "how long -load and -fault load the VMs")
 	flag.StringVar(&load.memory, "load-memory", "256M", "memory of each VM of -load, -fault and -soak")
 	flag.DurationVar(&load.settle, "load-settle", 3*time.Minute, "longest wait after the load for carreld's RSS, goroutines and fds to come back")
+	flag.DurationVar(&load.warmup, "load-warmup", 30*time.Second, "the same load run first, before the baseline carreld's RSS, goroutines and fds are held to; 0 for none")
 	flag.DurationVar(&load.faultStop, "fault-stop", 30*time.Second, "how long -fault keeps the VM's QEMU stopped")
 	soak := loadConfig{opTimeout: 2 * time.Minute}
 	flag.IntVar(&soak.vms, "soak-vms", 4, "VMs for -soak")
@@ -141,7 +142,7 @@ func main() {
 	flag.DurationVar(&soak.duration, "soak-duration", time.Hour, "how long -soak runs")
 	soakEvery := flag.Duration("soak-restart", 10*time.Minute, "how often -soak kills carreld (SIGKILL) and starts it again")
 	flag.Parse()
-	soak.memory, soak.settle = load.memory, load.settle
+	soak.memory, soak.settle, soak.warmup = load.memory, load.settle, load.warmup
 	load.fault = *doFault
 	if *doLoad || *doFault || *doSoak {
 		// These run alone unless other sections are named as well.

@@ -87,9 +87,7 @@ func benchSoak(t *tb, d *harness.Daemon, debugSock string, cfg loadConfig, every
 	fmt.Printf("\nsoak: %d VMs (%s, 1 vCPU) x %d clients, %s between a client's rounds, for %s; carreld killed (SIGKILL) and restarted every %s\n",
 		cfg.vms, cfg.memory, cfg.clients, cfg.pause, cfg.duration, every)
 	names := bootLoadVMs(t, d, "soak", cfg)
-	time.Sleep(5 * time.Second)
-	before := mustStats(t, d, debugSock)
-	fmt.Printf("  carreld before the soak: %s\n", before)
+	before := warmUp(t, d, debugSock, names, cfg)
 
 	l := startLoad(d, names, cfg)
 	from := time.Now()
