@@ -65,8 +65,9 @@ var ErrNotReady = errors.New("guest agent did not become ready")
 
 // Link is the host end of one agent connection.
 type Link struct {
-	log  *slog.Logger
-	dial func(ctx context.Context) (net.Conn, error)
+	log           *slog.Logger
+	dial          func(ctx context.Context) (net.Conn, error)
+	healthTimeout time.Duration
 
 	mu      sync.Mutex
 	cur     *channel
@@ -96,7 +97,7 @@ func New(dial func(ctx context.Context) (net.Conn, error), log *slog.Logger) *Li
 	if log == nil {
 		log = slog.Default()
 	}
-	return &Link{log: log, dial: dial}
+	return &Link{log: log, dial: dial, healthTimeout: HealthTimeout}
 }
 
 // channel returns the current channel, making one if needed.
@@ -266,7 +267,7 @@ func (l *Link) check(ctx context.Context, s *channel, err error) error {
 
 // Health probes the agent once.
 func (l *Link) Health(ctx context.Context) (*agentv1.HealthResponse, error) {
-	ctx, cancel := context.WithTimeout(ctx, HealthTimeout)
+	ctx, cancel := context.WithTimeout(ctx, l.healthTimeout)
 	defer cancel()
 	s := l.channel()
 	resp, err := s.client.Health(ctx, connect.NewRequest(&agentv1.HealthRequest{}))
@@ -314,7 +315,11 @@ const firstAttempt = 15 * time.Second
 
 // Keepalive probes the agent every interval until ctx ends, keeping State
 // current. Failed probes mark the agent unhealthy; a later success marks it
-// ready again.
+// ready again. A probe that only ran out of time leaves the connection be:
+// a guest busy with the calls in flight answers late, and ending the
+// connection would fail every one of them. A connection that stops
+// carrying frames at all (a frozen or wedged guest, a frame trickled a byte
+// at a time) is ended by the HTTP/2 keepalive (protocol.HTTP2).
 func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -324,15 +329,21 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 			return
 		case <-t.C:
 		}
-		if _, err := l.Health(ctx); err != nil && ctx.Err() == nil {
-			l.mu.Lock()
-			s := l.cur
-			l.mu.Unlock()
-			if s != nil {
-				l.fail(s, err)
-			} else {
-				l.markUnhealthy(err)
-			}
+		_, err := l.Health(ctx)
+		if err == nil || ctx.Err() != nil {
+			continue
+		}
+		if connect.CodeOf(err) == connect.CodeDeadlineExceeded {
+			l.markUnhealthy(err)
+			continue
+		}
+		l.mu.Lock()
+		s := l.cur
+		l.mu.Unlock()
+		if s != nil {
+			l.fail(s, err)
+		} else {
+			l.markUnhealthy(err)
 		}
 	}
 }

@@ -24,9 +24,14 @@ import (
 type fakeAgent struct {
 	agentv1connect.UnimplementedAgentServiceHandler
 	exec func(*connect.ServerStream[agentv1.ExecResponse]) error
+	// health, if not nil, runs before each Health reply.
+	health func(context.Context)
 }
 
-func (f *fakeAgent) Health(context.Context, *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error) {
+func (f *fakeAgent) Health(ctx context.Context, _ *connect.Request[agentv1.HealthRequest]) (*connect.Response[agentv1.HealthResponse], error) {
+	if f.health != nil {
+		f.health(ctx)
+	}
 	return connect.NewResponse(&agentv1.HealthResponse{Version: "test", Transport: "unix"}), nil
 }
 
@@ -309,5 +314,71 @@ func TestIdleLinkBrokenByGuestIsNoticed(t *testing.T) {
 	}
 	if st, _ := link.State(); st != Ready {
 		t.Errorf("state after recovery = %v", st)
+	}
+}
+
+// A guest too busy to answer a health probe in time is marked unhealthy,
+// but the calls in flight on its connection go on: the probe's deadline
+// alone does not end the connection (it did, and under load it failed
+// every call to a busy VM).
+func TestSlowHealthProbeKeepsCallsInFlight(t *testing.T) {
+	var slow sync.Mutex // held: health probes wait
+	release := make(chan struct{})
+	dial := serve(t, &fakeAgent{
+		health: func(ctx context.Context) {
+			slow.Lock()
+			slow.Unlock()
+		},
+		exec: func(s *connect.ServerStream[agentv1.ExecResponse]) error {
+			s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: []byte("busy")}})
+			<-release
+			return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{}}})
+		},
+	})
+	var logs logCounter
+	l := New(dial, slog.New(slog.NewTextHandler(&logs, nil)))
+	l.healthTimeout = 100 * time.Millisecond
+	defer l.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	type result struct {
+		evs []*agentv1.ExecResponse
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		evs, err := execVia(ctx, l, "work")
+		done <- result{evs, err}
+	}()
+	slow.Lock()
+	go l.Keepalive(ctx, 50*time.Millisecond)
+	deadline := time.Now().Add(5 * time.Second)
+	for st, _ := l.State(); st != Unhealthy; st, _ = l.State() {
+		if time.Now().After(deadline) {
+			t.Fatal("a probe past its deadline did not mark the agent unhealthy")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(300 * time.Millisecond) // several more late probes
+	close(release)
+	r := <-done
+	if r.err != nil || len(r.evs) != 2 {
+		t.Fatalf("the call in flight: %d events, %v; want it to finish", len(r.evs), r.err)
+	}
+
+	slow.Unlock()
+	deadline = time.Now().Add(5 * time.Second)
+	for st, _ := l.State(); st != Ready; st, _ = l.State() {
+		if time.Now().After(deadline) {
+			t.Fatal("the agent was not marked ready once it answered probes again")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := logs.count("guest agent unhealthy"); n != 1 {
+		t.Errorf("unhealthy logged %d times, want once", n)
 	}
 }
