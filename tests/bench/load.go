@@ -435,6 +435,13 @@ func benchLoad(t *tb, d *harness.Daemon, debugSock string, cfg loadConfig) bool 
 	checks = append(checks, settleCheck(before, after, settled)...)
 	if fr != nil {
 		checks = append(checks, fr.report(samples, names)...)
+		// What carreld said about the stopped VM's agent, to explain
+		// the timings.
+		for _, line := range strings.Split(d.Logs(), "\n") {
+			if strings.Contains(line, "vm="+names[fr.vm]+" ") && strings.Contains(line, "guest agent") {
+				fmt.Printf("  carreld: %s\n", line)
+			}
+		}
 	}
 	removeVMs(d, names)
 	return printChecks("load", checks)
