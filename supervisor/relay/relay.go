@@ -114,16 +114,28 @@ func (r *Relay) decide(ctx context.Context, in policy.Input) error {
 
 // relayErr reports err to the link, which ends the connection when the
 // guest broke the protocol. An error the guest sent is rebuilt
-// (GuestError).
+// (GuestError). A reply the relay refused (DataLoss) or a message over a
+// size cap (ResourceExhausted) is passed on as it is. Any other, unless
+// the caller gave up, means the link broke under the call (a lost
+// connection, a stream cut mid-message): that is Unavailable, whatever
+// code the transport chose, and the next call reconnects.
 func relayErr(ctx context.Context, done func(context.Context, error) error, err error) error {
 	if err == nil {
 		return nil
 	}
 	err = done(ctx, err)
-	if connect.IsWireError(err) {
+	switch {
+	case connect.IsWireError(err):
 		return GuestError(err)
+	case ctx.Err() != nil:
+		return err
 	}
-	return err
+	switch connect.CodeOf(err) {
+	case connect.CodeDataLoss, connect.CodeResourceExhausted:
+		return err
+	}
+	return connect.NewError(connect.CodeUnavailable, fmt.Errorf(
+		"the link to the guest agent broke during the call (%v); carreld reconnects on the next call", err))
 }
 
 // errGuest is a reply that breaks the protocol's rules.
