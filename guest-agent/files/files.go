@@ -51,7 +51,9 @@ const (
 	DefaultMaxListEntries = 100000
 	DefaultMaxDepth       = 64
 	DefaultListBatch      = 256
-	DefaultReadChunk      = 256 << 10
+	// DefaultReadChunk fills a message: fewer, larger messages cost the
+	// guest less per byte.
+	DefaultReadChunk = maxReadChunk
 )
 
 const (

@@ -538,8 +538,8 @@ func TestWriteReadRoundTrip(t *testing.T) {
 	if got := "sha256:" + hex.EncodeToString(sum.Sum(nil)); n != size || got != want {
 		t.Fatalf("read %d bytes %s, want %d %s", n, got, size, want)
 	}
-	if msgs != size/DefaultReadChunk {
-		t.Fatalf("%d messages, want %d", msgs, size/DefaultReadChunk)
+	if want := (size + DefaultReadChunk - 1) / DefaultReadChunk; msgs != want {
+		t.Fatalf("%d messages, want %d", msgs, want)
 	}
 	if left := tempFiles(t, dir); len(left) != 0 {
 		t.Fatalf("temporary files left: %v", left)

@@ -61,8 +61,19 @@ const (
 	// MaxMessageBytes caps a single protobuf message in either direction.
 	MaxMessageBytes = 1 << 20
 
-	// MaxFrameBytes caps one HTTP/2 frame.
-	MaxFrameBytes = 64 << 10
+	// MaxFrameBytes caps one HTTP/2 frame: a whole message, so that a
+	// large transfer costs the guest one frame header read and one window
+	// update per message rather than per 64 KiB (under TCG each costs a
+	// syscall and, for the update, a trip through QEMU).
+	MaxFrameBytes = MaxMessageBytes
+
+	// MaxStreamWindowBytes and MaxConnWindowBytes are the flow-control
+	// windows each end grants: how much a peer may send before the
+	// receiver has read it, and so the most either end buffers for one
+	// stream and for the whole link. A stream's window holds several
+	// whole frames, so a sender never waits for the last one to be read.
+	MaxStreamWindowBytes = 4 << 20
+	MaxConnWindowBytes   = 2 * MaxStreamWindowBytes
 
 	// MaxHeaderBytes caps the HTTP/2 header block of one request or response.
 	MaxHeaderBytes = 64 << 10
@@ -108,8 +119,8 @@ func HTTP2() *http.HTTP2Config {
 	return &http.HTTP2Config{
 		MaxConcurrentStreams:          1000,
 		MaxReadFrameSize:              MaxFrameBytes,
-		MaxReceiveBufferPerConnection: 4 << 20,
-		MaxReceiveBufferPerStream:     1 << 20,
+		MaxReceiveBufferPerConnection: MaxConnWindowBytes,
+		MaxReceiveBufferPerStream:     MaxStreamWindowBytes,
 		// Keepalive: a peer that stops answering is noticed within ~20s.
 		SendPingTimeout:  10 * time.Second,
 		PingTimeout:      10 * time.Second,

@@ -14,8 +14,11 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/tarfs"
 )
 
-// chunkBytes is how much one write message carries.
-const chunkBytes = 256 << 10
+// chunkBytes is how much one write message carries: as much as a message
+// to carreld and on to the guest may hold (protocol.MaxMessageBytes), less
+// room for the framing, since each message costs the guest the same
+// whatever its size.
+const chunkBytes = protocol.MaxMessageBytes - 1<<10
 
 func forVM[T any](vm string, msg *T) *connect.Request[T] {
 	req := connect.NewRequest(msg)
