@@ -35,6 +35,13 @@ import (
 const (
 	maxRequestBytes = 1 << 20
 	maxHeaderBytes  = 64 << 10
+	// streamWindowBytes is how much of an upload a client may send ahead
+	// of what carreld has read, and connWindowBytes the same for all of a
+	// connection's streams (HTTP/2 flow control). A few whole messages, so
+	// that a client is never waiting for a window update when carreld
+	// wants the next message for the guest (Go's default is one 1 MiB).
+	streamWindowBytes = 4 << 20
+	connWindowBytes   = 2 * streamWindowBytes
 	// defaultDeadline applies to unary calls that bring none.
 	defaultDeadline = 5 * time.Minute
 	// defaultStreamDeadline applies to streaming calls that bring none
@@ -122,8 +129,12 @@ func Serve(ctx context.Context, l net.Listener, h http.Handler) error {
 	p.SetHTTP1(true)
 	p.SetUnencryptedHTTP2(true)
 	srv := &http.Server{
-		Handler:           h,
-		Protocols:         p,
+		Handler:   h,
+		Protocols: p,
+		HTTP2: &http.HTTP2Config{
+			MaxReceiveBufferPerStream:     streamWindowBytes,
+			MaxReceiveBufferPerConnection: connWindowBytes,
+		},
 		MaxHeaderBytes:    maxHeaderBytes,
 		ReadHeaderTimeout: 10 * time.Second,
 		ConnContext:       identity.ConnContext,
