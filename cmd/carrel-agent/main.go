@@ -11,10 +11,19 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"runtime/debug"
 
 	"github.com/carrel-os/carrel/guest-agent/agent"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
+
+// gcPercent is the agent's GOGC unless the environment sets one. Each
+// message of a file transfer is a fresh 1 MiB buffer, so at Go's default
+// (100) and the agent's small live heap the collector runs every few
+// messages and hands pages back that the next messages fault in again;
+// in a guest, under TCG above all, that costs more than the few MiB of
+// heap this keeps.
+const gcPercent = 400
 
 // wrapListener is the identity, except in the test build of the agent
 // (build tag carrel_misbehave), where it lets the agent misbehave on
@@ -33,6 +42,9 @@ type options struct {
 }
 
 func main() {
+	if os.Getenv("GOGC") == "" {
+		debug.SetGCPercent(gcPercent)
+	}
 	pid1 := os.Getpid() == 1
 	log := agent.NewLogger(os.Stderr)
 
