@@ -554,6 +554,7 @@ func fmtSince(ok bool, at, from time.Time, what string) string {
 	return at.Sub(from).Round(100*time.Millisecond).String() + " " + what
 }
 
+// qemuPid is the pid of VM name's QEMU, from its pid file.
 func qemuPid(t *tb, d *harness.Daemon, name string) int {
 	b, err := os.ReadFile(filepath.Join(d.State, "vms", name, "qemu.pid"))
 	if err != nil {

@@ -10,7 +10,6 @@ import (
 	"bufio"
 	"fmt"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -93,15 +92,7 @@ func benchOverhead(t *tb, d *harness.Daemon, n int) {
 	}()
 	var overheads, totals, rams []float64
 	for _, name := range names {
-		b, err := os.ReadFile(filepath.Join(d.State, "vms", name, "qemu.pid"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		total, ram, err := qemuPSS(pid, memory)
+		total, ram, err := qemuPSS(qemuPid(t, d, name), memory)
 		if err != nil {
 			t.Fatal(err)
 		}
