@@ -1,5 +1,7 @@
 // Package transport provides the listeners carrel-agent serves on inside the
 // guest: AF_VSOCK, filtered to the host's CID, and a virtio-serial port for
 // hosts without vhost-vsock. Both yield plain net.Conns; the protocol on top
-// is the same.
+// is the same. A port's small writes are queued and merged (portWriter),
+// since each write to a port costs an emulated guest a round trip through
+// the hypervisor.
 package transport

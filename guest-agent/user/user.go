@@ -1,6 +1,7 @@
 // Package user looks users up in /etc/passwd and /etc/group, for running
 // commands as them. It parses the files itself: the agent is static and the
-// minimal image has no NSS.
+// minimal image has no NSS. Cache keeps what it found until either file
+// changes, for the agent, which looks a user up for every command.
 package user
 
 import (
