@@ -303,7 +303,7 @@ func TestProcedures(t *testing.T) {
 			t.Errorf("procedure %s: class %q, want %q", name, procs[name], class)
 		}
 	}
-	valid := []string{"read", "admin", "exec", "files_read", "files_write", "ports"}
+	valid := []string{"read", "admin", "exec", "files_read", "files_write", "ports", "snapshot"}
 	for name, class := range procs {
 		if !strings.HasPrefix(name, "/") || !slices.Contains(valid, class) {
 			t.Errorf("procedure %q has class %q", name, class)

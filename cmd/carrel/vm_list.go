@@ -31,7 +31,10 @@ func newVMListCmd(g *globals) *cobra.Command {
 			fmt.Fprintln(w, "NAME\tSTATE\tAGENT\tCPUS\tMEMORY\tIMAGE\tPOLICY\tSESSION\tPID")
 			for _, v := range resp.Msg.Vms {
 				state := stateName(v.State)
-				if v.Paused {
+				switch {
+				case v.Held:
+					state += " (held)"
+				case v.Paused:
 					state += " (paused)"
 				}
 				fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%dM\t%s\t%s\t%s\t%d\n", v.Name, state, agentName(v.AgentState), v.Cpus, v.MemoryBytes>>20, short(v.ImageDigest), v.Policy, v.Session, v.Pid)

@@ -33,6 +33,8 @@ procedures := {
 	"/carrel.api.v1.VMService/StopVM": "admin",
 	"/carrel.api.v1.VMService/DeleteVM": "admin",
 	"/carrel.api.v1.VMService/ResetVM": "admin",
+	"/carrel.api.v1.VMService/PauseVM": "snapshot",
+	"/carrel.api.v1.VMService/ResumeVM": "snapshot",
 	"/carrel.api.v1.VMService/Exec": "exec",
 	"/carrel.api.v1.ImageService/BuildImage": "admin",
 	"/carrel.api.v1.ImageService/ListImages": "read",

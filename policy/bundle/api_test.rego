@@ -178,7 +178,7 @@ test_vm_override_adds_an_operator_for_one_vm if {
 
 test_procedure_classes_are_known if {
 	every _, class in api.procedures {
-		class in {"read", "admin", "exec", "files_read", "files_write", "ports"}
+		class in {"read", "admin", "exec", "files_read", "files_write", "ports", "snapshot"}
 	}
 }
 
@@ -191,6 +191,7 @@ test_procedure_classes if {
 	api.procedures["/carrel.api.v1.ImageService/InspectImage"] == "read"
 	api.procedures["/carrel.api.v1.ImageService/ImportImage"] == "admin"
 	api.procedures["/carrel.api.v1.VMService/ResetVM"] == "admin"
+	api.procedures["/carrel.api.v1.VMService/PauseVM"] == "snapshot"
 	api.procedures["/carrel.api.v1.SystemService/GetInfo"] == "read"
 	api.procedures["/carrel.api.v1.PolicyService/ApplyPolicy"] == "admin"
 	api.procedures["/carrel.api.v1.PolicyService/EvalPolicy"] == "read"

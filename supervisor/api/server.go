@@ -235,7 +235,7 @@ func toConnect(err error) error {
 		code = connect.CodeAlreadyExists
 	case errors.Is(err, vm.ErrNotFound), errors.Is(err, vm.ErrImageMissing):
 		code = connect.CodeNotFound
-	case errors.Is(err, vm.ErrRunning), errors.Is(err, vm.ErrNotRunning):
+	case errors.Is(err, vm.ErrRunning), errors.Is(err, vm.ErrNotRunning), errors.Is(err, vm.ErrPaused):
 		code = connect.CodeFailedPrecondition
 	case errors.Is(err, vm.ErrBusy):
 		code = connect.CodeAborted

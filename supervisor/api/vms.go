@@ -83,6 +83,28 @@ func (s *vmService) ResetVM(ctx context.Context, req *connect.Request[apiv1.Rese
 	return connect.NewResponse(&apiv1.ResetVMResponse{Vm: toProto(st)}), nil
 }
 
+func (s *vmService) PauseVM(ctx context.Context, req *connect.Request[apiv1.PauseVMRequest]) (*connect.Response[apiv1.PauseVMResponse], error) {
+	if _, err := s.cfg.Manager.Pause(ctx, req.Msg.Name); err != nil {
+		return nil, toConnect(err)
+	}
+	st, err := s.cfg.Manager.Get(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.PauseVMResponse{Vm: toProto(st)}), nil
+}
+
+func (s *vmService) ResumeVM(ctx context.Context, req *connect.Request[apiv1.ResumeVMRequest]) (*connect.Response[apiv1.ResumeVMResponse], error) {
+	if _, err := s.cfg.Manager.Resume(ctx, req.Msg.Name); err != nil {
+		return nil, toConnect(err)
+	}
+	st, err := s.cfg.Manager.Get(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.ResumeVMResponse{Vm: toProto(st)}), nil
+}
+
 func (s *vmService) StopVM(ctx context.Context, req *connect.Request[apiv1.StopVMRequest]) (*connect.Response[apiv1.StopVMResponse], error) {
 	if _, err := s.cfg.Manager.Stop(ctx, req.Msg.Name, req.Msg.Force); err != nil {
 		return nil, toConnect(err)
@@ -150,7 +172,8 @@ func toProto(st vm.Status) *apiv1.VM {
 		LastError:   st.LastError,
 		Policy:      st.PolicyName(),
 		Session:     st.Session,
-		Paused:      st.Paused,
+		Paused:      st.Paused || st.Held,
+		Held:        st.Held,
 
 		WorkspaceBytes: st.WorkspaceBytes,
 		MaxProcesses:   st.MaxProcesses,
@@ -158,6 +181,9 @@ func toProto(st vm.Status) *apiv1.VM {
 		Ephemeral:      st.Ephemeral,
 		DiskBytes:      st.DiskBytes,
 		RootHash:       st.RootHash,
+	}
+	if st.Paused {
+		v.PausedAt = st.PausedAt.Format(time.RFC3339)
 	}
 	switch st.State {
 	case registry.StateCreating:

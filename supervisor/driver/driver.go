@@ -98,9 +98,10 @@ type Lifecycle interface {
 	// Pause stops the vCPUs of a running VM; Resume starts them again.
 	// carreld pauses every VM while its audit log cannot be written.
 	Pause(ctx context.Context, inst Instance) error
-	// Adopt checks that inst is still our VM, running. It returns
-	// ErrNotRunning when the process is gone or the pid was reused.
-	Adopt(ctx context.Context, inst Instance) error
+	// Adopt checks that inst is still our VM, running, and reports whether
+	// its vCPUs are stopped; it changes neither. It returns ErrNotRunning
+	// when the process is gone or the pid was reused.
+	Adopt(ctx context.Context, inst Instance) (paused bool, err error)
 	// Wait blocks until the VM's process has exited or ctx ends.
 	Wait(ctx context.Context, inst Instance) error
 	// Kill ends the VM at once (QMP quit, then SIGKILL). It returns nil if

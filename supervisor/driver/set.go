@@ -76,10 +76,10 @@ func (s *Set) Pause(ctx context.Context, inst Instance) error {
 }
 
 // Adopt implements Lifecycle.
-func (s *Set) Adopt(ctx context.Context, inst Instance) error {
+func (s *Set) Adopt(ctx context.Context, inst Instance) (bool, error) {
 	d, err := s.pick(inst.Driver)
 	if err != nil {
-		return err
+		return false, err
 	}
 	return d.Adopt(ctx, inst)
 }

@@ -48,7 +48,7 @@ func TestSetKeepsEachVMOnItsDriver(t *testing.T) {
 		if err := s.Resume(ctx, inst); err != nil {
 			t.Errorf("resume %s: %v", inst.Driver, err)
 		}
-		if err := s.Adopt(ctx, inst); err != nil {
+		if _, err := s.Adopt(ctx, inst); err != nil {
 			t.Errorf("adopt %s: %v", inst.Driver, err)
 		}
 	}

@@ -69,6 +69,11 @@ type Record struct {
 	// it on disk otherwise (0: the default).
 	Ephemeral bool   `json:"ephemeral,omitempty"`
 	DiskBytes uint64 `json:"disk_bytes,omitempty"`
+	// Paused is set while an operator holds the running VM's vCPUs
+	// stopped (carrel vm pause), since PausedAt. carreld keeps it so
+	// across restarts; a stop clears it.
+	Paused   bool      `json:"paused,omitempty"`
+	PausedAt time.Time `json:"paused_at,omitzero"`
 }
 
 // PolicyName is the VM's bound policy, "default" when none was recorded.

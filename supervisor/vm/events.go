@@ -107,10 +107,10 @@ func (m *Manager) ResumeAll(ctx context.Context) error {
 	var errs []error
 	for _, mc := range mcs {
 		mc.mu.Lock()
-		paused, inst := mc.paused, mc.rec.Instance
+		paused, inst, byOperator := mc.paused, mc.rec.Instance, mc.rec.Paused
 		mc.paused = false
 		mc.mu.Unlock()
-		if !paused || inst == nil {
+		if !paused || inst == nil || byOperator {
 			continue
 		}
 		if err := m.cfg.Driver.Resume(ctx, *inst); err != nil {
@@ -135,7 +135,11 @@ func (m *Manager) pause(ctx context.Context, mc *machine, reason string) error {
 		return nil
 	}
 	mc.paused = true
+	byOperator := mc.rec.Paused
 	mc.mu.Unlock()
+	if byOperator {
+		return nil // already stopped; held now as well
+	}
 	if err := m.cfg.Driver.Pause(ctx, *inst); err != nil {
 		mc.mu.Lock()
 		mc.paused = false

@@ -112,7 +112,7 @@ func TestPauseAll(t *testing.T) {
 		if !e.drv.VM(rec.Instance.PID).Paused() {
 			t.Errorf("%s is not paused", rec.Name)
 		}
-		if st, _ := e.m.Get(rec.Name); !st.Paused {
+		if st, _ := e.m.Get(rec.Name); !st.Held {
 			t.Errorf("%s's status does not say paused", rec.Name)
 		}
 	}

@@ -34,6 +34,7 @@ var (
 	ErrBusy         = errors.New("vm is busy with another operation")
 	ErrImageMissing = errors.New("unknown image")
 	ErrClosing      = errors.New("carreld is shutting down")
+	ErrPaused       = errors.New("vm is paused")
 )
 
 // Limits on create arguments.
@@ -576,6 +577,7 @@ func (m *Manager) markStopped(mc *machine, kind EventKind, lastErr string) {
 		r.State = registry.StateStopped
 		r.Instance = nil
 		r.LastError = lastErr
+		r.Paused, r.PausedAt = false, time.Time{}
 	}); err != nil {
 		m.log.Error("persist stopped vm", "vm", mc.rec.Name, "err", err)
 	}

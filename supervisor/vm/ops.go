@@ -22,8 +22,9 @@ type Status struct {
 	// Transport is how the host reaches the agent ("vsock" or
 	// "virtio-serial"), as the host chose it, not as the guest claims.
 	Transport string
-	// Paused is set while PauseAll holds the VM.
-	Paused bool
+	// Held is set while PauseAll holds the VM paused (the audit log
+	// cannot be written); Record.Paused is an operator's pause.
+	Held bool
 }
 
 func (m *Manager) get(name string) (*machine, error) {
@@ -44,7 +45,7 @@ func (mc *machine) status() Status {
 		st.Agent, _ = mc.link.State()
 		st.Transport = mc.transport
 	}
-	st.Paused = mc.paused
+	st.Held = mc.paused
 	return st
 }
 
@@ -184,6 +185,13 @@ func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) error
 	link := mc.link
 	mc.mu.Unlock()
 	log := m.log.With("vm", rec.Name)
+	if rec.Paused && !force {
+		// Its guest must run to power off cleanly (and sync its disks).
+		if err := m.setVCPUs(ctx, mc, true); err != nil {
+			log.Warn("paused vm could not be resumed to power off; killing", "err", err)
+			force = true
+		}
+	}
 	if !force && link != nil {
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		err := link.Shutdown(sctx, false)
@@ -329,10 +337,13 @@ func (m *Manager) Link(name string) (*agentlink.Link, error) {
 		return nil, err
 	}
 	mc.mu.Lock()
-	link, state := mc.link, mc.rec.State
+	link, state, paused := mc.link, mc.rec.State, mc.rec.Paused
 	mc.mu.Unlock()
 	if state != registry.StateRunning || link == nil {
 		return nil, fmt.Errorf("%w: %q is %s", ErrNotRunning, name, state)
+	}
+	if paused {
+		return nil, fmt.Errorf("%w: %q: resume it first (carrel vm resume %s)", ErrPaused, name, name)
 	}
 	return link, nil
 }
@@ -409,7 +420,7 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 	mc.cid = rec.Instance.CID
 	m.register(mc)
 	inst := *rec.Instance
-	err := m.cfg.Driver.Adopt(ctx, inst)
+	paused, err := m.cfg.Driver.Adopt(ctx, inst)
 	if errors.Is(err, driver.ErrNotRunning) {
 		log.Warn("vm exited while carreld was down; marking it stopped")
 		// Kill ends nothing now, but the driver lets go of what the VM
@@ -424,6 +435,8 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 		// The process is ours and alive, but QMP did not answer: keep the
 		// VM (never start it twice) and let the agent link tell its health.
 		log.Warn("adopting vm whose qmp does not answer", "err", err)
+	} else if err := m.matchPause(ctx, rec, paused); err != nil {
+		log.Error("adopted vm's vcpus do not match its record", "err", err)
 	}
 	if rec.State == registry.StateStopping {
 		// A stop was under way when carreld went down: finish it.
@@ -452,6 +465,22 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 	}()
 	_ = m.event(ctx, mc, EventAdopted, "")
 	log.Info("adopted running vm", "pid", inst.PID)
+	return nil
+}
+
+// matchPause makes an adopted VM's vCPUs what its record says: stopped
+// if an operator paused it, else running. A VM is found paused against its
+// record when the carreld before held it (its audit log failed), or died
+// between recording a resume and making it.
+func (m *Manager) matchPause(ctx context.Context, rec *registry.Record, paused bool) error {
+	switch {
+	case paused && !rec.Paused:
+		m.log.Info("resuming a vm a previous carreld left paused", "vm", rec.Name)
+		return m.cfg.Driver.Resume(ctx, *rec.Instance)
+	case !paused && rec.Paused:
+		m.log.Info("pausing a vm its record says is paused", "vm", rec.Name)
+		return m.cfg.Driver.Pause(ctx, *rec.Instance)
+	}
 	return nil
 }
 

@@ -202,16 +202,16 @@ func (d *Driver) Pause(ctx context.Context, inst driver.Instance) error {
 }
 
 // Adopt implements driver.Lifecycle.
-func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
+func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) (bool, error) {
 	v, err := d.vm(inst)
 	if err != nil {
-		return err
+		return false, err
 	}
 	select {
 	case <-v.exited:
-		return driver.ErrNotRunning
+		return false, driver.ErrNotRunning
 	default:
-		return nil
+		return v.Paused(), nil
 	}
 }
 

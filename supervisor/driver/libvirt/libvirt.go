@@ -531,13 +531,13 @@ func (d *Driver) Pause(ctx context.Context, inst driver.Instance) error {
 
 // Adopt implements driver.Lifecycle: the domain must still exist, be
 // carrel's for this VM, and be active.
-func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
+func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) (paused bool, err error) {
 	dom, state, err := d.activeDomain(ctx, inst)
 	if err != nil {
-		return err
+		return false, err
 	}
 	d.log.Debug("adopted domain", "domain", dom.Name, "state", state)
-	return nil
+	return state == lv.DomainPaused, nil
 }
 
 // activeDomain is instDomain for a domain that is active (running or

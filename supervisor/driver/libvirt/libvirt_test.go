@@ -237,7 +237,7 @@ func TestLifecycleOnLibvirtd(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer d2.Close()
-	if err := d2.Adopt(ctx, inst); err != nil {
+	if _, err := d2.Adopt(ctx, inst); err != nil {
 		t.Fatalf("adopt: %v", err)
 	}
 
@@ -294,7 +294,7 @@ func TestLifecycleOnLibvirtd(t *testing.T) {
 	if err := e.d.Kill(ctx, inst); err != nil {
 		t.Errorf("second kill: %v", err)
 	}
-	if err := e.d.Adopt(ctx, inst); !errors.Is(err, driver.ErrNotRunning) {
+	if _, err := e.d.Adopt(ctx, inst); !errors.Is(err, driver.ErrNotRunning) {
 		t.Errorf("adopt after kill: %v", err)
 	}
 	if err := e.d.Wait(ctx, inst); err != nil {
@@ -318,7 +318,7 @@ func TestGuestExitEndsWait(t *testing.T) {
 	if err := <-waited; err != nil {
 		t.Fatalf("wait: %v", err)
 	}
-	if err := e.d.Adopt(ctx, inst); !errors.Is(err, driver.ErrNotRunning) {
+	if _, err := e.d.Adopt(ctx, inst); !errors.Is(err, driver.ErrNotRunning) {
 		t.Errorf("adopt after the guest ended: %v", err)
 	}
 }
@@ -375,7 +375,7 @@ func TestSweepEndsOnlyItsOwnLeftover(t *testing.T) {
 	if err := e.d.Kill(ctx, inst); err != nil {
 		t.Errorf("kill: %v", err)
 	}
-	if err := e.d.Adopt(ctx, inst); !errors.Is(err, driver.ErrNotRunning) || !strings.Contains(err.Error(), "not carrel's") {
+	if _, err := e.d.Adopt(ctx, inst); !errors.Is(err, driver.ErrNotRunning) || !strings.Contains(err.Error(), "not carrel's") {
 		t.Errorf("adopt of a foreign domain: %v", err)
 	}
 	if st := e.state(foreign.name); st != lv.DomainShutoff {

@@ -336,30 +336,23 @@ func (d *Driver) Pause(ctx context.Context, inst driver.Instance) error {
 }
 
 // Adopt implements driver.Lifecycle.
-func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) error {
+func (d *Driver) Adopt(ctx context.Context, inst driver.Instance) (paused bool, err error) {
 	if !alive(inst.PID, inst.StartTime) {
-		return driver.ErrNotRunning
+		return false, driver.ErrNotRunning
 	}
-	err := d.monitor(ctx, inst.QMPSocket, func(m *raw.Monitor) error {
+	err = d.monitor(ctx, inst.QMPSocket, func(m *raw.Monitor) error {
 		st, err := m.QueryStatus()
 		if err != nil {
 			return fmt.Errorf("qmp query-status: %w", err)
 		}
 		d.cfg.Logger.Debug("adopted qemu", "pid", inst.PID, "status", st.Status.String(), "running", st.Running)
-		// Only carreld pauses a running VM (while its audit log could not
-		// be written); a new carreld, whose log opened, resumes it.
-		if st.Status == raw.RunStatePaused {
-			if err := m.Cont(); err != nil {
-				return fmt.Errorf("qmp cont: %w", err)
-			}
-			d.cfg.Logger.Info("resumed a vm a previous carreld paused", "pid", inst.PID)
-		}
+		paused = !st.Running
 		return nil
 	})
 	if err != nil && !alive(inst.PID, inst.StartTime) {
-		return driver.ErrNotRunning
+		return false, driver.ErrNotRunning
 	}
-	return err
+	return paused, err
 }
 
 // Wait implements driver.Lifecycle.

@@ -142,15 +142,15 @@ func TestResumeAndAdoptUseQMP(t *testing.T) {
 	if err := d.Resume(context.Background(), inst); err != nil {
 		t.Fatal(err)
 	}
-	if err := d.Adopt(context.Background(), inst); err != nil {
-		t.Fatal(err)
+	if paused, err := d.Adopt(context.Background(), inst); err != nil || paused {
+		t.Fatalf("adopt: paused %v, %v", paused, err)
 	}
 	if !slices.Equal(cmds, []string{"cont", "query-status"}) {
 		t.Errorf("qmp commands = %v", cmds)
 	}
 	// A reused pid (same pid, different start time) is not ours.
 	inst.StartTime++
-	if err := d.Adopt(context.Background(), inst); !errors.Is(err, driver.ErrNotRunning) {
+	if _, err := d.Adopt(context.Background(), inst); !errors.Is(err, driver.ErrNotRunning) {
 		t.Errorf("adopt with wrong start time: %v", err)
 	}
 }

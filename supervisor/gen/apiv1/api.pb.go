@@ -168,8 +168,8 @@ type VM struct {
 	// The VM's current run (its latest when stopped): audit records of the
 	// run carry it (carrel audit show SESSION).
 	Session string `protobuf:"bytes,16,opt,name=session,proto3" json:"session,omitempty"`
-	// True while carreld holds the VM paused because its audit log cannot
-	// be written.
+	// True while the VM's vCPUs are stopped: an operator paused it
+	// (PauseVM; paused_at says since when), or carreld holds it (held).
 	Paused         bool   `protobuf:"varint,17,opt,name=paused,proto3" json:"paused,omitempty"`
 	WorkspaceBytes uint64 `protobuf:"varint,18,opt,name=workspace_bytes,json=workspaceBytes,proto3" json:"workspace_bytes,omitempty"`
 	MaxProcesses   uint64 `protobuf:"varint,19,opt,name=max_processes,json=maxProcesses,proto3" json:"max_processes,omitempty"`
@@ -182,7 +182,12 @@ type VM struct {
 	DiskBytes uint64 `protobuf:"varint,22,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
 	// The dm-verity root hash of the image's root file system (hex); empty
 	// for an image without a verified root.
-	RootHash      string `protobuf:"bytes,23,opt,name=root_hash,json=rootHash,proto3" json:"root_hash,omitempty"`
+	RootHash string `protobuf:"bytes,23,opt,name=root_hash,json=rootHash,proto3" json:"root_hash,omitempty"`
+	// True while carreld holds the VM paused because its audit log cannot
+	// be written; it resumes the VM once the log can be written again.
+	Held bool `protobuf:"varint,24,opt,name=held,proto3" json:"held,omitempty"`
+	// When an operator paused the VM (RFC 3339); empty when not paused.
+	PausedAt      string `protobuf:"bytes,25,opt,name=paused_at,json=pausedAt,proto3" json:"paused_at,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -374,6 +379,20 @@ func (x *VM) GetDiskBytes() uint64 {
 func (x *VM) GetRootHash() string {
 	if x != nil {
 		return x.RootHash
+	}
+	return ""
+}
+
+func (x *VM) GetHeld() bool {
+	if x != nil {
+		return x.Held
+	}
+	return false
+}
+
+func (x *VM) GetPausedAt() string {
+	if x != nil {
+		return x.PausedAt
 	}
 	return ""
 }
@@ -1092,6 +1111,182 @@ func (x *ResetVMResponse) GetVm() *VM {
 	return nil
 }
 
+type PauseVMRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PauseVMRequest) Reset() {
+	*x = PauseVMRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PauseVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PauseVMRequest) ProtoMessage() {}
+
+func (x *PauseVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PauseVMRequest.ProtoReflect.Descriptor instead.
+func (*PauseVMRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *PauseVMRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type PauseVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *PauseVMResponse) Reset() {
+	*x = PauseVMResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PauseVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PauseVMResponse) ProtoMessage() {}
+
+func (x *PauseVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PauseVMResponse.ProtoReflect.Descriptor instead.
+func (*PauseVMResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *PauseVMResponse) GetVm() *VM {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
+type ResumeVMRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResumeVMRequest) Reset() {
+	*x = ResumeVMRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumeVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumeVMRequest) ProtoMessage() {}
+
+func (x *ResumeVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumeVMRequest.ProtoReflect.Descriptor instead.
+func (*ResumeVMRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *ResumeVMRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type ResumeVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResumeVMResponse) Reset() {
+	*x = ResumeVMResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResumeVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResumeVMResponse) ProtoMessage() {}
+
+func (x *ResumeVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResumeVMResponse.ProtoReflect.Descriptor instead.
+func (*ResumeVMResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *ResumeVMResponse) GetVm() *VM {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
 type ExecRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// VM name.
@@ -1108,7 +1303,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1120,7 +1315,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1133,7 +1328,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{15}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ExecRequest) GetVm() string {
@@ -1186,7 +1381,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1198,7 +1393,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1211,7 +1406,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{16}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ExecResponse) GetEvent() isExecResponse_Event {
@@ -1295,7 +1490,7 @@ type ExitStatus struct {
 
 func (x *ExitStatus) Reset() {
 	*x = ExitStatus{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1307,7 +1502,7 @@ func (x *ExitStatus) String() string {
 func (*ExitStatus) ProtoMessage() {}
 
 func (x *ExitStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1320,7 +1515,7 @@ func (x *ExitStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExitStatus.ProtoReflect.Descriptor instead.
 func (*ExitStatus) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{17}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ExitStatus) GetCode() int32 {
@@ -1357,7 +1552,7 @@ type BuildImageRequest struct {
 
 func (x *BuildImageRequest) Reset() {
 	*x = BuildImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1369,7 +1564,7 @@ func (x *BuildImageRequest) String() string {
 func (*BuildImageRequest) ProtoMessage() {}
 
 func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1382,7 +1577,7 @@ func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageRequest.ProtoReflect.Descriptor instead.
 func (*BuildImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{18}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *BuildImageRequest) GetDev() bool {
@@ -1432,7 +1627,7 @@ type BuildImageResponse struct {
 
 func (x *BuildImageResponse) Reset() {
 	*x = BuildImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1444,7 +1639,7 @@ func (x *BuildImageResponse) String() string {
 func (*BuildImageResponse) ProtoMessage() {}
 
 func (x *BuildImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1457,7 +1652,7 @@ func (x *BuildImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageResponse.ProtoReflect.Descriptor instead.
 func (*BuildImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{19}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *BuildImageResponse) GetImage() *Image {
@@ -1482,7 +1677,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1494,7 +1689,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1507,7 +1702,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{20}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
 }
 
 type ListImagesResponse struct {
@@ -1519,7 +1714,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1531,7 +1726,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1544,7 +1739,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{21}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -1578,7 +1773,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1590,7 +1785,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1603,7 +1798,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{22}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *Image) GetDigest() string {
@@ -1679,7 +1874,7 @@ type InspectImageRequest struct {
 
 func (x *InspectImageRequest) Reset() {
 	*x = InspectImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1691,7 +1886,7 @@ func (x *InspectImageRequest) String() string {
 func (*InspectImageRequest) ProtoMessage() {}
 
 func (x *InspectImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1704,7 +1899,7 @@ func (x *InspectImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InspectImageRequest.ProtoReflect.Descriptor instead.
 func (*InspectImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *InspectImageRequest) GetRef() string {
@@ -1725,7 +1920,7 @@ type InspectImageResponse struct {
 
 func (x *InspectImageResponse) Reset() {
 	*x = InspectImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1737,7 +1932,7 @@ func (x *InspectImageResponse) String() string {
 func (*InspectImageResponse) ProtoMessage() {}
 
 func (x *InspectImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1750,7 +1945,7 @@ func (x *InspectImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InspectImageResponse.ProtoReflect.Descriptor instead.
 func (*InspectImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *InspectImageResponse) GetImage() *Image {
@@ -1779,7 +1974,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1791,7 +1986,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1804,7 +1999,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ImportImageRequest) GetPath() string {
@@ -1833,7 +2028,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1845,7 +2040,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1858,7 +2053,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -1883,7 +2078,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1895,7 +2090,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1908,7 +2103,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{27}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{31}
 }
 
 type GetInfoResponse struct {
@@ -1924,7 +2119,7 @@ type GetInfoResponse struct {
 
 func (x *GetInfoResponse) Reset() {
 	*x = GetInfoResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1936,7 +2131,7 @@ func (x *GetInfoResponse) String() string {
 func (*GetInfoResponse) ProtoMessage() {}
 
 func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1949,7 +2144,7 @@ func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetInfoResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{28}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *GetInfoResponse) GetVersion() string {
@@ -1995,7 +2190,7 @@ type ListGPUsRequest struct {
 
 func (x *ListGPUsRequest) Reset() {
 	*x = ListGPUsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2007,7 +2202,7 @@ func (x *ListGPUsRequest) String() string {
 func (*ListGPUsRequest) ProtoMessage() {}
 
 func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2020,7 +2215,7 @@ func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsRequest.ProtoReflect.Descriptor instead.
 func (*ListGPUsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{29}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{33}
 }
 
 type ListGPUsResponse struct {
@@ -2034,7 +2229,7 @@ type ListGPUsResponse struct {
 
 func (x *ListGPUsResponse) Reset() {
 	*x = ListGPUsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2046,7 +2241,7 @@ func (x *ListGPUsResponse) String() string {
 func (*ListGPUsResponse) ProtoMessage() {}
 
 func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2059,7 +2254,7 @@ func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsResponse.ProtoReflect.Descriptor instead.
 func (*ListGPUsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{30}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ListGPUsResponse) GetIommu() bool {
@@ -2110,7 +2305,7 @@ type GPU struct {
 
 func (x *GPU) Reset() {
 	*x = GPU{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2122,7 +2317,7 @@ func (x *GPU) String() string {
 func (*GPU) ProtoMessage() {}
 
 func (x *GPU) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2135,7 +2330,7 @@ func (x *GPU) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GPU.ProtoReflect.Descriptor instead.
 func (*GPU) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{31}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *GPU) GetAddress() string {
@@ -2239,7 +2434,7 @@ type PCIDevice struct {
 
 func (x *PCIDevice) Reset() {
 	*x = PCIDevice{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2251,7 +2446,7 @@ func (x *PCIDevice) String() string {
 func (*PCIDevice) ProtoMessage() {}
 
 func (x *PCIDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2264,7 +2459,7 @@ func (x *PCIDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PCIDevice.ProtoReflect.Descriptor instead.
 func (*PCIDevice) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{32}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *PCIDevice) GetAddress() string {
@@ -2306,7 +2501,7 @@ var File_carrel_api_v1_api_proto protoreflect.FileDescriptor
 
 const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
-	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xc3\x05\n" +
+	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xf4\x05\n" +
 	"\x02VM\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12,\n" +
@@ -2335,7 +2530,9 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\tephemeral\x18\x15 \x01(\bR\tephemeral\x12\x1d\n" +
 	"\n" +
 	"disk_bytes\x18\x16 \x01(\x04R\tdiskBytes\x12\x1b\n" +
-	"\troot_hash\x18\x17 \x01(\tR\brootHash\"\xa9\x02\n" +
+	"\troot_hash\x18\x17 \x01(\tR\brootHash\x12\x12\n" +
+	"\x04held\x18\x18 \x01(\bR\x04held\x12\x1b\n" +
+	"\tpaused_at\x18\x19 \x01(\tR\bpausedAt\"\xa9\x02\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12!\n" +
@@ -2375,6 +2572,14 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1c\n" +
 	"\tworkspace\x18\x02 \x01(\bR\tworkspace\"4\n" +
 	"\x0fResetVMResponse\x12!\n" +
+	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"$\n" +
+	"\x0ePauseVMRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"4\n" +
+	"\x0fPauseVMResponse\x12!\n" +
+	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"%\n" +
+	"\x0fResumeVMRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"5\n" +
+	"\x10ResumeVMResponse\x12!\n" +
 	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"~\n" +
 	"\vExecRequest\x12\x0e\n" +
 	"\x02vm\x18\x01 \x01(\tR\x02vm\x12\x12\n" +
@@ -2472,7 +2677,7 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x17AGENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13AGENT_STATE_UNKNOWN\x10\x01\x12\x15\n" +
 	"\x11AGENT_STATE_READY\x10\x02\x12\x19\n" +
-	"\x15AGENT_STATE_UNHEALTHY\x10\x032\xd1\x04\n" +
+	"\x15AGENT_STATE_UNHEALTHY\x10\x032\xe8\x05\n" +
 	"\tVMService\x12K\n" +
 	"\bCreateVM\x12\x1e.carrel.api.v1.CreateVMRequest\x1a\x1f.carrel.api.v1.CreateVMResponse\x12B\n" +
 	"\x05GetVM\x12\x1b.carrel.api.v1.GetVMRequest\x1a\x1c.carrel.api.v1.GetVMResponse\x12H\n" +
@@ -2480,7 +2685,9 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\aStartVM\x12\x1d.carrel.api.v1.StartVMRequest\x1a\x1e.carrel.api.v1.StartVMResponse\x12E\n" +
 	"\x06StopVM\x12\x1c.carrel.api.v1.StopVMRequest\x1a\x1d.carrel.api.v1.StopVMResponse\x12K\n" +
 	"\bDeleteVM\x12\x1e.carrel.api.v1.DeleteVMRequest\x1a\x1f.carrel.api.v1.DeleteVMResponse\x12H\n" +
-	"\aResetVM\x12\x1d.carrel.api.v1.ResetVMRequest\x1a\x1e.carrel.api.v1.ResetVMResponse\x12A\n" +
+	"\aResetVM\x12\x1d.carrel.api.v1.ResetVMRequest\x1a\x1e.carrel.api.v1.ResetVMResponse\x12H\n" +
+	"\aPauseVM\x12\x1d.carrel.api.v1.PauseVMRequest\x1a\x1e.carrel.api.v1.PauseVMResponse\x12K\n" +
+	"\bResumeVM\x12\x1e.carrel.api.v1.ResumeVMRequest\x1a\x1f.carrel.api.v1.ResumeVMResponse\x12A\n" +
 	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x012\xe3\x02\n" +
 	"\fImageService\x12Q\n" +
 	"\n" +
@@ -2508,7 +2715,7 @@ func file_carrel_api_v1_api_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_api_v1_api_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 33)
+var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
 var file_carrel_api_v1_api_proto_goTypes = []any{
 	(VMState)(0),                 // 0: carrel.api.v1.VMState
 	(AgentState)(0),              // 1: carrel.api.v1.AgentState
@@ -2527,24 +2734,28 @@ var file_carrel_api_v1_api_proto_goTypes = []any{
 	(*DeleteVMResponse)(nil),     // 14: carrel.api.v1.DeleteVMResponse
 	(*ResetVMRequest)(nil),       // 15: carrel.api.v1.ResetVMRequest
 	(*ResetVMResponse)(nil),      // 16: carrel.api.v1.ResetVMResponse
-	(*ExecRequest)(nil),          // 17: carrel.api.v1.ExecRequest
-	(*ExecResponse)(nil),         // 18: carrel.api.v1.ExecResponse
-	(*ExitStatus)(nil),           // 19: carrel.api.v1.ExitStatus
-	(*BuildImageRequest)(nil),    // 20: carrel.api.v1.BuildImageRequest
-	(*BuildImageResponse)(nil),   // 21: carrel.api.v1.BuildImageResponse
-	(*ListImagesRequest)(nil),    // 22: carrel.api.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),   // 23: carrel.api.v1.ListImagesResponse
-	(*Image)(nil),                // 24: carrel.api.v1.Image
-	(*InspectImageRequest)(nil),  // 25: carrel.api.v1.InspectImageRequest
-	(*InspectImageResponse)(nil), // 26: carrel.api.v1.InspectImageResponse
-	(*ImportImageRequest)(nil),   // 27: carrel.api.v1.ImportImageRequest
-	(*ImportImageResponse)(nil),  // 28: carrel.api.v1.ImportImageResponse
-	(*GetInfoRequest)(nil),       // 29: carrel.api.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),      // 30: carrel.api.v1.GetInfoResponse
-	(*ListGPUsRequest)(nil),      // 31: carrel.api.v1.ListGPUsRequest
-	(*ListGPUsResponse)(nil),     // 32: carrel.api.v1.ListGPUsResponse
-	(*GPU)(nil),                  // 33: carrel.api.v1.GPU
-	(*PCIDevice)(nil),            // 34: carrel.api.v1.PCIDevice
+	(*PauseVMRequest)(nil),       // 17: carrel.api.v1.PauseVMRequest
+	(*PauseVMResponse)(nil),      // 18: carrel.api.v1.PauseVMResponse
+	(*ResumeVMRequest)(nil),      // 19: carrel.api.v1.ResumeVMRequest
+	(*ResumeVMResponse)(nil),     // 20: carrel.api.v1.ResumeVMResponse
+	(*ExecRequest)(nil),          // 21: carrel.api.v1.ExecRequest
+	(*ExecResponse)(nil),         // 22: carrel.api.v1.ExecResponse
+	(*ExitStatus)(nil),           // 23: carrel.api.v1.ExitStatus
+	(*BuildImageRequest)(nil),    // 24: carrel.api.v1.BuildImageRequest
+	(*BuildImageResponse)(nil),   // 25: carrel.api.v1.BuildImageResponse
+	(*ListImagesRequest)(nil),    // 26: carrel.api.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),   // 27: carrel.api.v1.ListImagesResponse
+	(*Image)(nil),                // 28: carrel.api.v1.Image
+	(*InspectImageRequest)(nil),  // 29: carrel.api.v1.InspectImageRequest
+	(*InspectImageResponse)(nil), // 30: carrel.api.v1.InspectImageResponse
+	(*ImportImageRequest)(nil),   // 31: carrel.api.v1.ImportImageRequest
+	(*ImportImageResponse)(nil),  // 32: carrel.api.v1.ImportImageResponse
+	(*GetInfoRequest)(nil),       // 33: carrel.api.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),      // 34: carrel.api.v1.GetInfoResponse
+	(*ListGPUsRequest)(nil),      // 35: carrel.api.v1.ListGPUsRequest
+	(*ListGPUsResponse)(nil),     // 36: carrel.api.v1.ListGPUsResponse
+	(*GPU)(nil),                  // 37: carrel.api.v1.GPU
+	(*PCIDevice)(nil),            // 38: carrel.api.v1.PCIDevice
 }
 var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	0,  // 0: carrel.api.v1.VM.state:type_name -> carrel.api.v1.VMState
@@ -2555,46 +2766,52 @@ var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	2,  // 5: carrel.api.v1.StartVMResponse.vm:type_name -> carrel.api.v1.VM
 	2,  // 6: carrel.api.v1.StopVMResponse.vm:type_name -> carrel.api.v1.VM
 	2,  // 7: carrel.api.v1.ResetVMResponse.vm:type_name -> carrel.api.v1.VM
-	19, // 8: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
-	24, // 9: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
-	24, // 10: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
-	24, // 11: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
-	24, // 12: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
-	33, // 13: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
-	34, // 14: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
-	3,  // 15: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
-	5,  // 16: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
-	7,  // 17: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
-	9,  // 18: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
-	11, // 19: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
-	13, // 20: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
-	15, // 21: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
-	17, // 22: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
-	20, // 23: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
-	22, // 24: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
-	25, // 25: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
-	27, // 26: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
-	29, // 27: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
-	31, // 28: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
-	4,  // 29: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
-	6,  // 30: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
-	8,  // 31: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
-	10, // 32: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
-	12, // 33: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
-	14, // 34: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
-	16, // 35: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
-	18, // 36: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
-	21, // 37: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
-	23, // 38: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
-	26, // 39: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
-	28, // 40: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
-	30, // 41: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
-	32, // 42: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
-	29, // [29:43] is the sub-list for method output_type
-	15, // [15:29] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	2,  // 8: carrel.api.v1.PauseVMResponse.vm:type_name -> carrel.api.v1.VM
+	2,  // 9: carrel.api.v1.ResumeVMResponse.vm:type_name -> carrel.api.v1.VM
+	23, // 10: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
+	28, // 11: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
+	28, // 12: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
+	28, // 13: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
+	28, // 14: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
+	37, // 15: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
+	38, // 16: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
+	3,  // 17: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
+	5,  // 18: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
+	7,  // 19: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
+	9,  // 20: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
+	11, // 21: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
+	13, // 22: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
+	15, // 23: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
+	17, // 24: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
+	19, // 25: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
+	21, // 26: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
+	24, // 27: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
+	26, // 28: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
+	29, // 29: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
+	31, // 30: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
+	33, // 31: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
+	35, // 32: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
+	4,  // 33: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
+	6,  // 34: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
+	8,  // 35: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
+	10, // 36: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
+	12, // 37: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
+	14, // 38: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
+	16, // 39: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
+	18, // 40: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
+	20, // 41: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
+	22, // 42: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
+	25, // 43: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
+	27, // 44: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
+	30, // 45: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
+	32, // 46: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
+	34, // 47: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
+	36, // 48: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
+	33, // [33:49] is the sub-list for method output_type
+	17, // [17:33] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_carrel_api_v1_api_proto_init() }
@@ -2602,7 +2819,7 @@ func file_carrel_api_v1_api_proto_init() {
 	if File_carrel_api_v1_api_proto != nil {
 		return
 	}
-	file_carrel_api_v1_api_proto_msgTypes[16].OneofWrappers = []any{
+	file_carrel_api_v1_api_proto_msgTypes[20].OneofWrappers = []any{
 		(*ExecResponse_Pid)(nil),
 		(*ExecResponse_Stdout)(nil),
 		(*ExecResponse_Stderr)(nil),
@@ -2614,7 +2831,7 @@ func file_carrel_api_v1_api_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_api_v1_api_proto_rawDesc), len(file_carrel_api_v1_api_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   33,
+			NumMessages:   37,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

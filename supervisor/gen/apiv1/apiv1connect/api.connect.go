@@ -60,6 +60,10 @@ const (
 	VMServiceDeleteVMProcedure = "/carrel.api.v1.VMService/DeleteVM"
 	// VMServiceResetVMProcedure is the fully-qualified name of the VMService's ResetVM RPC.
 	VMServiceResetVMProcedure = "/carrel.api.v1.VMService/ResetVM"
+	// VMServicePauseVMProcedure is the fully-qualified name of the VMService's PauseVM RPC.
+	VMServicePauseVMProcedure = "/carrel.api.v1.VMService/PauseVM"
+	// VMServiceResumeVMProcedure is the fully-qualified name of the VMService's ResumeVM RPC.
+	VMServiceResumeVMProcedure = "/carrel.api.v1.VMService/ResumeVM"
 	// VMServiceExecProcedure is the fully-qualified name of the VMService's Exec RPC.
 	VMServiceExecProcedure = "/carrel.api.v1.VMService/Exec"
 	// ImageServiceBuildImageProcedure is the fully-qualified name of the ImageService's BuildImage RPC.
@@ -96,6 +100,12 @@ type VMServiceClient interface {
 	// asked, /workspace too), so that it boots its verified image as built.
 	// A running VM is stopped and booted again.
 	ResetVM(context.Context, *connect.Request[apiv1.ResetVMRequest]) (*connect.Response[apiv1.ResetVMResponse], error)
+	// PauseVM stops a running VM's vCPUs; its memory and devices are kept,
+	// and calls into it are refused until ResumeVM. It stays paused across
+	// carreld restarts.
+	PauseVM(context.Context, *connect.Request[apiv1.PauseVMRequest]) (*connect.Response[apiv1.PauseVMResponse], error)
+	// ResumeVM starts the vCPUs of a paused VM again.
+	ResumeVM(context.Context, *connect.Request[apiv1.ResumeVMRequest]) (*connect.Response[apiv1.ResumeVMResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error)
 }
@@ -153,6 +163,18 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("ResetVM")),
 			connect.WithClientOptions(opts...),
 		),
+		pauseVM: connect.NewClient[apiv1.PauseVMRequest, apiv1.PauseVMResponse](
+			httpClient,
+			baseURL+VMServicePauseVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("PauseVM")),
+			connect.WithClientOptions(opts...),
+		),
+		resumeVM: connect.NewClient[apiv1.ResumeVMRequest, apiv1.ResumeVMResponse](
+			httpClient,
+			baseURL+VMServiceResumeVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("ResumeVM")),
+			connect.WithClientOptions(opts...),
+		),
 		exec: connect.NewClient[apiv1.ExecRequest, apiv1.ExecResponse](
 			httpClient,
 			baseURL+VMServiceExecProcedure,
@@ -171,6 +193,8 @@ type vMServiceClient struct {
 	stopVM   *connect.Client[apiv1.StopVMRequest, apiv1.StopVMResponse]
 	deleteVM *connect.Client[apiv1.DeleteVMRequest, apiv1.DeleteVMResponse]
 	resetVM  *connect.Client[apiv1.ResetVMRequest, apiv1.ResetVMResponse]
+	pauseVM  *connect.Client[apiv1.PauseVMRequest, apiv1.PauseVMResponse]
+	resumeVM *connect.Client[apiv1.ResumeVMRequest, apiv1.ResumeVMResponse]
 	exec     *connect.Client[apiv1.ExecRequest, apiv1.ExecResponse]
 }
 
@@ -209,6 +233,16 @@ func (c *vMServiceClient) ResetVM(ctx context.Context, req *connect.Request[apiv
 	return c.resetVM.CallUnary(ctx, req)
 }
 
+// PauseVM calls carrel.api.v1.VMService.PauseVM.
+func (c *vMServiceClient) PauseVM(ctx context.Context, req *connect.Request[apiv1.PauseVMRequest]) (*connect.Response[apiv1.PauseVMResponse], error) {
+	return c.pauseVM.CallUnary(ctx, req)
+}
+
+// ResumeVM calls carrel.api.v1.VMService.ResumeVM.
+func (c *vMServiceClient) ResumeVM(ctx context.Context, req *connect.Request[apiv1.ResumeVMRequest]) (*connect.Response[apiv1.ResumeVMResponse], error) {
+	return c.resumeVM.CallUnary(ctx, req)
+}
+
 // Exec calls carrel.api.v1.VMService.Exec.
 func (c *vMServiceClient) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error) {
 	return c.exec.CallServerStream(ctx, req)
@@ -232,6 +266,12 @@ type VMServiceHandler interface {
 	// asked, /workspace too), so that it boots its verified image as built.
 	// A running VM is stopped and booted again.
 	ResetVM(context.Context, *connect.Request[apiv1.ResetVMRequest]) (*connect.Response[apiv1.ResetVMResponse], error)
+	// PauseVM stops a running VM's vCPUs; its memory and devices are kept,
+	// and calls into it are refused until ResumeVM. It stays paused across
+	// carreld restarts.
+	PauseVM(context.Context, *connect.Request[apiv1.PauseVMRequest]) (*connect.Response[apiv1.PauseVMResponse], error)
+	// ResumeVM starts the vCPUs of a paused VM again.
+	ResumeVM(context.Context, *connect.Request[apiv1.ResumeVMRequest]) (*connect.Response[apiv1.ResumeVMResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error
 }
@@ -285,6 +325,18 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("ResetVM")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServicePauseVMHandler := connect.NewUnaryHandler(
+		VMServicePauseVMProcedure,
+		svc.PauseVM,
+		connect.WithSchema(vMServiceMethods.ByName("PauseVM")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceResumeVMHandler := connect.NewUnaryHandler(
+		VMServiceResumeVMProcedure,
+		svc.ResumeVM,
+		connect.WithSchema(vMServiceMethods.ByName("ResumeVM")),
+		connect.WithHandlerOptions(opts...),
+	)
 	vMServiceExecHandler := connect.NewServerStreamHandler(
 		VMServiceExecProcedure,
 		svc.Exec,
@@ -307,6 +359,10 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServiceDeleteVMHandler.ServeHTTP(w, r)
 		case VMServiceResetVMProcedure:
 			vMServiceResetVMHandler.ServeHTTP(w, r)
+		case VMServicePauseVMProcedure:
+			vMServicePauseVMHandler.ServeHTTP(w, r)
+		case VMServiceResumeVMProcedure:
+			vMServiceResumeVMHandler.ServeHTTP(w, r)
 		case VMServiceExecProcedure:
 			vMServiceExecHandler.ServeHTTP(w, r)
 		default:
@@ -344,6 +400,14 @@ func (UnimplementedVMServiceHandler) DeleteVM(context.Context, *connect.Request[
 
 func (UnimplementedVMServiceHandler) ResetVM(context.Context, *connect.Request[apiv1.ResetVMRequest]) (*connect.Response[apiv1.ResetVMResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.ResetVM is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) PauseVM(context.Context, *connect.Request[apiv1.PauseVMRequest]) (*connect.Response[apiv1.PauseVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.PauseVM is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) ResumeVM(context.Context, *connect.Request[apiv1.ResumeVMRequest]) (*connect.Response[apiv1.ResumeVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.ResumeVM is not implemented"))
 }
 
 func (UnimplementedVMServiceHandler) Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error {
