@@ -142,6 +142,32 @@ func Create(ctx context.Context, qemuImg, path, template string, size uint64) er
 	return atomicfile.SyncDir(filepath.Dir(path))
 }
 
+// Overlay makes a qcow2 disk at path over backing, another qcow2 disk
+// (a frozen layer of a snapshot), of size bytes. Like Create, it is made
+// under a temporary name, synced and renamed.
+func Overlay(ctx context.Context, qemuImg, path, backing string, size uint64) error {
+	if !filepath.IsAbs(backing) {
+		return fmt.Errorf("disk layer %q: want an absolute path (the disk records it)", backing)
+	}
+	if _, err := os.Lstat(path); err == nil {
+		return fmt.Errorf("disk %s: %w", path, os.ErrExist)
+	}
+	tmp := path + ".tmp"
+	os.Remove(tmp)
+	err := run(ctx, nil, qemuImg, "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, tmp, strconv.FormatUint(size, 10))
+	if err == nil {
+		err = syncFile(tmp)
+	}
+	if err == nil {
+		err = os.Rename(tmp, path)
+	}
+	if err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("create disk over %s: %w", backing, err)
+	}
+	return atomicfile.SyncDir(filepath.Dir(path))
+}
+
 // Info is what qemu-img says of a disk.
 type Info struct {
 	Format          string `json:"format"`

@@ -285,8 +285,13 @@ func (l *Link) Health(ctx context.Context) (*agentv1.HealthResponse, error) {
 // guest opens the port while an old connection is torn down), is retried on
 // a fresh connection. It gives up when ctx ends.
 func (l *Link) WaitReady(ctx context.Context) error {
+	return l.WaitReadyEvery(ctx, firstAttempt)
+}
+
+// WaitReadyEvery is WaitReady whose first probe waits attempt, for an
+// agent known to be running already (a VM restored from a snapshot).
+func (l *Link) WaitReadyEvery(ctx context.Context, attempt time.Duration) error {
 	var last error
-	attempt := firstAttempt
 	for {
 		s := l.channel()
 		pctx, cancel := context.WithTimeout(ctx, attempt)

@@ -22,6 +22,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/image/debian"
+	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/identity"
@@ -235,7 +236,8 @@ func toConnect(err error) error {
 		code = connect.CodeAlreadyExists
 	case errors.Is(err, vm.ErrNotFound), errors.Is(err, vm.ErrImageMissing):
 		code = connect.CodeNotFound
-	case errors.Is(err, vm.ErrRunning), errors.Is(err, vm.ErrNotRunning), errors.Is(err, vm.ErrPaused):
+	case errors.Is(err, vm.ErrRunning), errors.Is(err, vm.ErrNotRunning), errors.Is(err, vm.ErrPaused),
+		errors.Is(err, vm.ErrSnapshotDamaged), errors.Is(err, driver.ErrUnsupported):
 		code = connect.CodeFailedPrecondition
 	case errors.Is(err, vm.ErrBusy):
 		code = connect.CodeAborted

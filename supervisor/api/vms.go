@@ -185,6 +185,9 @@ func toProto(st vm.Status) *apiv1.VM {
 	if st.Paused {
 		v.PausedAt = st.PausedAt.Format(time.RFC3339)
 	}
+	if o := st.Origin; o != nil {
+		v.Origin = &apiv1.Origin{Vm: o.VM, Snapshot: o.Snapshot, Session: o.Session, Fork: o.Fork}
+	}
 	switch st.State {
 	case registry.StateCreating:
 		v.State = apiv1.VMState_VM_STATE_CREATING

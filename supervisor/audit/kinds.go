@@ -34,6 +34,27 @@ type Lifecycle struct {
 	Driver         string   `json:"driver"`
 	Reason         string   `json:"reason,omitempty"`
 	GPUs           []string `json:"gpus,omitempty"`
+	// Snapshot is the snapshot a "snapshot" or "snapshot-deleted" event
+	// is about. Origin, on every record of a run that started from a
+	// snapshot (a restore, or the fork that made the VM), is that
+	// snapshot: its Session is the run's parent session.
+	Snapshot *SnapshotRef `json:"snapshot,omitempty"`
+	Origin   *SnapshotRef `json:"origin,omitempty"`
+}
+
+// SnapshotRef names a snapshot of a VM, taken in session Session.
+type SnapshotRef struct {
+	VM      string `json:"vm"`
+	Name    string `json:"name"`
+	Session string `json:"session"`
+	// StateSHA256 and Bytes: the digest of its saved state (memory and
+	// devices) and the bytes of its state and disk layers together.
+	StateSHA256 string `json:"state_sha256,omitempty"`
+	Bytes       uint64 `json:"bytes,omitempty"`
+	// Fork: the run is a new VM's, forked from the snapshot. Guest: the
+	// snapshot is a checkpoint the guest asked for.
+	Fork  bool `json:"fork,omitempty"`
+	Guest bool `json:"guest,omitempty"`
 }
 
 // GPU is the data of a "gpu.attach" or "gpu.detach" record.

@@ -8,7 +8,9 @@ package driver
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
+	"os"
 )
 
 // ErrNotRunning means the VM's process is gone.
@@ -38,6 +40,11 @@ type Spec struct {
 	// VM was created. The driver passes each with the other functions of
 	// its slot (supervisor/gpu.Host.Check plans them), bound to vfio-pci.
 	GPUs []string
+	// Incoming, when set, is a state saved by Snapshotter.SaveState, read
+	// from its start: the VM starts from it instead of booting, and Start
+	// returns once it is loaded, the vCPUs stopped. The caller keeps the
+	// file and closes it after Start. Only a Snapshotter takes it.
+	Incoming *os.File
 }
 
 // Disk formats.
@@ -123,6 +130,26 @@ type Streams interface {
 	AgentDialer(inst Instance) (dial Dialer, transport string)
 	// ConsoleDialer returns how to read the VM's serial console.
 	ConsoleDialer(inst Instance) Dialer
+}
+
+// ErrUnsupported is returned by a driver asked for something it cannot do.
+var ErrUnsupported = errors.New("not supported by this driver")
+
+// Snapshotter saves a running VM's state: with its vCPUs stopped, its
+// disks are frozen (FreezeDisks) and its memory and device state saved
+// (SaveState), so that both are of one instant. Spec.Incoming starts a VM
+// from such a state.
+type Snapshotter interface {
+	// FreezeDisks moves each writable disk of inst, named by the file it
+	// has open now, to a new qcow2 overlay at the paired path, whose
+	// backing is that file; QEMU then writes only the overlay, and the
+	// file stays as it was. All disks move or none. The vCPUs must be
+	// stopped.
+	FreezeDisks(ctx context.Context, inst Instance, overlays map[string]string) error
+	// SaveState writes inst's memory and device state to w and returns
+	// how many bytes it wrote. The vCPUs must be stopped; Resume starts
+	// them again.
+	SaveState(ctx context.Context, inst Instance, w io.Writer) (int64, error)
 }
 
 // Driver is a complete VM back end.

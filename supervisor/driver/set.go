@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 )
 
@@ -54,7 +55,42 @@ func (s *Set) Start(ctx context.Context, spec Spec) (Instance, error) {
 	if err != nil {
 		return Instance{}, err
 	}
+	if _, ok := d.(Snapshotter); spec.Incoming != nil && !ok {
+		return Instance{}, fmt.Errorf("the %s driver cannot start a vm from a saved state: %w", d.Name(), ErrUnsupported)
+	}
 	return d.Start(ctx, spec)
+}
+
+var _ Snapshotter = (*Set)(nil)
+
+func (s *Set) snapshotter(name string) (Snapshotter, error) {
+	d, err := s.pick(name)
+	if err != nil {
+		return nil, err
+	}
+	sn, ok := d.(Snapshotter)
+	if !ok {
+		return nil, fmt.Errorf("the %s driver cannot snapshot vms: %w", d.Name(), ErrUnsupported)
+	}
+	return sn, nil
+}
+
+// FreezeDisks implements Snapshotter, for members that do.
+func (s *Set) FreezeDisks(ctx context.Context, inst Instance, overlays map[string]string) error {
+	sn, err := s.snapshotter(inst.Driver)
+	if err != nil {
+		return err
+	}
+	return sn.FreezeDisks(ctx, inst, overlays)
+}
+
+// SaveState implements Snapshotter, for members that do.
+func (s *Set) SaveState(ctx context.Context, inst Instance, w io.Writer) (int64, error) {
+	sn, err := s.snapshotter(inst.Driver)
+	if err != nil {
+		return 0, err
+	}
+	return sn.SaveState(ctx, inst, w)
 }
 
 // Resume implements Lifecycle.

@@ -70,6 +70,12 @@ func (rc *Recorder) Lifecycle(pols *policystore.Store, manifests Manifests) func
 		}
 		data := audit.Lifecycle{Event: string(ev.Kind), ImageDigest: r.ImageDigest, RootHash: r.RootHash, Policy: r.PolicyName(),
 			MemoryBytes: r.MemoryBytes, CPUs: r.CPUs, Driver: r.Driver, Reason: ev.Reason, GPUs: r.GPUs}
+		if s := ev.Snapshot; s != nil {
+			data.Snapshot = &audit.SnapshotRef{VM: s.VM, Name: s.Name, Session: s.Session, StateSHA256: s.State.SHA256, Bytes: s.Bytes(), Guest: s.Guest}
+		}
+		if o := r.Origin; o != nil {
+			data.Origin = &audit.SnapshotRef{VM: o.VM, Name: o.Snapshot, Session: o.Session, Fork: o.Fork}
+		}
 		var blobs []string
 		if manifests != nil && (ev.Kind == vm.EventCreated || ev.Kind == vm.EventStarting) {
 			name, blob, err := keepManifest(l, manifests, r.ImageDigest)

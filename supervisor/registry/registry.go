@@ -74,6 +74,28 @@ type Record struct {
 	// across restarts; a stop clears it.
 	Paused   bool      `json:"paused,omitempty"`
 	PausedAt time.Time `json:"paused_at,omitzero"`
+	// Disks names the files of the VM's writable disks in its directory,
+	// by serial, where they are not the first ones (vm.StateDiskName,
+	// vm.WorkspaceDiskName): a snapshot freezes the files the VM had and
+	// moves it to new overlays over them, a restore or reset to new ones.
+	Disks map[string]string `json:"disks,omitempty"`
+	// PendingDisks are the overlays a snapshot is moving the VM to, named
+	// before QEMU makes them: a carreld that dies mid-snapshot finds out
+	// from them which files the VM writes (vm.Manager.Reconcile).
+	PendingDisks map[string]string `json:"pending_disks,omitempty"`
+	// Origin names the snapshot the VM's current run started from (a
+	// restore, or the fork that made it); nil for a run that booted.
+	Origin *Origin `json:"origin,omitempty"`
+}
+
+// Origin is where a run started from: a snapshot of a VM (this one, or
+// the one it was forked from), taken in that VM's session Session.
+type Origin struct {
+	VM       string `json:"vm"`
+	Snapshot string `json:"snapshot"`
+	Session  string `json:"session"`
+	// Fork is set for a VM made by forking.
+	Fork bool `json:"fork,omitempty"`
 }
 
 // PolicyName is the VM's bound policy, "default" when none was recorded.

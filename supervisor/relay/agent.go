@@ -62,6 +62,11 @@ func (r agentRelay) Activity(context.Context, *connect.Request[agentv1.ActivityR
 	return connect.NewError(connect.CodePermissionDenied, errors.New("workspace activity is not relayed: carreld records it in the audit log"))
 }
 
+// Restored is carreld's alone: it calls it after a restore or a fork.
+func (r agentRelay) Restored(context.Context, *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error) {
+	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("restored is not relayed: carreld tells the guest itself after a restore or fork"))
+}
+
 func (r agentRelay) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
 	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("shutdown is not relayed: stop the vm with VMService.StopVM (carrel vm stop)"))
 }

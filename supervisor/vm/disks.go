@@ -2,10 +2,13 @@ package vm
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/image/store"
@@ -22,6 +25,29 @@ const (
 	// verified root: everything it changed outside /workspace.
 	StateDiskName = "state.qcow2"
 )
+
+// writableSerials are the serials of a VM's own disks, which snapshots
+// freeze and restores replace.
+var writableSerials = []string{protocol.StateSerial, protocol.WorkspaceSerial}
+
+// diskName is the file in rec's directory of its writable disk serial.
+func diskName(rec registry.Record, serial string) string {
+	if n := rec.Disks[serial]; n != "" {
+		return n
+	}
+	if serial == protocol.StateSerial {
+		return StateDiskName
+	}
+	return WorkspaceDiskName
+}
+
+// newDiskName is a file name no disk of the VM has had: "state-" or
+// "workspace-", 8 random hex digits, ".qcow2".
+func newDiskName(serial string) string {
+	var b [4]byte
+	_, _ = rand.Read(b[:])
+	return strings.TrimPrefix(serial, "carrel-") + "-" + hex.EncodeToString(b[:]) + ".qcow2"
+}
 
 // DefaultStateBytes is the size of a VM's writable layer when its create
 // named none. The disk is sparse: it takes only what the VM writes.
@@ -63,7 +89,7 @@ func (m *Manager) attachDisks(ctx context.Context, rec registry.Record, img *sto
 			if err != nil {
 				return err
 			}
-			d, err := m.vmDisk(ctx, rec, spec.Dir, StateDiskName, tpl, stateSize(rec))
+			d, err := m.vmDisk(ctx, rec, spec.Dir, diskName(rec, protocol.StateSerial), tpl, stateSize(rec))
 			if err != nil {
 				return fmt.Errorf("state disk: %w", err)
 			}
@@ -73,7 +99,7 @@ func (m *Manager) attachDisks(ctx context.Context, rec registry.Record, img *sto
 		}
 	}
 	if img.WorkspacePath != "" {
-		d, err := m.vmDisk(ctx, rec, spec.Dir, WorkspaceDiskName, img.WorkspacePath, workspaceSize(rec))
+		d, err := m.vmDisk(ctx, rec, spec.Dir, diskName(rec, protocol.WorkspaceSerial), img.WorkspacePath, workspaceSize(rec))
 		if err != nil {
 			return fmt.Errorf("workspace disk: %w", err)
 		}

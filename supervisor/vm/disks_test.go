@@ -262,7 +262,8 @@ func TestReset(t *testing.T) {
 		}
 		return fi
 	}
-	st0, ws0 := stat(state), stat(ws)
+	stat(state)
+	ws0 := stat(ws)
 
 	// Running: stopped, the layer discarded, booted again in a new session.
 	events = nil
@@ -273,9 +274,16 @@ func TestReset(t *testing.T) {
 	if got.State != registry.StateRunning || got.Session == rec.Session {
 		t.Errorf("after reset: %+v", got)
 	}
-	if os.SameFile(st0, stat(state)) || !os.SameFile(ws0, stat(ws)) {
+	if _, err := os.Stat(state); !os.IsNotExist(err) {
+		t.Errorf("the old state disk is still there: %v", err)
+	}
+	// The new disk has a name no earlier file had: a snapshot may keep
+	// the old one.
+	newState := filepath.Join(dir, diskName(got, protocol.StateSerial))
+	if newState == state || !os.SameFile(ws0, stat(ws)) {
 		t.Error("reset kept the state disk or made a new workspace")
 	}
+	state = newState
 	if !slices.Contains(events, EventReset) || !slices.Contains(events, EventStarted) {
 		t.Errorf("events %v", events)
 	}
@@ -312,7 +320,8 @@ func TestReset(t *testing.T) {
 	if _, err := e.m.Reset(ctx, "a", false); err == nil || !strings.Contains(err.Error(), "audit log full") {
 		t.Errorf("reset without its record: %v", err)
 	}
-	if _, err := os.Stat(filepath.Join(d, StateDiskName)); err != nil {
+	r, _ := e.reg.Get("a")
+	if _, err := os.Stat(filepath.Join(d, diskName(*r, protocol.StateSerial))); err != nil {
 		t.Errorf("the state disk went without a record: %v", err)
 	}
 	if _, err := e.m.Reset(ctx, "nope", false); !errors.Is(err, ErrNotFound) {

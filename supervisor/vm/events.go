@@ -33,6 +33,10 @@ const (
 	// that cannot be recorded), detached once a run that had them ends.
 	EventGPUAttach EventKind = "gpu-attach"
 	EventGPUDetach EventKind = "gpu-detach"
+	// EventSnapshot: a snapshot was taken (Event.Snapshot); the VM runs
+	// on. EventSnapshotDeleted: one was deleted.
+	EventSnapshot        EventKind = "snapshot"
+	EventSnapshotDeleted EventKind = "snapshot-deleted"
 )
 
 // Event is one step in a VM's life. Record is the VM's record as of the
@@ -41,6 +45,8 @@ type Event struct {
 	Kind   EventKind
 	Record registry.Record
 	Reason string
+	// Snapshot is the snapshot a snapshot event is about.
+	Snapshot *Snapshot
 }
 
 // event tells Config.OnEvent about a step. The steps before QEMU starts
@@ -48,10 +54,15 @@ type Event struct {
 // operation when they cannot be recorded;
 // for the others the VM has already changed, so a failure is logged.
 func (m *Manager) event(ctx context.Context, mc *machine, kind EventKind, reason string) error {
+	return m.eventSnap(ctx, mc, kind, nil, reason)
+}
+
+// eventSnap is event, about snapshot s.
+func (m *Manager) eventSnap(ctx context.Context, mc *machine, kind EventKind, s *Snapshot, reason string) error {
 	if m.cfg.OnEvent == nil {
 		return nil
 	}
-	ev := Event{Kind: kind, Record: mc.snapshot(), Reason: reason}
+	ev := Event{Kind: kind, Record: mc.snapshot(), Reason: reason, Snapshot: s}
 	err := m.cfg.OnEvent(context.WithoutCancel(ctx), ev)
 	if err == nil {
 		return nil

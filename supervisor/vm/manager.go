@@ -321,7 +321,7 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		err = m.event(ctx, mc, EventCreated, "")
 	}
 	if err == nil {
-		err = m.boot(ctx, mc)
+		err = m.boot(ctx, mc, nil)
 	}
 	if err != nil {
 		m.gpusOff(ctx, mc, "create failed")
@@ -369,12 +369,13 @@ func (m *Manager) persist(mc *machine, change func(*registry.Record)) error {
 	return m.cfg.Registry.Put(&r)
 }
 
-// boot starts the VM's QEMU and waits for its agent. mc's op lock must be
+// boot starts the VM's QEMU and waits for its agent; from, when not nil,
+// is a snapshot it starts from instead of booting. mc's op lock must be
 // held, and its record must be in a transitional state (creating or
 // starting). On success the VM is running and recorded so. On error no
 // QEMU is left and the record has no instance; the caller decides what the
 // VM becomes.
-func (m *Manager) boot(ctx context.Context, mc *machine) error {
+func (m *Manager) boot(ctx context.Context, mc *machine, from *startPoint) error {
 	rec := mc.snapshot()
 	name := rec.Name
 	img, err := m.cfg.Images.Resolve(rec.ImageDigest)
@@ -405,11 +406,21 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 	// A new run (Create made the first one's), recorded before QEMU
 	// starts.
 	if rec.State != registry.StateCreating {
-		if err := m.persist(mc, func(r *registry.Record) { r.Session = newSession() }); err != nil {
+		if err := m.persist(mc, func(r *registry.Record) {
+			r.Session = newSession()
+			if from == nil {
+				r.Origin = nil
+			}
+		}); err != nil {
 			return err
 		}
 	}
-	if err := m.event(ctx, mc, EventStarting, ""); err != nil {
+	why := ""
+	if from != nil {
+		spec.Incoming = from.state
+		why = fmt.Sprintf("from snapshot %q of %q, taken in session %s", from.snap.Name, from.snap.VM, from.snap.Session)
+	}
+	if err := m.event(ctx, mc, EventStarting, why); err != nil {
 		return err
 	}
 	if err := m.gpusOnRecord(ctx, mc); err != nil {
@@ -464,11 +475,23 @@ func (m *Manager) boot(ctx context.Context, mc *machine) error {
 	// Ready is the first answered health probe; a QEMU that exits (kernel
 	// panic with -no-reboot, say) ends the wait at once.
 	readyErr := make(chan error, 1)
-	go func() { readyErr <- link.WaitReady(ctx) }()
+	go func() {
+		if from != nil {
+			// The agent runs already, but may still hold the session it had
+			// at the snapshot and read the first handshake as that
+			// session's garbage: short attempts get past it.
+			readyErr <- link.WaitReadyEvery(ctx, restoredAttempt)
+			return
+		}
+		readyErr <- link.WaitReady(ctx)
+	}()
 	select {
 	case err = <-readyErr:
 	case <-exited:
 		err = errors.New("qemu exited before the guest agent became ready")
+	}
+	if err == nil && from != nil {
+		err = m.tellRestored(ctx, link, from)
 	}
 	if err == nil {
 		err = m.giveSandbox(ctx, mc.snapshot(), link)

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/registry"
@@ -145,7 +146,7 @@ func (m *Manager) startLocked(ctx context.Context, mc *machine) error {
 	if err := m.persist(mc, func(r *registry.Record) { r.State = registry.StateStarting }); err != nil {
 		return err
 	}
-	if err := m.boot(ctx, mc); err != nil {
+	if err := m.boot(ctx, mc, nil); err != nil {
 		m.markStopped(mc, EventFailed, err.Error())
 		return err
 	}
@@ -228,22 +229,35 @@ func (m *Manager) Reset(ctx context.Context, name string, workspace bool) (regis
 		if err := m.stopLocked(ctx, mc, false); err != nil {
 			return err
 		}
-		disks := []string{StateDiskName}
+		serials := []string{protocol.StateSerial}
 		what := "writable layer"
 		if workspace {
-			disks = append(disks, WorkspaceDiskName)
+			serials = writableSerials
 			what = "writable layer and workspace"
 		}
 		// Recorded first: nothing is discarded unless the log says so.
 		if err := m.event(ctx, mc, EventReset, what+" discarded"); err != nil {
 			return err
 		}
+		// The VM's current files are its own, never a snapshot's, but
+		// their names may be older files that snapshots keep: the next
+		// boot makes new files under new names.
+		cur := mc.snapshot()
 		dir := m.cfg.Registry.Dir(name)
-		for _, d := range disks {
-			if err := os.Remove(filepath.Join(dir, d)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		fresh := map[string]string{}
+		for serial, n := range cur.Disks {
+			fresh[serial] = n
+		}
+		for _, serial := range serials {
+			if err := os.Remove(filepath.Join(dir, diskName(cur, serial))); err != nil && !errors.Is(err, os.ErrNotExist) {
 				return fmt.Errorf("reset vm %q: %w", name, err)
 			}
+			fresh[serial] = newDiskName(serial)
 		}
+		if err := m.persist(mc, func(r *registry.Record) { r.Disks, r.Origin = fresh, nil }); err != nil {
+			return err
+		}
+		m.collect(name)
 		m.log.Info("vm reset", "vm", name, "discarded", what)
 		if wasRunning {
 			if err := m.startLocked(ctx, mc); err != nil {
@@ -260,6 +274,9 @@ func (m *Manager) Reset(ctx context.Context, name string, workspace bool) (regis
 // first, unless force is set.
 func (m *Manager) Delete(ctx context.Context, name string, force bool) error {
 	return m.locked(ctx, name, func(mc *machine) error {
+		if deps := m.dependents(name); len(deps) > 0 {
+			return fmt.Errorf("%w: %s stand on %q's disk layers (forked from its snapshots): delete them first", ErrRunning, strings.Join(deps, ", "), name)
+		}
 		if st := mc.snapshot().State; st != registry.StateStopped {
 			if !force {
 				return fmt.Errorf("%w: stop %q first, or delete with --force", ErrRunning, name)
@@ -395,6 +412,7 @@ func (m *Manager) killLeftovers(ctx context.Context, rec *registry.Record) error
 
 func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error {
 	log := m.log.With("vm", rec.Name)
+	m.reconcilePending(rec)
 	switch {
 	case rec.State == registry.StateCreating:
 		log.Warn("removing vm whose create was interrupted")

@@ -1346,6 +1346,140 @@ func (x *SetSandboxResponse) GetDetail() string {
 	return ""
 }
 
+type RestoredRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Fresh random bytes from the host (32 to 512).
+	Seed []byte `protobuf:"bytes,1,opt,name=seed,proto3" json:"seed,omitempty"`
+	// The host's clock (CLOCK_REALTIME), in nanoseconds since the epoch.
+	UnixNanos int64 `protobuf:"varint,2,opt,name=unix_nanos,json=unixNanos,proto3" json:"unix_nanos,omitempty"`
+	// For a fork: the VM's new machine id (32 lowercase hex digits), for
+	// /etc/machine-id. Empty for a restore into the same VM.
+	MachineId     string `protobuf:"bytes,3,opt,name=machine_id,json=machineId,proto3" json:"machine_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestoredRequest) Reset() {
+	*x = RestoredRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestoredRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestoredRequest) ProtoMessage() {}
+
+func (x *RestoredRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestoredRequest.ProtoReflect.Descriptor instead.
+func (*RestoredRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *RestoredRequest) GetSeed() []byte {
+	if x != nil {
+		return x.Seed
+	}
+	return nil
+}
+
+func (x *RestoredRequest) GetUnixNanos() int64 {
+	if x != nil {
+		return x.UnixNanos
+	}
+	return 0
+}
+
+func (x *RestoredRequest) GetMachineId() string {
+	if x != nil {
+		return x.MachineId
+	}
+	return ""
+}
+
+type RestoredResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Whether the kernel's RNG was reseeded (RNDRESEEDCRNG), the clock set,
+	// and the machine id written; what failed is in detail.
+	Reseeded      bool   `protobuf:"varint,1,opt,name=reseeded,proto3" json:"reseeded,omitempty"`
+	ClockSet      bool   `protobuf:"varint,2,opt,name=clock_set,json=clockSet,proto3" json:"clock_set,omitempty"`
+	MachineIdSet  bool   `protobuf:"varint,3,opt,name=machine_id_set,json=machineIdSet,proto3" json:"machine_id_set,omitempty"`
+	Detail        string `protobuf:"bytes,4,opt,name=detail,proto3" json:"detail,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestoredResponse) Reset() {
+	*x = RestoredResponse{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestoredResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestoredResponse) ProtoMessage() {}
+
+func (x *RestoredResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestoredResponse.ProtoReflect.Descriptor instead.
+func (*RestoredResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *RestoredResponse) GetReseeded() bool {
+	if x != nil {
+		return x.Reseeded
+	}
+	return false
+}
+
+func (x *RestoredResponse) GetClockSet() bool {
+	if x != nil {
+		return x.ClockSet
+	}
+	return false
+}
+
+func (x *RestoredResponse) GetMachineIdSet() bool {
+	if x != nil {
+		return x.MachineIdSet
+	}
+	return false
+}
+
+func (x *RestoredResponse) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
 type ActivityRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1354,7 +1488,7 @@ type ActivityRequest struct {
 
 func (x *ActivityRequest) Reset() {
 	*x = ActivityRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1366,7 +1500,7 @@ func (x *ActivityRequest) String() string {
 func (*ActivityRequest) ProtoMessage() {}
 
 func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1379,7 +1513,7 @@ func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityRequest.ProtoReflect.Descriptor instead.
 func (*ActivityRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{19}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
 }
 
 type ActivityEvent struct {
@@ -1403,7 +1537,7 @@ type ActivityEvent struct {
 
 func (x *ActivityEvent) Reset() {
 	*x = ActivityEvent{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1415,7 +1549,7 @@ func (x *ActivityEvent) String() string {
 func (*ActivityEvent) ProtoMessage() {}
 
 func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1428,7 +1562,7 @@ func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityEvent.ProtoReflect.Descriptor instead.
 func (*ActivityEvent) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{20}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ActivityEvent) GetOp() ActivityOp {
@@ -1478,7 +1612,7 @@ type ActivityResponse struct {
 
 func (x *ActivityResponse) Reset() {
 	*x = ActivityResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1490,7 +1624,7 @@ func (x *ActivityResponse) String() string {
 func (*ActivityResponse) ProtoMessage() {}
 
 func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1503,7 +1637,7 @@ func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityResponse.ProtoReflect.Descriptor instead.
 func (*ActivityResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ActivityResponse) GetEvents() []*ActivityEvent {
@@ -1598,7 +1732,18 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x12SetSandboxResponse\x12\x1a\n" +
 	"\blandlock\x18\x01 \x01(\bR\blandlock\x12!\n" +
 	"\flandlock_abi\x18\x02 \x01(\x05R\vlandlockAbi\x12\x16\n" +
-	"\x06detail\x18\x03 \x01(\tR\x06detail\"\x11\n" +
+	"\x06detail\x18\x03 \x01(\tR\x06detail\"c\n" +
+	"\x0fRestoredRequest\x12\x12\n" +
+	"\x04seed\x18\x01 \x01(\fR\x04seed\x12\x1d\n" +
+	"\n" +
+	"unix_nanos\x18\x02 \x01(\x03R\tunixNanos\x12\x1d\n" +
+	"\n" +
+	"machine_id\x18\x03 \x01(\tR\tmachineId\"\x89\x01\n" +
+	"\x10RestoredResponse\x12\x1a\n" +
+	"\breseeded\x18\x01 \x01(\bR\breseeded\x12\x1b\n" +
+	"\tclock_set\x18\x02 \x01(\bR\bclockSet\x12$\n" +
+	"\x0emachine_id_set\x18\x03 \x01(\bR\fmachineIdSet\x12\x16\n" +
+	"\x06detail\x18\x04 \x01(\tR\x06detail\"\x11\n" +
 	"\x0fActivityRequest\"\x92\x01\n" +
 	"\rActivityEvent\x12+\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x1b.carrel.agent.v1.ActivityOpR\x02op\x12\x12\n" +
@@ -1617,7 +1762,7 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x12ACTIVITY_OP_CREATE\x10\x03\x12\x16\n" +
 	"\x12ACTIVITY_OP_DELETE\x10\x04\x12\x19\n" +
 	"\x15ACTIVITY_OP_MOVE_FROM\x10\x05\x12\x17\n" +
-	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\x93\x05\n" +
+	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\xe4\x05\n" +
 	"\fAgentService\x12I\n" +
 	"\x06Health\x12\x1e.carrel.agent.v1.HealthRequest\x1a\x1f.carrel.agent.v1.HealthResponse\x12E\n" +
 	"\x04Exec\x12\x1c.carrel.agent.v1.ExecRequest\x1a\x1d.carrel.agent.v1.ExecResponse0\x01\x12K\n" +
@@ -1627,7 +1772,8 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\bShutdown\x12 .carrel.agent.v1.ShutdownRequest\x1a!.carrel.agent.v1.ShutdownResponse\x12U\n" +
 	"\n" +
 	"SetSandbox\x12\".carrel.agent.v1.SetSandboxRequest\x1a#.carrel.agent.v1.SetSandboxResponse\x12Q\n" +
-	"\bActivity\x12 .carrel.agent.v1.ActivityRequest\x1a!.carrel.agent.v1.ActivityResponse0\x01B=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
+	"\bActivity\x12 .carrel.agent.v1.ActivityRequest\x1a!.carrel.agent.v1.ActivityResponse0\x01\x12O\n" +
+	"\bRestored\x12 .carrel.agent.v1.RestoredRequest\x1a!.carrel.agent.v1.RestoredResponseB=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
 
 var (
 	file_carrel_agent_v1_agent_proto_rawDescOnce sync.Once
@@ -1642,7 +1788,7 @@ func file_carrel_agent_v1_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_agent_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 22)
+var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(ActivityOp)(0),               // 0: carrel.agent.v1.ActivityOp
 	(*HealthRequest)(nil),         // 1: carrel.agent.v1.HealthRequest
@@ -1664,9 +1810,11 @@ var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(*ShutdownResponse)(nil),      // 17: carrel.agent.v1.ShutdownResponse
 	(*SetSandboxRequest)(nil),     // 18: carrel.agent.v1.SetSandboxRequest
 	(*SetSandboxResponse)(nil),    // 19: carrel.agent.v1.SetSandboxResponse
-	(*ActivityRequest)(nil),       // 20: carrel.agent.v1.ActivityRequest
-	(*ActivityEvent)(nil),         // 21: carrel.agent.v1.ActivityEvent
-	(*ActivityResponse)(nil),      // 22: carrel.agent.v1.ActivityResponse
+	(*RestoredRequest)(nil),       // 20: carrel.agent.v1.RestoredRequest
+	(*RestoredResponse)(nil),      // 21: carrel.agent.v1.RestoredResponse
+	(*ActivityRequest)(nil),       // 22: carrel.agent.v1.ActivityRequest
+	(*ActivityEvent)(nil),         // 23: carrel.agent.v1.ActivityEvent
+	(*ActivityResponse)(nil),      // 24: carrel.agent.v1.ActivityResponse
 }
 var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	3,  // 0: carrel.agent.v1.ProcessInput.start:type_name -> carrel.agent.v1.ExecRequest
@@ -1677,7 +1825,7 @@ var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	14, // 5: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
 	15, // 6: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
 	0,  // 7: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
-	21, // 8: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
+	23, // 8: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
 	1,  // 9: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
 	3,  // 10: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
 	4,  // 11: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
@@ -1685,17 +1833,19 @@ var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	11, // 13: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
 	16, // 14: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
 	18, // 15: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
-	20, // 16: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
-	2,  // 17: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
-	13, // 18: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
-	13, // 19: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
-	9,  // 20: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
-	12, // 21: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
-	17, // 22: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
-	19, // 23: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
-	22, // 24: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
-	17, // [17:25] is the sub-list for method output_type
-	9,  // [9:17] is the sub-list for method input_type
+	22, // 16: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
+	20, // 17: carrel.agent.v1.AgentService.Restored:input_type -> carrel.agent.v1.RestoredRequest
+	2,  // 18: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
+	13, // 19: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
+	13, // 20: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
+	9,  // 21: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
+	12, // 22: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
+	17, // 23: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
+	19, // 24: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
+	24, // 25: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
+	21, // 26: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
+	18, // [18:27] is the sub-list for method output_type
+	9,  // [9:18] is the sub-list for method input_type
 	9,  // [9:9] is the sub-list for extension type_name
 	9,  // [9:9] is the sub-list for extension extendee
 	0,  // [0:9] is the sub-list for field type_name
@@ -1730,7 +1880,7 @@ func file_carrel_agent_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_agent_proto_rawDesc), len(file_carrel_agent_v1_agent_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   22,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

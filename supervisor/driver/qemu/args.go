@@ -38,6 +38,7 @@ const (
 	fdQMP = 3 + iota
 	fdAgent
 	fdConsole
+	fdIncoming // the saved state a VM starts from (Spec.Incoming)
 )
 
 // maxSocketPath is sun_path's size less its terminating NUL.
@@ -127,6 +128,9 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		// QEMU's seccomp filter: no new privileges, no spawning helpers.
 		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 		"-S",
+	}
+	if spec.Incoming != nil {
+		a = append(a, "-incoming", "fd:"+strconv.Itoa(fdIncoming))
 	}
 	if spec.CID != 0 {
 		a = append(a, "-device", vsockDev+",guest-cid="+strconv.FormatUint(uint64(spec.CID), 10))

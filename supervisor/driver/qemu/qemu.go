@@ -134,6 +134,15 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance
 	if err != nil {
 		return driver.Instance{}, err
 	}
+	if spec.Incoming != nil {
+		// QEMU gets its own descriptor, closed below with the others.
+		in, err := os.Open("/proc/self/fd/" + strconv.Itoa(int(spec.Incoming.Fd())))
+		if err != nil {
+			closeAll(files)
+			return driver.Instance{}, fmt.Errorf("open the saved state: %w", err)
+		}
+		files = append(files, in)
+	}
 	logf, err := os.OpenFile(l.log, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
 		closeAll(files)
@@ -188,6 +197,11 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance
 	// before it answers QMP.
 	if err := d.awaitInit(ctx, l.qmp, exited); err != nil {
 		return fail(err)
+	}
+	if spec.Incoming != nil {
+		if err := d.awaitIncoming(ctx, l.qmp, exited); err != nil {
+			return fail(err)
+		}
 	}
 	start, zombie, err := procStartTime(cmd.Process.Pid)
 	if err != nil || zombie {

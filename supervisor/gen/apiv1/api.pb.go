@@ -187,7 +187,10 @@ type VM struct {
 	// be written; it resumes the VM once the log can be written again.
 	Held bool `protobuf:"varint,24,opt,name=held,proto3" json:"held,omitempty"`
 	// When an operator paused the VM (RFC 3339); empty when not paused.
-	PausedAt      string `protobuf:"bytes,25,opt,name=paused_at,json=pausedAt,proto3" json:"paused_at,omitempty"`
+	PausedAt string `protobuf:"bytes,25,opt,name=paused_at,json=pausedAt,proto3" json:"paused_at,omitempty"`
+	// The snapshot the VM's current run started from (a restore, or the
+	// fork that made it); unset for a run that booted.
+	Origin        *Origin `protobuf:"bytes,26,opt,name=origin,proto3" json:"origin,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -397,6 +400,83 @@ func (x *VM) GetPausedAt() string {
 	return ""
 }
 
+func (x *VM) GetOrigin() *Origin {
+	if x != nil {
+		return x.Origin
+	}
+	return nil
+}
+
+// Origin is a snapshot a run started from.
+type Origin struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Vm       string                 `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	Snapshot string                 `protobuf:"bytes,2,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	// The session the snapshot was taken in: the run's parent session.
+	Session       string `protobuf:"bytes,3,opt,name=session,proto3" json:"session,omitempty"`
+	Fork          bool   `protobuf:"varint,4,opt,name=fork,proto3" json:"fork,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Origin) Reset() {
+	*x = Origin{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Origin) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Origin) ProtoMessage() {}
+
+func (x *Origin) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Origin.ProtoReflect.Descriptor instead.
+func (*Origin) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Origin) GetVm() string {
+	if x != nil {
+		return x.Vm
+	}
+	return ""
+}
+
+func (x *Origin) GetSnapshot() string {
+	if x != nil {
+		return x.Snapshot
+	}
+	return ""
+}
+
+func (x *Origin) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *Origin) GetFork() bool {
+	if x != nil {
+		return x.Fork
+	}
+	return false
+}
+
 type CreateVMRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// 1-63 characters: lower-case letters, digits and '-', starting with a letter.
@@ -430,7 +510,7 @@ type CreateVMRequest struct {
 
 func (x *CreateVMRequest) Reset() {
 	*x = CreateVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[1]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -442,7 +522,7 @@ func (x *CreateVMRequest) String() string {
 func (*CreateVMRequest) ProtoMessage() {}
 
 func (x *CreateVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[1]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -455,7 +535,7 @@ func (x *CreateVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVMRequest.ProtoReflect.Descriptor instead.
 func (*CreateVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{1}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *CreateVMRequest) GetName() string {
@@ -537,7 +617,7 @@ type CreateVMResponse struct {
 
 func (x *CreateVMResponse) Reset() {
 	*x = CreateVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[2]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -549,7 +629,7 @@ func (x *CreateVMResponse) String() string {
 func (*CreateVMResponse) ProtoMessage() {}
 
 func (x *CreateVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[2]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -562,7 +642,7 @@ func (x *CreateVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVMResponse.ProtoReflect.Descriptor instead.
 func (*CreateVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{2}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *CreateVMResponse) GetVm() *VM {
@@ -581,7 +661,7 @@ type GetVMRequest struct {
 
 func (x *GetVMRequest) Reset() {
 	*x = GetVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[3]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -593,7 +673,7 @@ func (x *GetVMRequest) String() string {
 func (*GetVMRequest) ProtoMessage() {}
 
 func (x *GetVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[3]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -606,7 +686,7 @@ func (x *GetVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVMRequest.ProtoReflect.Descriptor instead.
 func (*GetVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{3}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *GetVMRequest) GetName() string {
@@ -625,7 +705,7 @@ type GetVMResponse struct {
 
 func (x *GetVMResponse) Reset() {
 	*x = GetVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[4]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -637,7 +717,7 @@ func (x *GetVMResponse) String() string {
 func (*GetVMResponse) ProtoMessage() {}
 
 func (x *GetVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[4]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -650,7 +730,7 @@ func (x *GetVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVMResponse.ProtoReflect.Descriptor instead.
 func (*GetVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{4}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GetVMResponse) GetVm() *VM {
@@ -668,7 +748,7 @@ type ListVMsRequest struct {
 
 func (x *ListVMsRequest) Reset() {
 	*x = ListVMsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[5]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -680,7 +760,7 @@ func (x *ListVMsRequest) String() string {
 func (*ListVMsRequest) ProtoMessage() {}
 
 func (x *ListVMsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[5]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -693,7 +773,7 @@ func (x *ListVMsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMsRequest.ProtoReflect.Descriptor instead.
 func (*ListVMsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{5}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{6}
 }
 
 type ListVMsResponse struct {
@@ -705,7 +785,7 @@ type ListVMsResponse struct {
 
 func (x *ListVMsResponse) Reset() {
 	*x = ListVMsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[6]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -717,7 +797,7 @@ func (x *ListVMsResponse) String() string {
 func (*ListVMsResponse) ProtoMessage() {}
 
 func (x *ListVMsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[6]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -730,7 +810,7 @@ func (x *ListVMsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMsResponse.ProtoReflect.Descriptor instead.
 func (*ListVMsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{6}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ListVMsResponse) GetVms() []*VM {
@@ -749,7 +829,7 @@ type StartVMRequest struct {
 
 func (x *StartVMRequest) Reset() {
 	*x = StartVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[7]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -761,7 +841,7 @@ func (x *StartVMRequest) String() string {
 func (*StartVMRequest) ProtoMessage() {}
 
 func (x *StartVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[7]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -774,7 +854,7 @@ func (x *StartVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartVMRequest.ProtoReflect.Descriptor instead.
 func (*StartVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{7}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *StartVMRequest) GetName() string {
@@ -793,7 +873,7 @@ type StartVMResponse struct {
 
 func (x *StartVMResponse) Reset() {
 	*x = StartVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[8]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -805,7 +885,7 @@ func (x *StartVMResponse) String() string {
 func (*StartVMResponse) ProtoMessage() {}
 
 func (x *StartVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[8]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -818,7 +898,7 @@ func (x *StartVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartVMResponse.ProtoReflect.Descriptor instead.
 func (*StartVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{8}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *StartVMResponse) GetVm() *VM {
@@ -839,7 +919,7 @@ type StopVMRequest struct {
 
 func (x *StopVMRequest) Reset() {
 	*x = StopVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[9]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -851,7 +931,7 @@ func (x *StopVMRequest) String() string {
 func (*StopVMRequest) ProtoMessage() {}
 
 func (x *StopVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[9]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -864,7 +944,7 @@ func (x *StopVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopVMRequest.ProtoReflect.Descriptor instead.
 func (*StopVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{9}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StopVMRequest) GetName() string {
@@ -890,7 +970,7 @@ type StopVMResponse struct {
 
 func (x *StopVMResponse) Reset() {
 	*x = StopVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[10]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -902,7 +982,7 @@ func (x *StopVMResponse) String() string {
 func (*StopVMResponse) ProtoMessage() {}
 
 func (x *StopVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[10]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -915,7 +995,7 @@ func (x *StopVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopVMResponse.ProtoReflect.Descriptor instead.
 func (*StopVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{10}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *StopVMResponse) GetVm() *VM {
@@ -936,7 +1016,7 @@ type DeleteVMRequest struct {
 
 func (x *DeleteVMRequest) Reset() {
 	*x = DeleteVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[11]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -948,7 +1028,7 @@ func (x *DeleteVMRequest) String() string {
 func (*DeleteVMRequest) ProtoMessage() {}
 
 func (x *DeleteVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[11]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -961,7 +1041,7 @@ func (x *DeleteVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVMRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{11}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *DeleteVMRequest) GetName() string {
@@ -986,7 +1066,7 @@ type DeleteVMResponse struct {
 
 func (x *DeleteVMResponse) Reset() {
 	*x = DeleteVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[12]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -998,7 +1078,7 @@ func (x *DeleteVMResponse) String() string {
 func (*DeleteVMResponse) ProtoMessage() {}
 
 func (x *DeleteVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[12]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1011,7 +1091,7 @@ func (x *DeleteVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVMResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{12}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{13}
 }
 
 type ResetVMRequest struct {
@@ -1025,7 +1105,7 @@ type ResetVMRequest struct {
 
 func (x *ResetVMRequest) Reset() {
 	*x = ResetVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1037,7 +1117,7 @@ func (x *ResetVMRequest) String() string {
 func (*ResetVMRequest) ProtoMessage() {}
 
 func (x *ResetVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1050,7 +1130,7 @@ func (x *ResetVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResetVMRequest.ProtoReflect.Descriptor instead.
 func (*ResetVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{13}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ResetVMRequest) GetName() string {
@@ -1076,7 +1156,7 @@ type ResetVMResponse struct {
 
 func (x *ResetVMResponse) Reset() {
 	*x = ResetVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1088,7 +1168,7 @@ func (x *ResetVMResponse) String() string {
 func (*ResetVMResponse) ProtoMessage() {}
 
 func (x *ResetVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1101,7 +1181,7 @@ func (x *ResetVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResetVMResponse.ProtoReflect.Descriptor instead.
 func (*ResetVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{14}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ResetVMResponse) GetVm() *VM {
@@ -1120,7 +1200,7 @@ type PauseVMRequest struct {
 
 func (x *PauseVMRequest) Reset() {
 	*x = PauseVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1132,7 +1212,7 @@ func (x *PauseVMRequest) String() string {
 func (*PauseVMRequest) ProtoMessage() {}
 
 func (x *PauseVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1145,7 +1225,7 @@ func (x *PauseVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseVMRequest.ProtoReflect.Descriptor instead.
 func (*PauseVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{15}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *PauseVMRequest) GetName() string {
@@ -1164,7 +1244,7 @@ type PauseVMResponse struct {
 
 func (x *PauseVMResponse) Reset() {
 	*x = PauseVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1176,7 +1256,7 @@ func (x *PauseVMResponse) String() string {
 func (*PauseVMResponse) ProtoMessage() {}
 
 func (x *PauseVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1189,7 +1269,7 @@ func (x *PauseVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseVMResponse.ProtoReflect.Descriptor instead.
 func (*PauseVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{16}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *PauseVMResponse) GetVm() *VM {
@@ -1208,7 +1288,7 @@ type ResumeVMRequest struct {
 
 func (x *ResumeVMRequest) Reset() {
 	*x = ResumeVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1220,7 +1300,7 @@ func (x *ResumeVMRequest) String() string {
 func (*ResumeVMRequest) ProtoMessage() {}
 
 func (x *ResumeVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1233,7 +1313,7 @@ func (x *ResumeVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeVMRequest.ProtoReflect.Descriptor instead.
 func (*ResumeVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{17}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ResumeVMRequest) GetName() string {
@@ -1252,7 +1332,7 @@ type ResumeVMResponse struct {
 
 func (x *ResumeVMResponse) Reset() {
 	*x = ResumeVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1264,7 +1344,7 @@ func (x *ResumeVMResponse) String() string {
 func (*ResumeVMResponse) ProtoMessage() {}
 
 func (x *ResumeVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1277,10 +1357,628 @@ func (x *ResumeVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeVMResponse.ProtoReflect.Descriptor instead.
 func (*ResumeVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{18}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *ResumeVMResponse) GetVm() *VM {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
+// Snapshot is a VM saved at one instant.
+type Snapshot struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The VM it was taken of.
+	Vm string `protobuf:"bytes,2,opt,name=vm,proto3" json:"vm,omitempty"`
+	// RFC 3339.
+	CreatedAt string `protobuf:"bytes,3,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
+	// The session it was taken in: the parent of the sessions that start
+	// from it.
+	Session     string `protobuf:"bytes,4,opt,name=session,proto3" json:"session,omitempty"`
+	ImageDigest string `protobuf:"bytes,5,opt,name=image_digest,json=imageDigest,proto3" json:"image_digest,omitempty"`
+	MemoryBytes uint64 `protobuf:"varint,6,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	// The saved memory and device state, and its sha256 (hex).
+	StateBytes  uint64 `protobuf:"varint,7,opt,name=state_bytes,json=stateBytes,proto3" json:"state_bytes,omitempty"`
+	StateSha256 string `protobuf:"bytes,8,opt,name=state_sha256,json=stateSha256,proto3" json:"state_sha256,omitempty"`
+	// What the snapshot's files take on disk: its state and its frozen disk
+	// layers.
+	Bytes uint64 `protobuf:"varint,9,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// A checkpoint the guest asked for, with its note.
+	Guest         bool   `protobuf:"varint,10,opt,name=guest,proto3" json:"guest,omitempty"`
+	Note          string `protobuf:"bytes,11,opt,name=note,proto3" json:"note,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Snapshot) Reset() {
+	*x = Snapshot{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Snapshot) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Snapshot) ProtoMessage() {}
+
+func (x *Snapshot) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
+func (*Snapshot) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *Snapshot) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Snapshot) GetVm() string {
+	if x != nil {
+		return x.Vm
+	}
+	return ""
+}
+
+func (x *Snapshot) GetCreatedAt() string {
+	if x != nil {
+		return x.CreatedAt
+	}
+	return ""
+}
+
+func (x *Snapshot) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *Snapshot) GetImageDigest() string {
+	if x != nil {
+		return x.ImageDigest
+	}
+	return ""
+}
+
+func (x *Snapshot) GetMemoryBytes() uint64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *Snapshot) GetStateBytes() uint64 {
+	if x != nil {
+		return x.StateBytes
+	}
+	return 0
+}
+
+func (x *Snapshot) GetStateSha256() string {
+	if x != nil {
+		return x.StateSha256
+	}
+	return ""
+}
+
+func (x *Snapshot) GetBytes() uint64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *Snapshot) GetGuest() bool {
+	if x != nil {
+		return x.Guest
+	}
+	return false
+}
+
+func (x *Snapshot) GetNote() string {
+	if x != nil {
+		return x.Note
+	}
+	return ""
+}
+
+type SnapshotVMRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The snapshot's name: 1-63 lower-case letters, digits and '-'.
+	Snapshot      string `protobuf:"bytes,2,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	Note          string `protobuf:"bytes,3,opt,name=note,proto3" json:"note,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotVMRequest) Reset() {
+	*x = SnapshotVMRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotVMRequest) ProtoMessage() {}
+
+func (x *SnapshotVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotVMRequest.ProtoReflect.Descriptor instead.
+func (*SnapshotVMRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *SnapshotVMRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SnapshotVMRequest) GetSnapshot() string {
+	if x != nil {
+		return x.Snapshot
+	}
+	return ""
+}
+
+func (x *SnapshotVMRequest) GetNote() string {
+	if x != nil {
+		return x.Note
+	}
+	return ""
+}
+
+type SnapshotVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Snapshot      *Snapshot              `protobuf:"bytes,1,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotVMResponse) Reset() {
+	*x = SnapshotVMResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotVMResponse) ProtoMessage() {}
+
+func (x *SnapshotVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotVMResponse.ProtoReflect.Descriptor instead.
+func (*SnapshotVMResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *SnapshotVMResponse) GetSnapshot() *Snapshot {
+	if x != nil {
+		return x.Snapshot
+	}
+	return nil
+}
+
+type ListSnapshotsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSnapshotsRequest) Reset() {
+	*x = ListSnapshotsRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSnapshotsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSnapshotsRequest) ProtoMessage() {}
+
+func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
+func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *ListSnapshotsRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+type ListSnapshotsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Snapshots     []*Snapshot            `protobuf:"bytes,1,rep,name=snapshots,proto3" json:"snapshots,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListSnapshotsResponse) Reset() {
+	*x = ListSnapshotsResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListSnapshotsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListSnapshotsResponse) ProtoMessage() {}
+
+func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
+func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
+}
+
+func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
+	if x != nil {
+		return x.Snapshots
+	}
+	return nil
+}
+
+type RestoreVMRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Snapshot      string                 `protobuf:"bytes,2,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestoreVMRequest) Reset() {
+	*x = RestoreVMRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestoreVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestoreVMRequest) ProtoMessage() {}
+
+func (x *RestoreVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestoreVMRequest.ProtoReflect.Descriptor instead.
+func (*RestoreVMRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
+}
+
+func (x *RestoreVMRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *RestoreVMRequest) GetSnapshot() string {
+	if x != nil {
+		return x.Snapshot
+	}
+	return ""
+}
+
+type RestoreVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RestoreVMResponse) Reset() {
+	*x = RestoreVMResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RestoreVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RestoreVMResponse) ProtoMessage() {}
+
+func (x *RestoreVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RestoreVMResponse.ProtoReflect.Descriptor instead.
+func (*RestoreVMResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *RestoreVMResponse) GetVm() *VM {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
+type DeleteSnapshotRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Name          string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Snapshot      string                 `protobuf:"bytes,2,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteSnapshotRequest) Reset() {
+	*x = DeleteSnapshotRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteSnapshotRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteSnapshotRequest) ProtoMessage() {}
+
+func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
+func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *DeleteSnapshotRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *DeleteSnapshotRequest) GetSnapshot() string {
+	if x != nil {
+		return x.Snapshot
+	}
+	return ""
+}
+
+type DeleteSnapshotResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DeleteSnapshotResponse) Reset() {
+	*x = DeleteSnapshotResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DeleteSnapshotResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DeleteSnapshotResponse) ProtoMessage() {}
+
+func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
+func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{28}
+}
+
+type ForkVMRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The VM to fork.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The new VM's name.
+	NewName string `protobuf:"bytes,2,opt,name=new_name,json=newName,proto3" json:"new_name,omitempty"`
+	// A snapshot of the VM to fork from; empty takes one now, named
+	// "fork-NEW_NAME".
+	Snapshot      string `protobuf:"bytes,3,opt,name=snapshot,proto3" json:"snapshot,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForkVMRequest) Reset() {
+	*x = ForkVMRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForkVMRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForkVMRequest) ProtoMessage() {}
+
+func (x *ForkVMRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForkVMRequest.ProtoReflect.Descriptor instead.
+func (*ForkVMRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{29}
+}
+
+func (x *ForkVMRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ForkVMRequest) GetNewName() string {
+	if x != nil {
+		return x.NewName
+	}
+	return ""
+}
+
+func (x *ForkVMRequest) GetSnapshot() string {
+	if x != nil {
+		return x.Snapshot
+	}
+	return ""
+}
+
+type ForkVMResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForkVMResponse) Reset() {
+	*x = ForkVMResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForkVMResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForkVMResponse) ProtoMessage() {}
+
+func (x *ForkVMResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForkVMResponse.ProtoReflect.Descriptor instead.
+func (*ForkVMResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{30}
+}
+
+func (x *ForkVMResponse) GetVm() *VM {
 	if x != nil {
 		return x.Vm
 	}
@@ -1303,7 +2001,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1315,7 +2013,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1328,7 +2026,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{19}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ExecRequest) GetVm() string {
@@ -1381,7 +2079,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1393,7 +2091,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1406,7 +2104,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{20}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ExecResponse) GetEvent() isExecResponse_Event {
@@ -1490,7 +2188,7 @@ type ExitStatus struct {
 
 func (x *ExitStatus) Reset() {
 	*x = ExitStatus{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1502,7 +2200,7 @@ func (x *ExitStatus) String() string {
 func (*ExitStatus) ProtoMessage() {}
 
 func (x *ExitStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1515,7 +2213,7 @@ func (x *ExitStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExitStatus.ProtoReflect.Descriptor instead.
 func (*ExitStatus) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{21}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ExitStatus) GetCode() int32 {
@@ -1552,7 +2250,7 @@ type BuildImageRequest struct {
 
 func (x *BuildImageRequest) Reset() {
 	*x = BuildImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1564,7 +2262,7 @@ func (x *BuildImageRequest) String() string {
 func (*BuildImageRequest) ProtoMessage() {}
 
 func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1577,7 +2275,7 @@ func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageRequest.ProtoReflect.Descriptor instead.
 func (*BuildImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{22}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *BuildImageRequest) GetDev() bool {
@@ -1627,7 +2325,7 @@ type BuildImageResponse struct {
 
 func (x *BuildImageResponse) Reset() {
 	*x = BuildImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1639,7 +2337,7 @@ func (x *BuildImageResponse) String() string {
 func (*BuildImageResponse) ProtoMessage() {}
 
 func (x *BuildImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1652,7 +2350,7 @@ func (x *BuildImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageResponse.ProtoReflect.Descriptor instead.
 func (*BuildImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *BuildImageResponse) GetImage() *Image {
@@ -1677,7 +2375,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1689,7 +2387,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1702,7 +2400,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{36}
 }
 
 type ListImagesResponse struct {
@@ -1714,7 +2412,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1726,7 +2424,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1739,7 +2437,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -1773,7 +2471,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1785,7 +2483,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1798,7 +2496,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *Image) GetDigest() string {
@@ -1874,7 +2572,7 @@ type InspectImageRequest struct {
 
 func (x *InspectImageRequest) Reset() {
 	*x = InspectImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1886,7 +2584,7 @@ func (x *InspectImageRequest) String() string {
 func (*InspectImageRequest) ProtoMessage() {}
 
 func (x *InspectImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1899,7 +2597,7 @@ func (x *InspectImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InspectImageRequest.ProtoReflect.Descriptor instead.
 func (*InspectImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{27}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *InspectImageRequest) GetRef() string {
@@ -1920,7 +2618,7 @@ type InspectImageResponse struct {
 
 func (x *InspectImageResponse) Reset() {
 	*x = InspectImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1932,7 +2630,7 @@ func (x *InspectImageResponse) String() string {
 func (*InspectImageResponse) ProtoMessage() {}
 
 func (x *InspectImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1945,7 +2643,7 @@ func (x *InspectImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InspectImageResponse.ProtoReflect.Descriptor instead.
 func (*InspectImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{28}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *InspectImageResponse) GetImage() *Image {
@@ -1974,7 +2672,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1986,7 +2684,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1999,7 +2697,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{29}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *ImportImageRequest) GetPath() string {
@@ -2028,7 +2726,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2040,7 +2738,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2053,7 +2751,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{30}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -2078,7 +2776,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2090,7 +2788,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2103,7 +2801,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{31}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{43}
 }
 
 type GetInfoResponse struct {
@@ -2119,7 +2817,7 @@ type GetInfoResponse struct {
 
 func (x *GetInfoResponse) Reset() {
 	*x = GetInfoResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2131,7 +2829,7 @@ func (x *GetInfoResponse) String() string {
 func (*GetInfoResponse) ProtoMessage() {}
 
 func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2144,7 +2842,7 @@ func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetInfoResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{32}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *GetInfoResponse) GetVersion() string {
@@ -2190,7 +2888,7 @@ type ListGPUsRequest struct {
 
 func (x *ListGPUsRequest) Reset() {
 	*x = ListGPUsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2202,7 +2900,7 @@ func (x *ListGPUsRequest) String() string {
 func (*ListGPUsRequest) ProtoMessage() {}
 
 func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2215,7 +2913,7 @@ func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsRequest.ProtoReflect.Descriptor instead.
 func (*ListGPUsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{33}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{45}
 }
 
 type ListGPUsResponse struct {
@@ -2229,7 +2927,7 @@ type ListGPUsResponse struct {
 
 func (x *ListGPUsResponse) Reset() {
 	*x = ListGPUsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2241,7 +2939,7 @@ func (x *ListGPUsResponse) String() string {
 func (*ListGPUsResponse) ProtoMessage() {}
 
 func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2254,7 +2952,7 @@ func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsResponse.ProtoReflect.Descriptor instead.
 func (*ListGPUsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{34}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *ListGPUsResponse) GetIommu() bool {
@@ -2305,7 +3003,7 @@ type GPU struct {
 
 func (x *GPU) Reset() {
 	*x = GPU{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2317,7 +3015,7 @@ func (x *GPU) String() string {
 func (*GPU) ProtoMessage() {}
 
 func (x *GPU) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2330,7 +3028,7 @@ func (x *GPU) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GPU.ProtoReflect.Descriptor instead.
 func (*GPU) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{35}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *GPU) GetAddress() string {
@@ -2434,7 +3132,7 @@ type PCIDevice struct {
 
 func (x *PCIDevice) Reset() {
 	*x = PCIDevice{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2446,7 +3144,7 @@ func (x *PCIDevice) String() string {
 func (*PCIDevice) ProtoMessage() {}
 
 func (x *PCIDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2459,7 +3157,7 @@ func (x *PCIDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PCIDevice.ProtoReflect.Descriptor instead.
 func (*PCIDevice) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{36}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *PCIDevice) GetAddress() string {
@@ -2501,7 +3199,7 @@ var File_carrel_api_v1_api_proto protoreflect.FileDescriptor
 
 const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
-	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xf4\x05\n" +
+	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xa3\x06\n" +
 	"\x02VM\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12,\n" +
@@ -2532,7 +3230,13 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"disk_bytes\x18\x16 \x01(\x04R\tdiskBytes\x12\x1b\n" +
 	"\troot_hash\x18\x17 \x01(\tR\brootHash\x12\x12\n" +
 	"\x04held\x18\x18 \x01(\bR\x04held\x12\x1b\n" +
-	"\tpaused_at\x18\x19 \x01(\tR\bpausedAt\"\xa9\x02\n" +
+	"\tpaused_at\x18\x19 \x01(\tR\bpausedAt\x12-\n" +
+	"\x06origin\x18\x1a \x01(\v2\x15.carrel.api.v1.OriginR\x06origin\"b\n" +
+	"\x06Origin\x12\x0e\n" +
+	"\x02vm\x18\x01 \x01(\tR\x02vm\x12\x1a\n" +
+	"\bsnapshot\x18\x02 \x01(\tR\bsnapshot\x12\x18\n" +
+	"\asession\x18\x03 \x01(\tR\asession\x12\x12\n" +
+	"\x04fork\x18\x04 \x01(\bR\x04fork\"\xa9\x02\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12!\n" +
@@ -2580,6 +3284,46 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x0fResumeVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"5\n" +
 	"\x10ResumeVMResponse\x12!\n" +
+	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"\xb1\x02\n" +
+	"\bSnapshot\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
+	"\x02vm\x18\x02 \x01(\tR\x02vm\x12\x1d\n" +
+	"\n" +
+	"created_at\x18\x03 \x01(\tR\tcreatedAt\x12\x18\n" +
+	"\asession\x18\x04 \x01(\tR\asession\x12!\n" +
+	"\fimage_digest\x18\x05 \x01(\tR\vimageDigest\x12!\n" +
+	"\fmemory_bytes\x18\x06 \x01(\x04R\vmemoryBytes\x12\x1f\n" +
+	"\vstate_bytes\x18\a \x01(\x04R\n" +
+	"stateBytes\x12!\n" +
+	"\fstate_sha256\x18\b \x01(\tR\vstateSha256\x12\x14\n" +
+	"\x05bytes\x18\t \x01(\x04R\x05bytes\x12\x14\n" +
+	"\x05guest\x18\n" +
+	" \x01(\bR\x05guest\x12\x12\n" +
+	"\x04note\x18\v \x01(\tR\x04note\"W\n" +
+	"\x11SnapshotVMRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1a\n" +
+	"\bsnapshot\x18\x02 \x01(\tR\bsnapshot\x12\x12\n" +
+	"\x04note\x18\x03 \x01(\tR\x04note\"I\n" +
+	"\x12SnapshotVMResponse\x123\n" +
+	"\bsnapshot\x18\x01 \x01(\v2\x17.carrel.api.v1.SnapshotR\bsnapshot\"*\n" +
+	"\x14ListSnapshotsRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\"N\n" +
+	"\x15ListSnapshotsResponse\x125\n" +
+	"\tsnapshots\x18\x01 \x03(\v2\x17.carrel.api.v1.SnapshotR\tsnapshots\"B\n" +
+	"\x10RestoreVMRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1a\n" +
+	"\bsnapshot\x18\x02 \x01(\tR\bsnapshot\"6\n" +
+	"\x11RestoreVMResponse\x12!\n" +
+	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"G\n" +
+	"\x15DeleteSnapshotRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1a\n" +
+	"\bsnapshot\x18\x02 \x01(\tR\bsnapshot\"\x18\n" +
+	"\x16DeleteSnapshotResponse\"Z\n" +
+	"\rForkVMRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x19\n" +
+	"\bnew_name\x18\x02 \x01(\tR\anewName\x12\x1a\n" +
+	"\bsnapshot\x18\x03 \x01(\tR\bsnapshot\"3\n" +
+	"\x0eForkVMResponse\x12!\n" +
 	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"~\n" +
 	"\vExecRequest\x12\x0e\n" +
 	"\x02vm\x18\x01 \x01(\tR\x02vm\x12\x12\n" +
@@ -2677,7 +3421,7 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x17AGENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13AGENT_STATE_UNKNOWN\x10\x01\x12\x15\n" +
 	"\x11AGENT_STATE_READY\x10\x02\x12\x19\n" +
-	"\x15AGENT_STATE_UNHEALTHY\x10\x032\xe8\x05\n" +
+	"\x15AGENT_STATE_UNHEALTHY\x10\x032\x8d\t\n" +
 	"\tVMService\x12K\n" +
 	"\bCreateVM\x12\x1e.carrel.api.v1.CreateVMRequest\x1a\x1f.carrel.api.v1.CreateVMResponse\x12B\n" +
 	"\x05GetVM\x12\x1b.carrel.api.v1.GetVMRequest\x1a\x1c.carrel.api.v1.GetVMResponse\x12H\n" +
@@ -2687,7 +3431,13 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\bDeleteVM\x12\x1e.carrel.api.v1.DeleteVMRequest\x1a\x1f.carrel.api.v1.DeleteVMResponse\x12H\n" +
 	"\aResetVM\x12\x1d.carrel.api.v1.ResetVMRequest\x1a\x1e.carrel.api.v1.ResetVMResponse\x12H\n" +
 	"\aPauseVM\x12\x1d.carrel.api.v1.PauseVMRequest\x1a\x1e.carrel.api.v1.PauseVMResponse\x12K\n" +
-	"\bResumeVM\x12\x1e.carrel.api.v1.ResumeVMRequest\x1a\x1f.carrel.api.v1.ResumeVMResponse\x12A\n" +
+	"\bResumeVM\x12\x1e.carrel.api.v1.ResumeVMRequest\x1a\x1f.carrel.api.v1.ResumeVMResponse\x12Q\n" +
+	"\n" +
+	"SnapshotVM\x12 .carrel.api.v1.SnapshotVMRequest\x1a!.carrel.api.v1.SnapshotVMResponse\x12Z\n" +
+	"\rListSnapshots\x12#.carrel.api.v1.ListSnapshotsRequest\x1a$.carrel.api.v1.ListSnapshotsResponse\x12N\n" +
+	"\tRestoreVM\x12\x1f.carrel.api.v1.RestoreVMRequest\x1a .carrel.api.v1.RestoreVMResponse\x12]\n" +
+	"\x0eDeleteSnapshot\x12$.carrel.api.v1.DeleteSnapshotRequest\x1a%.carrel.api.v1.DeleteSnapshotResponse\x12E\n" +
+	"\x06ForkVM\x12\x1c.carrel.api.v1.ForkVMRequest\x1a\x1d.carrel.api.v1.ForkVMResponse\x12A\n" +
 	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x012\xe3\x02\n" +
 	"\fImageService\x12Q\n" +
 	"\n" +
@@ -2715,103 +3465,130 @@ func file_carrel_api_v1_api_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_api_v1_api_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 37)
+var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 49)
 var file_carrel_api_v1_api_proto_goTypes = []any{
-	(VMState)(0),                 // 0: carrel.api.v1.VMState
-	(AgentState)(0),              // 1: carrel.api.v1.AgentState
-	(*VM)(nil),                   // 2: carrel.api.v1.VM
-	(*CreateVMRequest)(nil),      // 3: carrel.api.v1.CreateVMRequest
-	(*CreateVMResponse)(nil),     // 4: carrel.api.v1.CreateVMResponse
-	(*GetVMRequest)(nil),         // 5: carrel.api.v1.GetVMRequest
-	(*GetVMResponse)(nil),        // 6: carrel.api.v1.GetVMResponse
-	(*ListVMsRequest)(nil),       // 7: carrel.api.v1.ListVMsRequest
-	(*ListVMsResponse)(nil),      // 8: carrel.api.v1.ListVMsResponse
-	(*StartVMRequest)(nil),       // 9: carrel.api.v1.StartVMRequest
-	(*StartVMResponse)(nil),      // 10: carrel.api.v1.StartVMResponse
-	(*StopVMRequest)(nil),        // 11: carrel.api.v1.StopVMRequest
-	(*StopVMResponse)(nil),       // 12: carrel.api.v1.StopVMResponse
-	(*DeleteVMRequest)(nil),      // 13: carrel.api.v1.DeleteVMRequest
-	(*DeleteVMResponse)(nil),     // 14: carrel.api.v1.DeleteVMResponse
-	(*ResetVMRequest)(nil),       // 15: carrel.api.v1.ResetVMRequest
-	(*ResetVMResponse)(nil),      // 16: carrel.api.v1.ResetVMResponse
-	(*PauseVMRequest)(nil),       // 17: carrel.api.v1.PauseVMRequest
-	(*PauseVMResponse)(nil),      // 18: carrel.api.v1.PauseVMResponse
-	(*ResumeVMRequest)(nil),      // 19: carrel.api.v1.ResumeVMRequest
-	(*ResumeVMResponse)(nil),     // 20: carrel.api.v1.ResumeVMResponse
-	(*ExecRequest)(nil),          // 21: carrel.api.v1.ExecRequest
-	(*ExecResponse)(nil),         // 22: carrel.api.v1.ExecResponse
-	(*ExitStatus)(nil),           // 23: carrel.api.v1.ExitStatus
-	(*BuildImageRequest)(nil),    // 24: carrel.api.v1.BuildImageRequest
-	(*BuildImageResponse)(nil),   // 25: carrel.api.v1.BuildImageResponse
-	(*ListImagesRequest)(nil),    // 26: carrel.api.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),   // 27: carrel.api.v1.ListImagesResponse
-	(*Image)(nil),                // 28: carrel.api.v1.Image
-	(*InspectImageRequest)(nil),  // 29: carrel.api.v1.InspectImageRequest
-	(*InspectImageResponse)(nil), // 30: carrel.api.v1.InspectImageResponse
-	(*ImportImageRequest)(nil),   // 31: carrel.api.v1.ImportImageRequest
-	(*ImportImageResponse)(nil),  // 32: carrel.api.v1.ImportImageResponse
-	(*GetInfoRequest)(nil),       // 33: carrel.api.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),      // 34: carrel.api.v1.GetInfoResponse
-	(*ListGPUsRequest)(nil),      // 35: carrel.api.v1.ListGPUsRequest
-	(*ListGPUsResponse)(nil),     // 36: carrel.api.v1.ListGPUsResponse
-	(*GPU)(nil),                  // 37: carrel.api.v1.GPU
-	(*PCIDevice)(nil),            // 38: carrel.api.v1.PCIDevice
+	(VMState)(0),                   // 0: carrel.api.v1.VMState
+	(AgentState)(0),                // 1: carrel.api.v1.AgentState
+	(*VM)(nil),                     // 2: carrel.api.v1.VM
+	(*Origin)(nil),                 // 3: carrel.api.v1.Origin
+	(*CreateVMRequest)(nil),        // 4: carrel.api.v1.CreateVMRequest
+	(*CreateVMResponse)(nil),       // 5: carrel.api.v1.CreateVMResponse
+	(*GetVMRequest)(nil),           // 6: carrel.api.v1.GetVMRequest
+	(*GetVMResponse)(nil),          // 7: carrel.api.v1.GetVMResponse
+	(*ListVMsRequest)(nil),         // 8: carrel.api.v1.ListVMsRequest
+	(*ListVMsResponse)(nil),        // 9: carrel.api.v1.ListVMsResponse
+	(*StartVMRequest)(nil),         // 10: carrel.api.v1.StartVMRequest
+	(*StartVMResponse)(nil),        // 11: carrel.api.v1.StartVMResponse
+	(*StopVMRequest)(nil),          // 12: carrel.api.v1.StopVMRequest
+	(*StopVMResponse)(nil),         // 13: carrel.api.v1.StopVMResponse
+	(*DeleteVMRequest)(nil),        // 14: carrel.api.v1.DeleteVMRequest
+	(*DeleteVMResponse)(nil),       // 15: carrel.api.v1.DeleteVMResponse
+	(*ResetVMRequest)(nil),         // 16: carrel.api.v1.ResetVMRequest
+	(*ResetVMResponse)(nil),        // 17: carrel.api.v1.ResetVMResponse
+	(*PauseVMRequest)(nil),         // 18: carrel.api.v1.PauseVMRequest
+	(*PauseVMResponse)(nil),        // 19: carrel.api.v1.PauseVMResponse
+	(*ResumeVMRequest)(nil),        // 20: carrel.api.v1.ResumeVMRequest
+	(*ResumeVMResponse)(nil),       // 21: carrel.api.v1.ResumeVMResponse
+	(*Snapshot)(nil),               // 22: carrel.api.v1.Snapshot
+	(*SnapshotVMRequest)(nil),      // 23: carrel.api.v1.SnapshotVMRequest
+	(*SnapshotVMResponse)(nil),     // 24: carrel.api.v1.SnapshotVMResponse
+	(*ListSnapshotsRequest)(nil),   // 25: carrel.api.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),  // 26: carrel.api.v1.ListSnapshotsResponse
+	(*RestoreVMRequest)(nil),       // 27: carrel.api.v1.RestoreVMRequest
+	(*RestoreVMResponse)(nil),      // 28: carrel.api.v1.RestoreVMResponse
+	(*DeleteSnapshotRequest)(nil),  // 29: carrel.api.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil), // 30: carrel.api.v1.DeleteSnapshotResponse
+	(*ForkVMRequest)(nil),          // 31: carrel.api.v1.ForkVMRequest
+	(*ForkVMResponse)(nil),         // 32: carrel.api.v1.ForkVMResponse
+	(*ExecRequest)(nil),            // 33: carrel.api.v1.ExecRequest
+	(*ExecResponse)(nil),           // 34: carrel.api.v1.ExecResponse
+	(*ExitStatus)(nil),             // 35: carrel.api.v1.ExitStatus
+	(*BuildImageRequest)(nil),      // 36: carrel.api.v1.BuildImageRequest
+	(*BuildImageResponse)(nil),     // 37: carrel.api.v1.BuildImageResponse
+	(*ListImagesRequest)(nil),      // 38: carrel.api.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),     // 39: carrel.api.v1.ListImagesResponse
+	(*Image)(nil),                  // 40: carrel.api.v1.Image
+	(*InspectImageRequest)(nil),    // 41: carrel.api.v1.InspectImageRequest
+	(*InspectImageResponse)(nil),   // 42: carrel.api.v1.InspectImageResponse
+	(*ImportImageRequest)(nil),     // 43: carrel.api.v1.ImportImageRequest
+	(*ImportImageResponse)(nil),    // 44: carrel.api.v1.ImportImageResponse
+	(*GetInfoRequest)(nil),         // 45: carrel.api.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),        // 46: carrel.api.v1.GetInfoResponse
+	(*ListGPUsRequest)(nil),        // 47: carrel.api.v1.ListGPUsRequest
+	(*ListGPUsResponse)(nil),       // 48: carrel.api.v1.ListGPUsResponse
+	(*GPU)(nil),                    // 49: carrel.api.v1.GPU
+	(*PCIDevice)(nil),              // 50: carrel.api.v1.PCIDevice
 }
 var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	0,  // 0: carrel.api.v1.VM.state:type_name -> carrel.api.v1.VMState
 	1,  // 1: carrel.api.v1.VM.agent_state:type_name -> carrel.api.v1.AgentState
-	2,  // 2: carrel.api.v1.CreateVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 3: carrel.api.v1.GetVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 4: carrel.api.v1.ListVMsResponse.vms:type_name -> carrel.api.v1.VM
-	2,  // 5: carrel.api.v1.StartVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 6: carrel.api.v1.StopVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 7: carrel.api.v1.ResetVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 8: carrel.api.v1.PauseVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 9: carrel.api.v1.ResumeVMResponse.vm:type_name -> carrel.api.v1.VM
-	23, // 10: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
-	28, // 11: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
-	28, // 12: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
-	28, // 13: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
-	28, // 14: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
-	37, // 15: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
-	38, // 16: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
-	3,  // 17: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
-	5,  // 18: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
-	7,  // 19: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
-	9,  // 20: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
-	11, // 21: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
-	13, // 22: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
-	15, // 23: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
-	17, // 24: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
-	19, // 25: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
-	21, // 26: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
-	24, // 27: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
-	26, // 28: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
-	29, // 29: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
-	31, // 30: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
-	33, // 31: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
-	35, // 32: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
-	4,  // 33: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
-	6,  // 34: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
-	8,  // 35: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
-	10, // 36: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
-	12, // 37: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
-	14, // 38: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
-	16, // 39: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
-	18, // 40: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
-	20, // 41: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
-	22, // 42: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
-	25, // 43: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
-	27, // 44: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
-	30, // 45: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
-	32, // 46: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
-	34, // 47: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
-	36, // 48: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
-	33, // [33:49] is the sub-list for method output_type
-	17, // [17:33] is the sub-list for method input_type
-	17, // [17:17] is the sub-list for extension type_name
-	17, // [17:17] is the sub-list for extension extendee
-	0,  // [0:17] is the sub-list for field type_name
+	3,  // 2: carrel.api.v1.VM.origin:type_name -> carrel.api.v1.Origin
+	2,  // 3: carrel.api.v1.CreateVMResponse.vm:type_name -> carrel.api.v1.VM
+	2,  // 4: carrel.api.v1.GetVMResponse.vm:type_name -> carrel.api.v1.VM
+	2,  // 5: carrel.api.v1.ListVMsResponse.vms:type_name -> carrel.api.v1.VM
+	2,  // 6: carrel.api.v1.StartVMResponse.vm:type_name -> carrel.api.v1.VM
+	2,  // 7: carrel.api.v1.StopVMResponse.vm:type_name -> carrel.api.v1.VM
+	2,  // 8: carrel.api.v1.ResetVMResponse.vm:type_name -> carrel.api.v1.VM
+	2,  // 9: carrel.api.v1.PauseVMResponse.vm:type_name -> carrel.api.v1.VM
+	2,  // 10: carrel.api.v1.ResumeVMResponse.vm:type_name -> carrel.api.v1.VM
+	22, // 11: carrel.api.v1.SnapshotVMResponse.snapshot:type_name -> carrel.api.v1.Snapshot
+	22, // 12: carrel.api.v1.ListSnapshotsResponse.snapshots:type_name -> carrel.api.v1.Snapshot
+	2,  // 13: carrel.api.v1.RestoreVMResponse.vm:type_name -> carrel.api.v1.VM
+	2,  // 14: carrel.api.v1.ForkVMResponse.vm:type_name -> carrel.api.v1.VM
+	35, // 15: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
+	40, // 16: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
+	40, // 17: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
+	40, // 18: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
+	40, // 19: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
+	49, // 20: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
+	50, // 21: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
+	4,  // 22: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
+	6,  // 23: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
+	8,  // 24: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
+	10, // 25: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
+	12, // 26: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
+	14, // 27: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
+	16, // 28: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
+	18, // 29: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
+	20, // 30: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
+	23, // 31: carrel.api.v1.VMService.SnapshotVM:input_type -> carrel.api.v1.SnapshotVMRequest
+	25, // 32: carrel.api.v1.VMService.ListSnapshots:input_type -> carrel.api.v1.ListSnapshotsRequest
+	27, // 33: carrel.api.v1.VMService.RestoreVM:input_type -> carrel.api.v1.RestoreVMRequest
+	29, // 34: carrel.api.v1.VMService.DeleteSnapshot:input_type -> carrel.api.v1.DeleteSnapshotRequest
+	31, // 35: carrel.api.v1.VMService.ForkVM:input_type -> carrel.api.v1.ForkVMRequest
+	33, // 36: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
+	36, // 37: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
+	38, // 38: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
+	41, // 39: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
+	43, // 40: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
+	45, // 41: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
+	47, // 42: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
+	5,  // 43: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
+	7,  // 44: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
+	9,  // 45: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
+	11, // 46: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
+	13, // 47: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
+	15, // 48: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
+	17, // 49: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
+	19, // 50: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
+	21, // 51: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
+	24, // 52: carrel.api.v1.VMService.SnapshotVM:output_type -> carrel.api.v1.SnapshotVMResponse
+	26, // 53: carrel.api.v1.VMService.ListSnapshots:output_type -> carrel.api.v1.ListSnapshotsResponse
+	28, // 54: carrel.api.v1.VMService.RestoreVM:output_type -> carrel.api.v1.RestoreVMResponse
+	30, // 55: carrel.api.v1.VMService.DeleteSnapshot:output_type -> carrel.api.v1.DeleteSnapshotResponse
+	32, // 56: carrel.api.v1.VMService.ForkVM:output_type -> carrel.api.v1.ForkVMResponse
+	34, // 57: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
+	37, // 58: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
+	39, // 59: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
+	42, // 60: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
+	44, // 61: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
+	46, // 62: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
+	48, // 63: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
+	43, // [43:64] is the sub-list for method output_type
+	22, // [22:43] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_carrel_api_v1_api_proto_init() }
@@ -2819,7 +3596,7 @@ func file_carrel_api_v1_api_proto_init() {
 	if File_carrel_api_v1_api_proto != nil {
 		return
 	}
-	file_carrel_api_v1_api_proto_msgTypes[20].OneofWrappers = []any{
+	file_carrel_api_v1_api_proto_msgTypes[32].OneofWrappers = []any{
 		(*ExecResponse_Pid)(nil),
 		(*ExecResponse_Stdout)(nil),
 		(*ExecResponse_Stderr)(nil),
@@ -2831,7 +3608,7 @@ func file_carrel_api_v1_api_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_api_v1_api_proto_rawDesc), len(file_carrel_api_v1_api_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   37,
+			NumMessages:   49,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

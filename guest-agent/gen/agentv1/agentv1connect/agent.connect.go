@@ -54,6 +54,8 @@ const (
 	AgentServiceSetSandboxProcedure = "/carrel.agent.v1.AgentService/SetSandbox"
 	// AgentServiceActivityProcedure is the fully-qualified name of the AgentService's Activity RPC.
 	AgentServiceActivityProcedure = "/carrel.agent.v1.AgentService/Activity"
+	// AgentServiceRestoredProcedure is the fully-qualified name of the AgentService's Restored RPC.
+	AgentServiceRestoredProcedure = "/carrel.agent.v1.AgentService/Restored"
 )
 
 // AgentServiceClient is a client for the carrel.agent.v1.AgentService service.
@@ -96,6 +98,14 @@ type AgentServiceClient interface {
 	// with CodeAborted. CodeUnimplemented when the guest cannot watch (no
 	// fanotify, say); the agent's log says why.
 	Activity(context.Context, *connect.Request[agentv1.ActivityRequest]) (*connect.ServerStreamForClient[agentv1.ActivityResponse], error)
+	// Restored tells the agent that its VM was just started from a snapshot
+	// (restored, or forked into a new VM): every process continues from the
+	// snapshot's instant, with the kernel's random state and clock of then.
+	// The agent mixes the host's seed into the kernel's RNG and forces a
+	// reseed, sets the clock to the host's, and, for a fork, takes the new
+	// machine id. carreld calls it as soon as the agent answers after such a
+	// start, and never relays it.
+	Restored(context.Context, *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error)
 }
 
 // NewAgentServiceClient constructs a client for the carrel.agent.v1.AgentService service. By
@@ -157,6 +167,12 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Activity")),
 			connect.WithClientOptions(opts...),
 		),
+		restored: connect.NewClient[agentv1.RestoredRequest, agentv1.RestoredResponse](
+			httpClient,
+			baseURL+AgentServiceRestoredProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Restored")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
@@ -170,6 +186,7 @@ type agentServiceClient struct {
 	shutdown      *connect.Client[agentv1.ShutdownRequest, agentv1.ShutdownResponse]
 	setSandbox    *connect.Client[agentv1.SetSandboxRequest, agentv1.SetSandboxResponse]
 	activity      *connect.Client[agentv1.ActivityRequest, agentv1.ActivityResponse]
+	restored      *connect.Client[agentv1.RestoredRequest, agentv1.RestoredResponse]
 }
 
 // Health calls carrel.agent.v1.AgentService.Health.
@@ -212,6 +229,11 @@ func (c *agentServiceClient) Activity(ctx context.Context, req *connect.Request[
 	return c.activity.CallServerStream(ctx, req)
 }
 
+// Restored calls carrel.agent.v1.AgentService.Restored.
+func (c *agentServiceClient) Restored(ctx context.Context, req *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error) {
+	return c.restored.CallUnary(ctx, req)
+}
+
 // AgentServiceHandler is an implementation of the carrel.agent.v1.AgentService service.
 type AgentServiceHandler interface {
 	// Health reports that the agent is up and which build it is.
@@ -252,6 +274,14 @@ type AgentServiceHandler interface {
 	// with CodeAborted. CodeUnimplemented when the guest cannot watch (no
 	// fanotify, say); the agent's log says why.
 	Activity(context.Context, *connect.Request[agentv1.ActivityRequest], *connect.ServerStream[agentv1.ActivityResponse]) error
+	// Restored tells the agent that its VM was just started from a snapshot
+	// (restored, or forked into a new VM): every process continues from the
+	// snapshot's instant, with the kernel's random state and clock of then.
+	// The agent mixes the host's seed into the kernel's RNG and forces a
+	// reseed, sets the clock to the host's, and, for a fork, takes the new
+	// machine id. carreld calls it as soon as the agent answers after such a
+	// start, and never relays it.
+	Restored(context.Context, *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error)
 }
 
 // NewAgentServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -309,6 +339,12 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Activity")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceRestoredHandler := connect.NewUnaryHandler(
+		AgentServiceRestoredProcedure,
+		svc.Restored,
+		connect.WithSchema(agentServiceMethods.ByName("Restored")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.agent.v1.AgentService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AgentServiceHealthProcedure:
@@ -327,6 +363,8 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceSetSandboxHandler.ServeHTTP(w, r)
 		case AgentServiceActivityProcedure:
 			agentServiceActivityHandler.ServeHTTP(w, r)
+		case AgentServiceRestoredProcedure:
+			agentServiceRestoredHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -366,4 +404,8 @@ func (UnimplementedAgentServiceHandler) SetSandbox(context.Context, *connect.Req
 
 func (UnimplementedAgentServiceHandler) Activity(context.Context, *connect.Request[agentv1.ActivityRequest], *connect.ServerStream[agentv1.ActivityResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Activity is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Restored(context.Context, *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Restored is not implemented"))
 }

@@ -64,6 +64,17 @@ const (
 	VMServicePauseVMProcedure = "/carrel.api.v1.VMService/PauseVM"
 	// VMServiceResumeVMProcedure is the fully-qualified name of the VMService's ResumeVM RPC.
 	VMServiceResumeVMProcedure = "/carrel.api.v1.VMService/ResumeVM"
+	// VMServiceSnapshotVMProcedure is the fully-qualified name of the VMService's SnapshotVM RPC.
+	VMServiceSnapshotVMProcedure = "/carrel.api.v1.VMService/SnapshotVM"
+	// VMServiceListSnapshotsProcedure is the fully-qualified name of the VMService's ListSnapshots RPC.
+	VMServiceListSnapshotsProcedure = "/carrel.api.v1.VMService/ListSnapshots"
+	// VMServiceRestoreVMProcedure is the fully-qualified name of the VMService's RestoreVM RPC.
+	VMServiceRestoreVMProcedure = "/carrel.api.v1.VMService/RestoreVM"
+	// VMServiceDeleteSnapshotProcedure is the fully-qualified name of the VMService's DeleteSnapshot
+	// RPC.
+	VMServiceDeleteSnapshotProcedure = "/carrel.api.v1.VMService/DeleteSnapshot"
+	// VMServiceForkVMProcedure is the fully-qualified name of the VMService's ForkVM RPC.
+	VMServiceForkVMProcedure = "/carrel.api.v1.VMService/ForkVM"
 	// VMServiceExecProcedure is the fully-qualified name of the VMService's Exec RPC.
 	VMServiceExecProcedure = "/carrel.api.v1.VMService/Exec"
 	// ImageServiceBuildImageProcedure is the fully-qualified name of the ImageService's BuildImage RPC.
@@ -106,6 +117,21 @@ type VMServiceClient interface {
 	PauseVM(context.Context, *connect.Request[apiv1.PauseVMRequest]) (*connect.Response[apiv1.PauseVMResponse], error)
 	// ResumeVM starts the vCPUs of a paused VM again.
 	ResumeVM(context.Context, *connect.Request[apiv1.ResumeVMRequest]) (*connect.Response[apiv1.ResumeVMResponse], error)
+	// SnapshotVM saves a running VM at one instant: memory, device state
+	// and every writable disk. The VM runs on.
+	SnapshotVM(context.Context, *connect.Request[apiv1.SnapshotVMRequest]) (*connect.Response[apiv1.SnapshotVMResponse], error)
+	// ListSnapshots returns a VM's snapshots, oldest first.
+	ListSnapshots(context.Context, *connect.Request[apiv1.ListSnapshotsRequest]) (*connect.Response[apiv1.ListSnapshotsResponse], error)
+	// RestoreVM puts a VM back at a snapshot, processes and all, in a new
+	// session whose parent is the snapshot's.
+	RestoreVM(context.Context, *connect.Request[apiv1.RestoreVMRequest]) (*connect.Response[apiv1.RestoreVMResponse], error)
+	// DeleteSnapshot removes a snapshot; one a VM was forked from is kept
+	// while that VM exists.
+	DeleteSnapshot(context.Context, *connect.Request[apiv1.DeleteSnapshotRequest]) (*connect.Response[apiv1.DeleteSnapshotResponse], error)
+	// ForkVM makes a new VM from a snapshot of a VM (a new one taken now
+	// when none is named): the same machine at that instant, with its own
+	// name, session, disks, random seed, clock and machine id.
+	ForkVM(context.Context, *connect.Request[apiv1.ForkVMRequest]) (*connect.Response[apiv1.ForkVMResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error)
 }
@@ -175,6 +201,36 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("ResumeVM")),
 			connect.WithClientOptions(opts...),
 		),
+		snapshotVM: connect.NewClient[apiv1.SnapshotVMRequest, apiv1.SnapshotVMResponse](
+			httpClient,
+			baseURL+VMServiceSnapshotVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("SnapshotVM")),
+			connect.WithClientOptions(opts...),
+		),
+		listSnapshots: connect.NewClient[apiv1.ListSnapshotsRequest, apiv1.ListSnapshotsResponse](
+			httpClient,
+			baseURL+VMServiceListSnapshotsProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("ListSnapshots")),
+			connect.WithClientOptions(opts...),
+		),
+		restoreVM: connect.NewClient[apiv1.RestoreVMRequest, apiv1.RestoreVMResponse](
+			httpClient,
+			baseURL+VMServiceRestoreVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("RestoreVM")),
+			connect.WithClientOptions(opts...),
+		),
+		deleteSnapshot: connect.NewClient[apiv1.DeleteSnapshotRequest, apiv1.DeleteSnapshotResponse](
+			httpClient,
+			baseURL+VMServiceDeleteSnapshotProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("DeleteSnapshot")),
+			connect.WithClientOptions(opts...),
+		),
+		forkVM: connect.NewClient[apiv1.ForkVMRequest, apiv1.ForkVMResponse](
+			httpClient,
+			baseURL+VMServiceForkVMProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("ForkVM")),
+			connect.WithClientOptions(opts...),
+		),
 		exec: connect.NewClient[apiv1.ExecRequest, apiv1.ExecResponse](
 			httpClient,
 			baseURL+VMServiceExecProcedure,
@@ -186,16 +242,21 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 
 // vMServiceClient implements VMServiceClient.
 type vMServiceClient struct {
-	createVM *connect.Client[apiv1.CreateVMRequest, apiv1.CreateVMResponse]
-	getVM    *connect.Client[apiv1.GetVMRequest, apiv1.GetVMResponse]
-	listVMs  *connect.Client[apiv1.ListVMsRequest, apiv1.ListVMsResponse]
-	startVM  *connect.Client[apiv1.StartVMRequest, apiv1.StartVMResponse]
-	stopVM   *connect.Client[apiv1.StopVMRequest, apiv1.StopVMResponse]
-	deleteVM *connect.Client[apiv1.DeleteVMRequest, apiv1.DeleteVMResponse]
-	resetVM  *connect.Client[apiv1.ResetVMRequest, apiv1.ResetVMResponse]
-	pauseVM  *connect.Client[apiv1.PauseVMRequest, apiv1.PauseVMResponse]
-	resumeVM *connect.Client[apiv1.ResumeVMRequest, apiv1.ResumeVMResponse]
-	exec     *connect.Client[apiv1.ExecRequest, apiv1.ExecResponse]
+	createVM       *connect.Client[apiv1.CreateVMRequest, apiv1.CreateVMResponse]
+	getVM          *connect.Client[apiv1.GetVMRequest, apiv1.GetVMResponse]
+	listVMs        *connect.Client[apiv1.ListVMsRequest, apiv1.ListVMsResponse]
+	startVM        *connect.Client[apiv1.StartVMRequest, apiv1.StartVMResponse]
+	stopVM         *connect.Client[apiv1.StopVMRequest, apiv1.StopVMResponse]
+	deleteVM       *connect.Client[apiv1.DeleteVMRequest, apiv1.DeleteVMResponse]
+	resetVM        *connect.Client[apiv1.ResetVMRequest, apiv1.ResetVMResponse]
+	pauseVM        *connect.Client[apiv1.PauseVMRequest, apiv1.PauseVMResponse]
+	resumeVM       *connect.Client[apiv1.ResumeVMRequest, apiv1.ResumeVMResponse]
+	snapshotVM     *connect.Client[apiv1.SnapshotVMRequest, apiv1.SnapshotVMResponse]
+	listSnapshots  *connect.Client[apiv1.ListSnapshotsRequest, apiv1.ListSnapshotsResponse]
+	restoreVM      *connect.Client[apiv1.RestoreVMRequest, apiv1.RestoreVMResponse]
+	deleteSnapshot *connect.Client[apiv1.DeleteSnapshotRequest, apiv1.DeleteSnapshotResponse]
+	forkVM         *connect.Client[apiv1.ForkVMRequest, apiv1.ForkVMResponse]
+	exec           *connect.Client[apiv1.ExecRequest, apiv1.ExecResponse]
 }
 
 // CreateVM calls carrel.api.v1.VMService.CreateVM.
@@ -243,6 +304,31 @@ func (c *vMServiceClient) ResumeVM(ctx context.Context, req *connect.Request[api
 	return c.resumeVM.CallUnary(ctx, req)
 }
 
+// SnapshotVM calls carrel.api.v1.VMService.SnapshotVM.
+func (c *vMServiceClient) SnapshotVM(ctx context.Context, req *connect.Request[apiv1.SnapshotVMRequest]) (*connect.Response[apiv1.SnapshotVMResponse], error) {
+	return c.snapshotVM.CallUnary(ctx, req)
+}
+
+// ListSnapshots calls carrel.api.v1.VMService.ListSnapshots.
+func (c *vMServiceClient) ListSnapshots(ctx context.Context, req *connect.Request[apiv1.ListSnapshotsRequest]) (*connect.Response[apiv1.ListSnapshotsResponse], error) {
+	return c.listSnapshots.CallUnary(ctx, req)
+}
+
+// RestoreVM calls carrel.api.v1.VMService.RestoreVM.
+func (c *vMServiceClient) RestoreVM(ctx context.Context, req *connect.Request[apiv1.RestoreVMRequest]) (*connect.Response[apiv1.RestoreVMResponse], error) {
+	return c.restoreVM.CallUnary(ctx, req)
+}
+
+// DeleteSnapshot calls carrel.api.v1.VMService.DeleteSnapshot.
+func (c *vMServiceClient) DeleteSnapshot(ctx context.Context, req *connect.Request[apiv1.DeleteSnapshotRequest]) (*connect.Response[apiv1.DeleteSnapshotResponse], error) {
+	return c.deleteSnapshot.CallUnary(ctx, req)
+}
+
+// ForkVM calls carrel.api.v1.VMService.ForkVM.
+func (c *vMServiceClient) ForkVM(ctx context.Context, req *connect.Request[apiv1.ForkVMRequest]) (*connect.Response[apiv1.ForkVMResponse], error) {
+	return c.forkVM.CallUnary(ctx, req)
+}
+
 // Exec calls carrel.api.v1.VMService.Exec.
 func (c *vMServiceClient) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error) {
 	return c.exec.CallServerStream(ctx, req)
@@ -272,6 +358,21 @@ type VMServiceHandler interface {
 	PauseVM(context.Context, *connect.Request[apiv1.PauseVMRequest]) (*connect.Response[apiv1.PauseVMResponse], error)
 	// ResumeVM starts the vCPUs of a paused VM again.
 	ResumeVM(context.Context, *connect.Request[apiv1.ResumeVMRequest]) (*connect.Response[apiv1.ResumeVMResponse], error)
+	// SnapshotVM saves a running VM at one instant: memory, device state
+	// and every writable disk. The VM runs on.
+	SnapshotVM(context.Context, *connect.Request[apiv1.SnapshotVMRequest]) (*connect.Response[apiv1.SnapshotVMResponse], error)
+	// ListSnapshots returns a VM's snapshots, oldest first.
+	ListSnapshots(context.Context, *connect.Request[apiv1.ListSnapshotsRequest]) (*connect.Response[apiv1.ListSnapshotsResponse], error)
+	// RestoreVM puts a VM back at a snapshot, processes and all, in a new
+	// session whose parent is the snapshot's.
+	RestoreVM(context.Context, *connect.Request[apiv1.RestoreVMRequest]) (*connect.Response[apiv1.RestoreVMResponse], error)
+	// DeleteSnapshot removes a snapshot; one a VM was forked from is kept
+	// while that VM exists.
+	DeleteSnapshot(context.Context, *connect.Request[apiv1.DeleteSnapshotRequest]) (*connect.Response[apiv1.DeleteSnapshotResponse], error)
+	// ForkVM makes a new VM from a snapshot of a VM (a new one taken now
+	// when none is named): the same machine at that instant, with its own
+	// name, session, disks, random seed, clock and machine id.
+	ForkVM(context.Context, *connect.Request[apiv1.ForkVMRequest]) (*connect.Response[apiv1.ForkVMResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error
 }
@@ -337,6 +438,36 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("ResumeVM")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServiceSnapshotVMHandler := connect.NewUnaryHandler(
+		VMServiceSnapshotVMProcedure,
+		svc.SnapshotVM,
+		connect.WithSchema(vMServiceMethods.ByName("SnapshotVM")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceListSnapshotsHandler := connect.NewUnaryHandler(
+		VMServiceListSnapshotsProcedure,
+		svc.ListSnapshots,
+		connect.WithSchema(vMServiceMethods.ByName("ListSnapshots")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceRestoreVMHandler := connect.NewUnaryHandler(
+		VMServiceRestoreVMProcedure,
+		svc.RestoreVM,
+		connect.WithSchema(vMServiceMethods.ByName("RestoreVM")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceDeleteSnapshotHandler := connect.NewUnaryHandler(
+		VMServiceDeleteSnapshotProcedure,
+		svc.DeleteSnapshot,
+		connect.WithSchema(vMServiceMethods.ByName("DeleteSnapshot")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceForkVMHandler := connect.NewUnaryHandler(
+		VMServiceForkVMProcedure,
+		svc.ForkVM,
+		connect.WithSchema(vMServiceMethods.ByName("ForkVM")),
+		connect.WithHandlerOptions(opts...),
+	)
 	vMServiceExecHandler := connect.NewServerStreamHandler(
 		VMServiceExecProcedure,
 		svc.Exec,
@@ -363,6 +494,16 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServicePauseVMHandler.ServeHTTP(w, r)
 		case VMServiceResumeVMProcedure:
 			vMServiceResumeVMHandler.ServeHTTP(w, r)
+		case VMServiceSnapshotVMProcedure:
+			vMServiceSnapshotVMHandler.ServeHTTP(w, r)
+		case VMServiceListSnapshotsProcedure:
+			vMServiceListSnapshotsHandler.ServeHTTP(w, r)
+		case VMServiceRestoreVMProcedure:
+			vMServiceRestoreVMHandler.ServeHTTP(w, r)
+		case VMServiceDeleteSnapshotProcedure:
+			vMServiceDeleteSnapshotHandler.ServeHTTP(w, r)
+		case VMServiceForkVMProcedure:
+			vMServiceForkVMHandler.ServeHTTP(w, r)
 		case VMServiceExecProcedure:
 			vMServiceExecHandler.ServeHTTP(w, r)
 		default:
@@ -408,6 +549,26 @@ func (UnimplementedVMServiceHandler) PauseVM(context.Context, *connect.Request[a
 
 func (UnimplementedVMServiceHandler) ResumeVM(context.Context, *connect.Request[apiv1.ResumeVMRequest]) (*connect.Response[apiv1.ResumeVMResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.ResumeVM is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) SnapshotVM(context.Context, *connect.Request[apiv1.SnapshotVMRequest]) (*connect.Response[apiv1.SnapshotVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.SnapshotVM is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) ListSnapshots(context.Context, *connect.Request[apiv1.ListSnapshotsRequest]) (*connect.Response[apiv1.ListSnapshotsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.ListSnapshots is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) RestoreVM(context.Context, *connect.Request[apiv1.RestoreVMRequest]) (*connect.Response[apiv1.RestoreVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.RestoreVM is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) DeleteSnapshot(context.Context, *connect.Request[apiv1.DeleteSnapshotRequest]) (*connect.Response[apiv1.DeleteSnapshotResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.DeleteSnapshot is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) ForkVM(context.Context, *connect.Request[apiv1.ForkVMRequest]) (*connect.Response[apiv1.ForkVMResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.ForkVM is not implemented"))
 }
 
 func (UnimplementedVMServiceHandler) Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error {

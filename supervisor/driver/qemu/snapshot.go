@@ -1,0 +1,239 @@
+package qemu
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/digitalocean/go-qemu/qmp"
+
+	"github.com/carrel-os/carrel/supervisor/driver"
+)
+
+var _ driver.Snapshotter = (*Driver)(nil)
+
+// migrateSocketName is where carreld listens for the state QEMU saves.
+const migrateSocketName = "migrate.sock"
+
+// run sends one QMP command with its arguments (nil for none) and decodes
+// its "return" into out (nil to ignore it). A QMP error is returned as
+// the command's error, with QEMU's description.
+func run(mon qmp.Monitor, cmd string, args, out any) error {
+	req := map[string]any{"execute": cmd}
+	if args != nil {
+		req["arguments"] = args
+	}
+	b, err := json.Marshal(req)
+	if err != nil {
+		return err
+	}
+	raw, err := mon.Run(b)
+	if err != nil {
+		return fmt.Errorf("qmp %s: %w", cmd, err)
+	}
+	if out == nil {
+		return nil
+	}
+	var resp struct {
+		Return json.RawMessage `json:"return"`
+	}
+	if err := json.Unmarshal(raw, &resp); err != nil {
+		return fmt.Errorf("qmp %s: %w", cmd, err)
+	}
+	if err := json.Unmarshal(resp.Return, out); err != nil {
+		return fmt.Errorf("qmp %s: %w", cmd, err)
+	}
+	return nil
+}
+
+// rawMonitor runs fn on a fresh QMP connection, as monitor does.
+func (d *Driver) rawMonitor(ctx context.Context, socket string, fn func(qmp.Monitor) error) error {
+	ctx, cancel := context.WithTimeout(ctx, qmpTimeout)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		mon, err := d.cfg.NewMonitor(socket)
+		if err != nil {
+			done <- fmt.Errorf("qmp %s: %w", socket, err)
+			return
+		}
+		if err := mon.Connect(); err != nil {
+			done <- fmt.Errorf("qmp connect %s: %w", socket, err)
+			return
+		}
+		defer mon.Disconnect()
+		done <- fn(mon)
+	}()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return fmt.Errorf("qmp %s: no answer: %w", socket, ctx.Err())
+	}
+}
+
+// FreezeDisks implements driver.Snapshotter with one QMP transaction of
+// blockdev-snapshot-sync actions: QEMU makes each new overlay, naming the
+// current file as its backing by its absolute path, and switches to it.
+// The files are never renamed: QEMU opens a node's file again by its name
+// when the node's permissions change (the old top becomes read-only), so a
+// renamed file would be replaced by whatever took its name.
+func (d *Driver) FreezeDisks(ctx context.Context, inst driver.Instance, overlays map[string]string) error {
+	return d.rawMonitor(ctx, inst.QMPSocket, func(mon qmp.Monitor) error {
+		var blocks []struct {
+			Device   string `json:"device"`
+			Inserted *struct {
+				File string `json:"file"`
+			} `json:"inserted"`
+		}
+		if err := run(mon, "query-block", nil, &blocks); err != nil {
+			return err
+		}
+		byFile := map[string]string{}
+		for _, b := range blocks {
+			if b.Inserted != nil {
+				byFile[b.Inserted.File] = b.Device
+			}
+		}
+		var actions []any
+		for cur, next := range overlays {
+			dev, ok := byFile[cur]
+			if !ok {
+				return fmt.Errorf("the vm has no disk open at %s", cur)
+			}
+			actions = append(actions, map[string]any{"type": "blockdev-snapshot-sync", "data": map[string]any{
+				"device": dev, "snapshot-file": next, "format": driver.FormatQCOW2, "mode": "absolute-paths",
+			}})
+		}
+		if len(actions) == 0 {
+			return nil
+		}
+		return run(mon, "transaction", map[string]any{"actions": actions}, nil)
+	})
+}
+
+// SaveState implements driver.Snapshotter. QEMU migrates to a unix socket
+// carreld listens on in the VM's directory, and carreld copies what comes
+// to w. Without -sandbox's spawn, QEMU cannot run a helper to write a
+// file, and a socket keeps the bytes in carreld's hands (it hashes them on
+// the way). After a save QEMU waits in "postmigrate": Resume continues
+// the VM.
+func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, w io.Writer) (int64, error) {
+	path := filepath.Join(filepath.Dir(inst.QMPSocket), migrateSocketName)
+	_ = os.Remove(path)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return 0, fmt.Errorf("listen for the vm's state: %w", err)
+	}
+	defer ln.Close()
+	type copied struct {
+		n   int64
+		err error
+	}
+	got := make(chan copied, 1)
+	go func() {
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			got <- copied{err: err}
+			return
+		}
+		defer c.Close()
+		n, err := io.Copy(w, c)
+		got <- copied{n, err}
+	}()
+	err = d.rawMonitor(ctx, inst.QMPSocket, func(mon qmp.Monitor) error {
+		// QEMU's default bandwidth cap (32 MiB/s) is for a network.
+		if err := run(mon, "migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}, nil); err != nil {
+			return err
+		}
+		return run(mon, "migrate", map[string]any{"uri": "unix:" + path}, nil)
+	})
+	if err != nil {
+		return 0, err
+	}
+	// The stream ends when QEMU is done; its status says how.
+	var res copied
+	select {
+	case res = <-got:
+	case <-ctx.Done():
+		_ = d.rawMonitor(context.Background(), inst.QMPSocket, func(mon qmp.Monitor) error { return run(mon, "migrate_cancel", nil, nil) })
+		ln.Close()
+		return 0, fmt.Errorf("save vm state: %w", ctx.Err())
+	}
+	status, err := d.migrateStatus(ctx, inst.QMPSocket)
+	if err != nil {
+		return res.n, err
+	}
+	if res.err != nil {
+		return res.n, fmt.Errorf("save vm state: %w (qemu says %s)", res.err, status)
+	}
+	if status != "completed" {
+		return res.n, fmt.Errorf("save vm state: qemu's migration ended %s", status)
+	}
+	return res.n, nil
+}
+
+// migrateStatus waits for QEMU's migration to leave its running states
+// and returns how it ended ("completed", or "failed: why").
+func (d *Driver) migrateStatus(ctx context.Context, socket string) (string, error) {
+	for {
+		var st struct {
+			Status string `json:"status"`
+			Error  string `json:"error-desc"`
+		}
+		err := d.rawMonitor(ctx, socket, func(mon qmp.Monitor) error { return run(mon, "query-migrate", nil, &st) })
+		if err != nil {
+			return "", err
+		}
+		switch st.Status {
+		case "completed":
+			return st.Status, nil
+		case "failed", "cancelled":
+			return st.Status + ": " + st.Error, nil
+		}
+		select {
+		case <-ctx.Done():
+			return "", ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// awaitIncoming waits until QEMU has loaded the state it was started
+// with (-incoming) and stands paused, racing its exit: QEMU exits when the
+// state does not load.
+func (d *Driver) awaitIncoming(ctx context.Context, socket string, exited <-chan struct{}) error {
+	for {
+		var st struct {
+			Status string `json:"status"`
+		}
+		err := d.rawMonitor(ctx, socket, func(mon qmp.Monitor) error { return run(mon, "query-status", nil, &st) })
+		select {
+		case <-exited:
+			return errors.New("qemu exited while loading the saved state: it is damaged or from another machine")
+		default:
+		}
+		if err != nil {
+			return fmt.Errorf("qemu did not load the saved state: %w", err)
+		}
+		if st.Status != "inmigrate" {
+			if st.Status != "paused" {
+				return fmt.Errorf("qemu is %s after loading the saved state, want paused", st.Status)
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("qemu did not load the saved state: %w", ctx.Err())
+		case <-exited:
+			return errors.New("qemu exited while loading the saved state: it is damaged or from another machine")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
