@@ -167,6 +167,59 @@ func TestPauseSnapshotRestoreFork(t *testing.T) {
 		}
 	})
 
+	t.Run("guest checkpoint", func(t *testing.T) {
+		ask := func(name string) harness.Result {
+			return d.Carrel("exec", "snap", "--", "carrel-agent", "request", "checkpoint", "--name", name, "--note", "tests pass")
+		}
+		// The default policy lets the guest ask for nothing.
+		if r := ask("green"); r.Code != 1 || !strings.Contains(r.Stderr, "denied") || !strings.Contains(r.Stderr, "carrel.guest.default_deny") {
+			t.Errorf("checkpoint under the default policy: %+v", r)
+		}
+		d.ApplyPolicy("checkpoints", func(s map[string]any) {
+			s["guest"].(map[string]any)["allowed_requests"] = []string{"checkpoint"}
+		}, "--vm", "snap")
+		if r := ask("green"); r.Code != 0 || !strings.Contains(r.Stdout, `"green"`) {
+			t.Fatalf("checkpoint allowed by policy: %+v", r)
+		}
+		if out := d.Must("vm", "snapshot", "ls", "snap"); !strings.Contains(out, "green") || !strings.Contains(out, "guest") {
+			t.Errorf("the guest's checkpoint is not listed as the guest's:\n%s", out)
+		}
+		// A flood: a few more are taken, the rest refused, all recorded.
+		r := d.Carrel("exec", "snap", "--", "sh", "-c",
+			"for i in 1 2 3 4 5 6; do carrel-agent request checkpoint --name flood-$i; done")
+		if n := strings.Count(r.Stderr, "rate limit"); n < 3 {
+			t.Errorf("a flood of checkpoints: %d refused by the rate limit: %+v", n, r)
+		}
+		log, err := os.ReadFile(filepath.Join(d.State, "audit", "records.log"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, want := range []string{`"kind":"guest.request"`, `"outcome":"denied"`, `"outcome":"done"`, `"outcome":"rate-limited"`} {
+			if !strings.Contains(string(log), want) {
+				t.Errorf("the audit log has no %s", want)
+			}
+		}
+		var ls struct {
+			Snapshots []struct {
+				Name string `json:"name"`
+			} `json:"snapshots"`
+		}
+		if err := json.Unmarshal([]byte(d.Must("vm", "snapshot", "ls", "snap", "--output", "json")), &ls); err != nil {
+			t.Fatal(err)
+		}
+		for _, s := range ls.Snapshots {
+			if s.Name == "green" || strings.HasPrefix(s.Name, "flood-") {
+				d.Must("vm", "snapshot", "rm", "snap", s.Name)
+			}
+		}
+		// The VM still runs and counts.
+		n := count(t, d, "snap")
+		time.Sleep(500 * time.Millisecond)
+		if count(t, d, "snap") <= n {
+			t.Error("the vm stopped counting after the guest's checkpoints")
+		}
+	})
+
 	t.Run("damaged", func(t *testing.T) {
 		d.Must("vm", "snapshot", "snap", "--name", "s2")
 		pid := func() int {

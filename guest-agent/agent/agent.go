@@ -169,11 +169,12 @@ func Run(ctx context.Context, cfg Config) error {
 	sb := &sandbox.Guard{Log: log}
 	w := watchWorkspace(log, cfg.PID1, cfg.System)
 	eg := startEgress(ctx, log, guest)
+	rq := startRequests(ctx, log, guest)
 	off := func(reboot bool) { powerOff(log, cfg.PID1, cfg.System, reboot, exit) }
 
 	backoff := time.Second
 	for {
-		err := serve(ctx, cfg, sb, w, eg, off)
+		err := serve(ctx, cfg, sb, w, eg, rq, off)
 		if ctx.Err() != nil {
 			return nil
 		}

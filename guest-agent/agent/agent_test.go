@@ -103,7 +103,7 @@ func TestServeOffGuestShutdownExits(t *testing.T) {
 	defer exit()
 	off := func(reboot bool) { powerOff(log, false, false, reboot, exit) }
 	errc := make(chan error, 1)
-	go func() { errc <- serve(ctx, cfg, &sandbox.Guard{Log: log}, workspace{}, nil, off) }()
+	go func() { errc <- serve(ctx, cfg, &sandbox.Guard{Log: log}, workspace{}, nil, nil, off) }()
 
 	hc, tr := protocol.NewHTTPClient(func(ctx context.Context) (net.Conn, error) {
 		var d net.Dialer

@@ -16,12 +16,13 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/server"
 	"github.com/carrel-os/carrel/guest-agent/tarfs"
 	"github.com/carrel-os/carrel/guest-agent/user"
+	"github.com/carrel-os/carrel/guest-agent/requests"
 )
 
 // serve listens on the chosen transport, prints the ready line, and serves
 // until ctx ends or serving fails. powerOff is what a Shutdown call does
 // once it has been answered.
-func serve(ctx context.Context, cfg Config, sb *sandbox.Guard, w workspace, eg *egress.Service, powerOff func(reboot bool)) error {
+func serve(ctx context.Context, cfg Config, sb *sandbox.Guard, w workspace, eg *egress.Service, rq *requests.Broker, powerOff func(reboot bool)) error {
 	log := cfg.Logger
 	guest := cfg.PID1 || cfg.System
 	l, name, err := listen(ctx, log, cfg)
@@ -51,6 +52,7 @@ func serve(ctx context.Context, cfg Config, sb *sandbox.Guard, w workspace, eg *
 		}
 		scfg.Runner.Env = env
 	}
+	scfg.Requests = rq
 	if eg != nil {
 		scfg.Egress = eg
 		scfg.Runner.Env = append(scfg.Runner.Env, egress.Env()...)
@@ -71,4 +73,24 @@ func fileOwner(log *slog.Logger, guest bool) *tarfs.Owner {
 		return nil
 	}
 	return &tarfs.Owner{UID: int(u.UID), GID: int(u.GID)}
+}
+
+// startRequests takes the guest's requests to the host (package requests)
+// on their socket, for the agent's life; nil off the guest.
+func startRequests(ctx context.Context, log *slog.Logger, guest bool) *requests.Broker {
+	if !guest {
+		return nil
+	}
+	rq := requests.New(log)
+	go func() {
+		if err := requests.ExposeSelf(requests.AgentPath); err != nil {
+			log.Warn("carrel-agent is not runnable in the guest: programs cannot use carrel-agent request", "path", requests.AgentPath, "err", err)
+		}
+	}()
+	go func() {
+		if err := rq.Listen(ctx, requests.SocketPath); err != nil {
+			log.Warn("no guest requests: their socket failed", "path", requests.SocketPath, "err", err)
+		}
+	}()
+	return rq
 }

@@ -29,6 +29,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
 	"github.com/carrel-os/carrel/guest-agent/sandbox"
+	"github.com/carrel-os/carrel/guest-agent/requests"
 )
 
 // Version is the agent's build version, set with
@@ -70,6 +71,9 @@ type Config struct {
 	// Egress serves EgressService (package egress, whose proxies feed
 	// it); nil leaves it unserved (CodeUnimplemented).
 	Egress agentv1connect.EgressServiceHandler
+	// Requests holds what programs in the guest ask the host for
+	// (GuestRequests); nil leaves both calls CodeUnimplemented.
+	Requests *requests.Broker
 	// Log receives server logs; nil means slog.Default().
 	Log *slog.Logger
 }

@@ -67,6 +67,8 @@ procedures := {
 	"/carrel.agent.v1.AgentService/SetSandbox": "admin",
 	"/carrel.agent.v1.AgentService/Activity": "admin",
 	"/carrel.agent.v1.AgentService/Restored": "admin",
+	"/carrel.agent.v1.AgentService/GuestRequests": "admin",
+	"/carrel.agent.v1.AgentService/AnswerGuestRequest": "admin",
 	"/carrel.agent.v1.FileService/Stat": "files_read",
 	"/carrel.agent.v1.FileService/List": "files_read",
 	"/carrel.agent.v1.FileService/Read": "files_read",

@@ -57,6 +57,25 @@ type SnapshotRef struct {
 	Guest bool `json:"guest,omitempty"`
 }
 
+// GuestRequest is the data of a "guest.request" record: something a
+// program in the guest asked carreld for (carrel-agent request), what the
+// VM's carrel.guest policy decided, and what came of it. UID and PID are
+// the guest kernel's word about the asker.
+type GuestRequest struct {
+	Request  string `json:"request"`
+	Name     string `json:"name,omitempty"`
+	Note     string `json:"note,omitempty"`
+	UID      uint32 `json:"uid"`
+	PID      int32  `json:"pid,omitempty"`
+	Decision string `json:"decision,omitempty"`
+	Rule     string `json:"rule,omitempty"`
+	// Outcome: "done", "denied", "rate-limited", "invalid" or "failed".
+	Outcome string `json:"outcome"`
+	// Snapshot is the checkpoint taken, when done.
+	Snapshot string `json:"snapshot,omitempty"`
+	Error    string `json:"error,omitempty"`
+}
+
 // GPU is the data of a "gpu.attach" or "gpu.detach" record.
 type GPU struct {
 	// GPUs are the PCI addresses the VM was created with; the other

@@ -34,7 +34,7 @@ const (
 	KindWatchEvent     = "watch.event"
 	KindFileActivity   = "file.activity"
 	KindNetEgress      = "net.egress"
-	KindGuestRequest   = "guest.request" // reserved: nothing writes it yet
+	KindGuestRequest   = "guest.request"
 	KindIntent         = "action.intent"
 	KindOutcome        = "action.outcome"
 	// A VM's GPUs: handed to it before its QEMU starts, and given back to

@@ -31,6 +31,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/systemd"
 	"github.com/carrel-os/carrel/supervisor/vm"
+	"github.com/carrel-os/carrel/supervisor/guestreq"
 )
 
 // Version is set at build time with -ldflags.
@@ -129,10 +130,18 @@ func Run(ctx context.Context, cfg Config) error {
 	if err != nil {
 		return err
 	}
+	// What each live VM's guest asks for (a checkpoint of itself),
+	// rate-limited, decided by its policy and recorded.
+	var mgr *vm.Manager
+	guestReqs := guestreq.New(guestreq.Config{Policies: pols, Audit: auditLog, Log: log.With("subsystem", "guestreq"),
+		Checkpoint: func(ctx context.Context, name, snapshot, note string) error {
+			_, err := mgr.Snapshot(ctx, name, vm.SnapshotParams{Name: snapshot, Note: note, Guest: true})
+			return err
+		}})
 	// The host's GPUs, read from sysfs at each use. Creates are vetted
 	// here; the drivers bind and release the devices.
 	gpus := gpu.New(gpu.Config{})
-	mgr := vm.New(vm.Config{
+	mgr = vm.New(vm.Config{
 		Registry: reg, Images: images, Driver: drv, Logger: log, BootTimeout: cfg.BootTimeout, Vsock: vsock,
 		QEMUImg:      workspace.QEMUImg(cfg.QEMUBinary),
 		DiskTemplate: filepath.Join(cfg.StateDir, "disk-template.img"),
@@ -146,6 +155,9 @@ func Run(ctx context.Context, cfg Config) error {
 			name, session := v.Record.Name, v.Record.Session
 			recordings.Go(func() { _ = activity.Run(live, v.Link, auditLog, name, session, log) })
 			recordings.Go(func() { _ = eg.Serve(live, v.Link, egress.VM{Name: name, Session: session, Policy: v.Policy}) })
+			recordings.Go(func() {
+				_ = guestReqs.Serve(live, v.Link, guestreq.VM{Name: name, Session: session, Policy: v.Policy})
+			})
 		},
 	})
 	go faults.run(ctx, mgr)

@@ -67,6 +67,16 @@ func (r agentRelay) Restored(context.Context, *connect.Request[agentv1.RestoredR
 	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("restored is not relayed: carreld tells the guest itself after a restore or fork"))
 }
 
+// GuestRequests and AnswerGuestRequest are carreld's alone: it decides
+// and records what the guest asks for.
+func (r agentRelay) GuestRequests(context.Context, *connect.Request[agentv1.GuestRequestsRequest], *connect.ServerStream[agentv1.GuestRequest]) error {
+	return connect.NewError(connect.CodePermissionDenied, errors.New("guest requests are not relayed: carreld decides and records them"))
+}
+
+func (r agentRelay) AnswerGuestRequest(context.Context, *connect.Request[agentv1.GuestAnswer]) (*connect.Response[agentv1.GuestAnswerResponse], error) {
+	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("guest requests are not relayed: carreld decides and records them"))
+}
+
 func (r agentRelay) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {
 	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("shutdown is not relayed: stop the vm with VMService.StopVM (carrel vm stop)"))
 }

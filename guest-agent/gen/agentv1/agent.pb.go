@@ -1480,6 +1480,236 @@ func (x *RestoredResponse) GetDetail() string {
 	return ""
 }
 
+type GuestRequestsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GuestRequestsRequest) Reset() {
+	*x = GuestRequestsRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GuestRequestsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GuestRequestsRequest) ProtoMessage() {}
+
+func (x *GuestRequestsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GuestRequestsRequest.ProtoReflect.Descriptor instead.
+func (*GuestRequestsRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
+}
+
+// GuestRequest is one thing a program in the guest asked for.
+type GuestRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// What is asked: "checkpoint" (a snapshot of this VM).
+	Kind string `protobuf:"bytes,2,opt,name=kind,proto3" json:"kind,omitempty"`
+	// The checkpoint's name (a snapshot name) and the asker's note.
+	Name string `protobuf:"bytes,3,opt,name=name,proto3" json:"name,omitempty"`
+	Note string `protobuf:"bytes,4,opt,name=note,proto3" json:"note,omitempty"`
+	// The asking process, as the guest kernel gave it (SO_PEERCRED): guest
+	// facts, for the record, not proof.
+	Uid           uint32 `protobuf:"varint,5,opt,name=uid,proto3" json:"uid,omitempty"`
+	Pid           int32  `protobuf:"varint,6,opt,name=pid,proto3" json:"pid,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GuestRequest) Reset() {
+	*x = GuestRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GuestRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GuestRequest) ProtoMessage() {}
+
+func (x *GuestRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GuestRequest.ProtoReflect.Descriptor instead.
+func (*GuestRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *GuestRequest) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *GuestRequest) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *GuestRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *GuestRequest) GetNote() string {
+	if x != nil {
+		return x.Note
+	}
+	return ""
+}
+
+func (x *GuestRequest) GetUid() uint32 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *GuestRequest) GetPid() int32 {
+	if x != nil {
+		return x.Pid
+	}
+	return 0
+}
+
+type GuestAnswer struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Id      uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	Allowed bool                   `protobuf:"varint,2,opt,name=allowed,proto3" json:"allowed,omitempty"`
+	// Why it was denied or failed; for a checkpoint taken, the snapshot.
+	Reason        string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	Done          bool   `protobuf:"varint,4,opt,name=done,proto3" json:"done,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GuestAnswer) Reset() {
+	*x = GuestAnswer{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GuestAnswer) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GuestAnswer) ProtoMessage() {}
+
+func (x *GuestAnswer) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GuestAnswer.ProtoReflect.Descriptor instead.
+func (*GuestAnswer) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{23}
+}
+
+func (x *GuestAnswer) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *GuestAnswer) GetAllowed() bool {
+	if x != nil {
+		return x.Allowed
+	}
+	return false
+}
+
+func (x *GuestAnswer) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *GuestAnswer) GetDone() bool {
+	if x != nil {
+		return x.Done
+	}
+	return false
+}
+
+type GuestAnswerResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GuestAnswerResponse) Reset() {
+	*x = GuestAnswerResponse{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GuestAnswerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GuestAnswerResponse) ProtoMessage() {}
+
+func (x *GuestAnswerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GuestAnswerResponse.ProtoReflect.Descriptor instead.
+func (*GuestAnswerResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{24}
+}
+
 type ActivityRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -1488,7 +1718,7 @@ type ActivityRequest struct {
 
 func (x *ActivityRequest) Reset() {
 	*x = ActivityRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1500,7 +1730,7 @@ func (x *ActivityRequest) String() string {
 func (*ActivityRequest) ProtoMessage() {}
 
 func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1513,7 +1743,7 @@ func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityRequest.ProtoReflect.Descriptor instead.
 func (*ActivityRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{25}
 }
 
 type ActivityEvent struct {
@@ -1537,7 +1767,7 @@ type ActivityEvent struct {
 
 func (x *ActivityEvent) Reset() {
 	*x = ActivityEvent{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1549,7 +1779,7 @@ func (x *ActivityEvent) String() string {
 func (*ActivityEvent) ProtoMessage() {}
 
 func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1562,7 +1792,7 @@ func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityEvent.ProtoReflect.Descriptor instead.
 func (*ActivityEvent) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{22}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ActivityEvent) GetOp() ActivityOp {
@@ -1612,7 +1842,7 @@ type ActivityResponse struct {
 
 func (x *ActivityResponse) Reset() {
 	*x = ActivityResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1624,7 +1854,7 @@ func (x *ActivityResponse) String() string {
 func (*ActivityResponse) ProtoMessage() {}
 
 func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1637,7 +1867,7 @@ func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityResponse.ProtoReflect.Descriptor instead.
 func (*ActivityResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{23}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *ActivityResponse) GetEvents() []*ActivityEvent {
@@ -1743,7 +1973,21 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\breseeded\x18\x01 \x01(\bR\breseeded\x12\x1b\n" +
 	"\tclock_set\x18\x02 \x01(\bR\bclockSet\x12$\n" +
 	"\x0emachine_id_set\x18\x03 \x01(\bR\fmachineIdSet\x12\x16\n" +
-	"\x06detail\x18\x04 \x01(\tR\x06detail\"\x11\n" +
+	"\x06detail\x18\x04 \x01(\tR\x06detail\"\x16\n" +
+	"\x14GuestRequestsRequest\"~\n" +
+	"\fGuestRequest\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x12\n" +
+	"\x04kind\x18\x02 \x01(\tR\x04kind\x12\x12\n" +
+	"\x04name\x18\x03 \x01(\tR\x04name\x12\x12\n" +
+	"\x04note\x18\x04 \x01(\tR\x04note\x12\x10\n" +
+	"\x03uid\x18\x05 \x01(\rR\x03uid\x12\x10\n" +
+	"\x03pid\x18\x06 \x01(\x05R\x03pid\"c\n" +
+	"\vGuestAnswer\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x12\x18\n" +
+	"\aallowed\x18\x02 \x01(\bR\aallowed\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\x12\x12\n" +
+	"\x04done\x18\x04 \x01(\bR\x04done\"\x15\n" +
+	"\x13GuestAnswerResponse\"\x11\n" +
 	"\x0fActivityRequest\"\x92\x01\n" +
 	"\rActivityEvent\x12+\n" +
 	"\x02op\x18\x01 \x01(\x0e2\x1b.carrel.agent.v1.ActivityOpR\x02op\x12\x12\n" +
@@ -1762,7 +2006,7 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x12ACTIVITY_OP_CREATE\x10\x03\x12\x16\n" +
 	"\x12ACTIVITY_OP_DELETE\x10\x04\x12\x19\n" +
 	"\x15ACTIVITY_OP_MOVE_FROM\x10\x05\x12\x17\n" +
-	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\xe4\x05\n" +
+	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\x97\a\n" +
 	"\fAgentService\x12I\n" +
 	"\x06Health\x12\x1e.carrel.agent.v1.HealthRequest\x1a\x1f.carrel.agent.v1.HealthResponse\x12E\n" +
 	"\x04Exec\x12\x1c.carrel.agent.v1.ExecRequest\x1a\x1d.carrel.agent.v1.ExecResponse0\x01\x12K\n" +
@@ -1773,7 +2017,9 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\n" +
 	"SetSandbox\x12\".carrel.agent.v1.SetSandboxRequest\x1a#.carrel.agent.v1.SetSandboxResponse\x12Q\n" +
 	"\bActivity\x12 .carrel.agent.v1.ActivityRequest\x1a!.carrel.agent.v1.ActivityResponse0\x01\x12O\n" +
-	"\bRestored\x12 .carrel.agent.v1.RestoredRequest\x1a!.carrel.agent.v1.RestoredResponseB=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
+	"\bRestored\x12 .carrel.agent.v1.RestoredRequest\x1a!.carrel.agent.v1.RestoredResponse\x12W\n" +
+	"\rGuestRequests\x12%.carrel.agent.v1.GuestRequestsRequest\x1a\x1d.carrel.agent.v1.GuestRequest0\x01\x12X\n" +
+	"\x12AnswerGuestRequest\x12\x1c.carrel.agent.v1.GuestAnswer\x1a$.carrel.agent.v1.GuestAnswerResponseB=Z;github.com/carrel-os/carrel/guest-agent/gen/agentv1;agentv1b\x06proto3"
 
 var (
 	file_carrel_agent_v1_agent_proto_rawDescOnce sync.Once
@@ -1788,7 +2034,7 @@ func file_carrel_agent_v1_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_agent_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
 var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(ActivityOp)(0),               // 0: carrel.agent.v1.ActivityOp
 	(*HealthRequest)(nil),         // 1: carrel.agent.v1.HealthRequest
@@ -1812,9 +2058,13 @@ var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(*SetSandboxResponse)(nil),    // 19: carrel.agent.v1.SetSandboxResponse
 	(*RestoredRequest)(nil),       // 20: carrel.agent.v1.RestoredRequest
 	(*RestoredResponse)(nil),      // 21: carrel.agent.v1.RestoredResponse
-	(*ActivityRequest)(nil),       // 22: carrel.agent.v1.ActivityRequest
-	(*ActivityEvent)(nil),         // 23: carrel.agent.v1.ActivityEvent
-	(*ActivityResponse)(nil),      // 24: carrel.agent.v1.ActivityResponse
+	(*GuestRequestsRequest)(nil),  // 22: carrel.agent.v1.GuestRequestsRequest
+	(*GuestRequest)(nil),          // 23: carrel.agent.v1.GuestRequest
+	(*GuestAnswer)(nil),           // 24: carrel.agent.v1.GuestAnswer
+	(*GuestAnswerResponse)(nil),   // 25: carrel.agent.v1.GuestAnswerResponse
+	(*ActivityRequest)(nil),       // 26: carrel.agent.v1.ActivityRequest
+	(*ActivityEvent)(nil),         // 27: carrel.agent.v1.ActivityEvent
+	(*ActivityResponse)(nil),      // 28: carrel.agent.v1.ActivityResponse
 }
 var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	3,  // 0: carrel.agent.v1.ProcessInput.start:type_name -> carrel.agent.v1.ExecRequest
@@ -1825,7 +2075,7 @@ var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	14, // 5: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
 	15, // 6: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
 	0,  // 7: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
-	23, // 8: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
+	27, // 8: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
 	1,  // 9: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
 	3,  // 10: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
 	4,  // 11: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
@@ -1833,19 +2083,23 @@ var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	11, // 13: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
 	16, // 14: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
 	18, // 15: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
-	22, // 16: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
+	26, // 16: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
 	20, // 17: carrel.agent.v1.AgentService.Restored:input_type -> carrel.agent.v1.RestoredRequest
-	2,  // 18: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
-	13, // 19: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
-	13, // 20: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
-	9,  // 21: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
-	12, // 22: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
-	17, // 23: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
-	19, // 24: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
-	24, // 25: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
-	21, // 26: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
-	18, // [18:27] is the sub-list for method output_type
-	9,  // [9:18] is the sub-list for method input_type
+	22, // 18: carrel.agent.v1.AgentService.GuestRequests:input_type -> carrel.agent.v1.GuestRequestsRequest
+	24, // 19: carrel.agent.v1.AgentService.AnswerGuestRequest:input_type -> carrel.agent.v1.GuestAnswer
+	2,  // 20: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
+	13, // 21: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
+	13, // 22: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
+	9,  // 23: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
+	12, // 24: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
+	17, // 25: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
+	19, // 26: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
+	28, // 27: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
+	21, // 28: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
+	23, // 29: carrel.agent.v1.AgentService.GuestRequests:output_type -> carrel.agent.v1.GuestRequest
+	25, // 30: carrel.agent.v1.AgentService.AnswerGuestRequest:output_type -> carrel.agent.v1.GuestAnswerResponse
+	20, // [20:31] is the sub-list for method output_type
+	9,  // [9:20] is the sub-list for method input_type
 	9,  // [9:9] is the sub-list for extension type_name
 	9,  // [9:9] is the sub-list for extension extendee
 	0,  // [0:9] is the sub-list for field type_name
@@ -1880,7 +2134,7 @@ func file_carrel_agent_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_agent_proto_rawDesc), len(file_carrel_agent_v1_agent_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   24,
+			NumMessages:   28,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

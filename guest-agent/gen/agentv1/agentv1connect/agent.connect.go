@@ -56,6 +56,12 @@ const (
 	AgentServiceActivityProcedure = "/carrel.agent.v1.AgentService/Activity"
 	// AgentServiceRestoredProcedure is the fully-qualified name of the AgentService's Restored RPC.
 	AgentServiceRestoredProcedure = "/carrel.agent.v1.AgentService/Restored"
+	// AgentServiceGuestRequestsProcedure is the fully-qualified name of the AgentService's
+	// GuestRequests RPC.
+	AgentServiceGuestRequestsProcedure = "/carrel.agent.v1.AgentService/GuestRequests"
+	// AgentServiceAnswerGuestRequestProcedure is the fully-qualified name of the AgentService's
+	// AnswerGuestRequest RPC.
+	AgentServiceAnswerGuestRequestProcedure = "/carrel.agent.v1.AgentService/AnswerGuestRequest"
 )
 
 // AgentServiceClient is a client for the carrel.agent.v1.AgentService service.
@@ -106,6 +112,17 @@ type AgentServiceClient interface {
 	// machine id. carreld calls it as soon as the agent answers after such a
 	// start, and never relays it.
 	Restored(context.Context, *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error)
+	// GuestRequests streams what programs in the guest ask their host for
+	// (carrel-agent request), one message each, until the call ends.
+	// carreld keeps one open while the VM runs, decides each request by the
+	// VM's carrel.guest policy, records it, and answers it with
+	// AnswerGuestRequest. A request nobody answers within the agent's timeout
+	// (2 minutes) fails in the guest. One call at a time: a new call ends the
+	// one before with CodeAborted. Never relayed.
+	GuestRequests(context.Context, *connect.Request[agentv1.GuestRequestsRequest]) (*connect.ServerStreamForClient[agentv1.GuestRequest], error)
+	// AnswerGuestRequest answers one request; NotFound for an id the agent
+	// holds no request for (answered already, or given up on).
+	AnswerGuestRequest(context.Context, *connect.Request[agentv1.GuestAnswer]) (*connect.Response[agentv1.GuestAnswerResponse], error)
 }
 
 // NewAgentServiceClient constructs a client for the carrel.agent.v1.AgentService service. By
@@ -173,20 +190,34 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Restored")),
 			connect.WithClientOptions(opts...),
 		),
+		guestRequests: connect.NewClient[agentv1.GuestRequestsRequest, agentv1.GuestRequest](
+			httpClient,
+			baseURL+AgentServiceGuestRequestsProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("GuestRequests")),
+			connect.WithClientOptions(opts...),
+		),
+		answerGuestRequest: connect.NewClient[agentv1.GuestAnswer, agentv1.GuestAnswerResponse](
+			httpClient,
+			baseURL+AgentServiceAnswerGuestRequestProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("AnswerGuestRequest")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // agentServiceClient implements AgentServiceClient.
 type agentServiceClient struct {
-	health        *connect.Client[agentv1.HealthRequest, agentv1.HealthResponse]
-	exec          *connect.Client[agentv1.ExecRequest, agentv1.ExecResponse]
-	process       *connect.Client[agentv1.ProcessInput, agentv1.ExecResponse]
-	listProcesses *connect.Client[agentv1.ListProcessesRequest, agentv1.ListProcessesResponse]
-	signal        *connect.Client[agentv1.SignalRequest, agentv1.SignalResponse]
-	shutdown      *connect.Client[agentv1.ShutdownRequest, agentv1.ShutdownResponse]
-	setSandbox    *connect.Client[agentv1.SetSandboxRequest, agentv1.SetSandboxResponse]
-	activity      *connect.Client[agentv1.ActivityRequest, agentv1.ActivityResponse]
-	restored      *connect.Client[agentv1.RestoredRequest, agentv1.RestoredResponse]
+	health             *connect.Client[agentv1.HealthRequest, agentv1.HealthResponse]
+	exec               *connect.Client[agentv1.ExecRequest, agentv1.ExecResponse]
+	process            *connect.Client[agentv1.ProcessInput, agentv1.ExecResponse]
+	listProcesses      *connect.Client[agentv1.ListProcessesRequest, agentv1.ListProcessesResponse]
+	signal             *connect.Client[agentv1.SignalRequest, agentv1.SignalResponse]
+	shutdown           *connect.Client[agentv1.ShutdownRequest, agentv1.ShutdownResponse]
+	setSandbox         *connect.Client[agentv1.SetSandboxRequest, agentv1.SetSandboxResponse]
+	activity           *connect.Client[agentv1.ActivityRequest, agentv1.ActivityResponse]
+	restored           *connect.Client[agentv1.RestoredRequest, agentv1.RestoredResponse]
+	guestRequests      *connect.Client[agentv1.GuestRequestsRequest, agentv1.GuestRequest]
+	answerGuestRequest *connect.Client[agentv1.GuestAnswer, agentv1.GuestAnswerResponse]
 }
 
 // Health calls carrel.agent.v1.AgentService.Health.
@@ -232,6 +263,16 @@ func (c *agentServiceClient) Activity(ctx context.Context, req *connect.Request[
 // Restored calls carrel.agent.v1.AgentService.Restored.
 func (c *agentServiceClient) Restored(ctx context.Context, req *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error) {
 	return c.restored.CallUnary(ctx, req)
+}
+
+// GuestRequests calls carrel.agent.v1.AgentService.GuestRequests.
+func (c *agentServiceClient) GuestRequests(ctx context.Context, req *connect.Request[agentv1.GuestRequestsRequest]) (*connect.ServerStreamForClient[agentv1.GuestRequest], error) {
+	return c.guestRequests.CallServerStream(ctx, req)
+}
+
+// AnswerGuestRequest calls carrel.agent.v1.AgentService.AnswerGuestRequest.
+func (c *agentServiceClient) AnswerGuestRequest(ctx context.Context, req *connect.Request[agentv1.GuestAnswer]) (*connect.Response[agentv1.GuestAnswerResponse], error) {
+	return c.answerGuestRequest.CallUnary(ctx, req)
 }
 
 // AgentServiceHandler is an implementation of the carrel.agent.v1.AgentService service.
@@ -282,6 +323,17 @@ type AgentServiceHandler interface {
 	// machine id. carreld calls it as soon as the agent answers after such a
 	// start, and never relays it.
 	Restored(context.Context, *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error)
+	// GuestRequests streams what programs in the guest ask their host for
+	// (carrel-agent request), one message each, until the call ends.
+	// carreld keeps one open while the VM runs, decides each request by the
+	// VM's carrel.guest policy, records it, and answers it with
+	// AnswerGuestRequest. A request nobody answers within the agent's timeout
+	// (2 minutes) fails in the guest. One call at a time: a new call ends the
+	// one before with CodeAborted. Never relayed.
+	GuestRequests(context.Context, *connect.Request[agentv1.GuestRequestsRequest], *connect.ServerStream[agentv1.GuestRequest]) error
+	// AnswerGuestRequest answers one request; NotFound for an id the agent
+	// holds no request for (answered already, or given up on).
+	AnswerGuestRequest(context.Context, *connect.Request[agentv1.GuestAnswer]) (*connect.Response[agentv1.GuestAnswerResponse], error)
 }
 
 // NewAgentServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -345,6 +397,18 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Restored")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceGuestRequestsHandler := connect.NewServerStreamHandler(
+		AgentServiceGuestRequestsProcedure,
+		svc.GuestRequests,
+		connect.WithSchema(agentServiceMethods.ByName("GuestRequests")),
+		connect.WithHandlerOptions(opts...),
+	)
+	agentServiceAnswerGuestRequestHandler := connect.NewUnaryHandler(
+		AgentServiceAnswerGuestRequestProcedure,
+		svc.AnswerGuestRequest,
+		connect.WithSchema(agentServiceMethods.ByName("AnswerGuestRequest")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.agent.v1.AgentService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case AgentServiceHealthProcedure:
@@ -365,6 +429,10 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceActivityHandler.ServeHTTP(w, r)
 		case AgentServiceRestoredProcedure:
 			agentServiceRestoredHandler.ServeHTTP(w, r)
+		case AgentServiceGuestRequestsProcedure:
+			agentServiceGuestRequestsHandler.ServeHTTP(w, r)
+		case AgentServiceAnswerGuestRequestProcedure:
+			agentServiceAnswerGuestRequestHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -408,4 +476,12 @@ func (UnimplementedAgentServiceHandler) Activity(context.Context, *connect.Reque
 
 func (UnimplementedAgentServiceHandler) Restored(context.Context, *connect.Request[agentv1.RestoredRequest]) (*connect.Response[agentv1.RestoredResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Restored is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) GuestRequests(context.Context, *connect.Request[agentv1.GuestRequestsRequest], *connect.ServerStream[agentv1.GuestRequest]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.GuestRequests is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) AnswerGuestRequest(context.Context, *connect.Request[agentv1.GuestAnswer]) (*connect.Response[agentv1.GuestAnswerResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.AnswerGuestRequest is not implemented"))
 }
