@@ -12,11 +12,11 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/files"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
+	"github.com/carrel-os/carrel/guest-agent/requests"
 	"github.com/carrel-os/carrel/guest-agent/sandbox"
 	"github.com/carrel-os/carrel/guest-agent/server"
 	"github.com/carrel-os/carrel/guest-agent/tarfs"
 	"github.com/carrel-os/carrel/guest-agent/user"
-	"github.com/carrel-os/carrel/guest-agent/requests"
 )
 
 // serve listens on the chosen transport, prints the ready line, and serves

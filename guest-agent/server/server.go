@@ -28,8 +28,8 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/proctable"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/reaper"
-	"github.com/carrel-os/carrel/guest-agent/sandbox"
 	"github.com/carrel-os/carrel/guest-agent/requests"
+	"github.com/carrel-os/carrel/guest-agent/sandbox"
 )
 
 // Version is the agent's build version, set with

@@ -25,13 +25,13 @@ import (
 	"github.com/carrel-os/carrel/supervisor/api"
 	"github.com/carrel-os/carrel/supervisor/egress"
 	"github.com/carrel-os/carrel/supervisor/gpu"
+	"github.com/carrel-os/carrel/supervisor/guestreq"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policystore"
 	"github.com/carrel-os/carrel/supervisor/recorder"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/systemd"
 	"github.com/carrel-os/carrel/supervisor/vm"
-	"github.com/carrel-os/carrel/supervisor/guestreq"
 )
 
 // Version is set at build time with -ldflags.

@@ -147,13 +147,10 @@ func (s *Server) handle(ctx context.Context, link Link, v VM, lim *limiter, req 
 		Note: protocol.CleanText(req.GetNote(), maxNote), UID: req.GetUid(), PID: req.GetPid(),
 	}
 	answer := &agentv1.GuestAnswer{Id: req.GetId()}
+	invalid := check(req)
 	switch {
-	case req.GetKind() != "checkpoint":
-		rec.Outcome, rec.Error = OutcomeInvalid, fmt.Sprintf("unknown request %q", rec.Request)
-	case protocol.ValidVMName(req.GetName()) != nil:
-		rec.Outcome, rec.Error = OutcomeInvalid, "a checkpoint's name is 1-63 lower-case letters, digits and '-', starting with a letter"
-	case len(req.GetNote()) > maxNote:
-		rec.Outcome, rec.Error = OutcomeInvalid, fmt.Sprintf("a note of %d bytes, over %d", len(req.GetNote()), maxNote)
+	case invalid != "":
+		rec.Outcome, rec.Error = OutcomeInvalid, invalid
 	case !lim.allow(time.Now()):
 		rec.Outcome, rec.Error = OutcomeRateLimited, fmt.Sprintf("over the rate limit: %d at once, then one per %s", s.cfg.Burst, s.cfg.Every)
 	default:
@@ -194,6 +191,19 @@ func (s *Server) handle(ctx context.Context, link Link, v VM, lim *limiter, req 
 	if err := done(actx, err); err != nil && !errors.Is(err, context.Canceled) {
 		s.cfg.Log.Warn("guest request not answered", "vm", v.Name, "id", req.GetId(), "err", err)
 	}
+}
+
+// check says what is wrong with a request, or "" when nothing is.
+func check(req *agentv1.GuestRequest) string {
+	switch {
+	case req.GetKind() != "checkpoint":
+		return fmt.Sprintf("unknown request %q", protocol.CleanText(req.GetKind(), 64))
+	case protocol.ValidVMName(req.GetName()) != nil:
+		return "a checkpoint's name is 1-63 lower-case letters, digits and '-', starting with a letter"
+	case len(req.GetNote()) > maxNote:
+		return fmt.Sprintf("a note of %d bytes, over %d", len(req.GetNote()), maxNote)
+	}
+	return ""
 }
 
 func (s *Server) record(ctx context.Context, v VM, rec audit.GuestRequest) error {
