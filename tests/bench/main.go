@@ -124,6 +124,8 @@ func main() {
 	doImage := flag.Bool("image", true, "the agent image: build time (cold, warm, cached) and size, boot to agent-ready against the dev image and bare QEMU, first python3 after boot")
 	doVerity := flag.Bool("verity", true, "dm-verity's cost: a file read from the verified root against the same erofs unverified, in one VM")
 	verityMiB := flag.Int64("verity-size", 256, "file size for -verity, MiB")
+	doSnapshot := flag.Bool("snapshot", true, "snapshots: restore to agent-ready against a cold boot, fork, snapshot time and size, host memory of forks against cold boots")
+	snapForks := flag.Int("snapshot-forks", 5, "forks (and cold boots) -snapshot measures host memory with")
 	doLoad := flag.Bool("load", false, "load: -load-vms VMs x -load-clients clients for -load-duration, with pass/fail checks; alone, turns the default sections off")
 	doFault := flag.Bool("fault", false, "fault injection: the load (its flags), with one VM's QEMU stopped for -fault-stop midway")
 	doSoak := flag.Bool("soak", false, "soak: a lower-rate load for -soak-duration with carreld killed and restarted every -soak-restart")
@@ -149,7 +151,8 @@ func main() {
 		named := map[string]bool{}
 		flag.Visit(func(f *flag.Flag) { named[f.Name] = true })
 		for name, on := range map[string]*bool{"boot": doBoot, "warm-exec": doWarm, "qga-exec": doQGAExec, "qga-files": doQGAFiles,
-			"policy": doPolicy, "audit": doAudit, "egress": doEgress, "overhead": doOverhead, "image": doImage, "verity": doVerity} {
+			"policy": doPolicy, "audit": doAudit, "egress": doEgress, "overhead": doOverhead, "image": doImage, "verity": doVerity,
+			"snapshot": doSnapshot} {
 			if !named[name] {
 				*on = false
 			}
@@ -184,7 +187,7 @@ func main() {
 		}
 	}
 	loadMode := *doLoad || *doFault || *doSoak
-	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity && !loadMode {
+	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity && !*doSnapshot && !loadMode {
 		return // no VM needed
 	}
 
@@ -247,6 +250,9 @@ func main() {
 	}
 	if *doOverhead {
 		benchOverhead(t, d, *overheadVMs)
+	}
+	if *doSnapshot {
+		benchSnapshots(t, d, *rounds, max(*snapForks, 2))
 	}
 	if *doEgress {
 		benchEgress(t, d, *egressMiB<<20, *egressRounds)
