@@ -54,6 +54,7 @@ type Driver struct {
 	vms     map[int]*VM
 	// Killed counts Kill calls on live VMs.
 	Killed int
+	faults SnapshotFaults
 }
 
 var _ driver.Driver = (*Driver)(nil)
@@ -70,10 +71,12 @@ type VM struct {
 	console  chan net.Conn
 	agent    *pipeListener
 
-	mu      sync.Mutex
-	sandbox *agentv1.SetSandboxRequest // the last one carreld set
-	paused  bool
-	execs   int // commands started by Process
+	mu       sync.Mutex
+	from     []byte                     // the saved state it started from
+	restored []*agentv1.RestoredRequest // what Restored calls said
+	sandbox  *agentv1.SetSandboxRequest // the last one carreld set
+	paused   bool
+	execs    int // commands started by Process
 }
 
 // Paused reports whether carreld paused the VM (Driver.Pause) and has not
@@ -143,9 +146,14 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	if b.ExitOnResume {
 		b.Silent = true
 	}
+	from, err := readIncoming(spec.Incoming)
+	if err != nil {
+		d.mu.Unlock()
+		return driver.Instance{}, err
+	}
 	d.nextPID++
 	pid := d.nextPID
-	v := &VM{Spec: spec, behavior: b, exited: make(chan struct{}), console: make(chan net.Conn, 1), agent: newPipeListener()}
+	v := &VM{Spec: spec, behavior: b, exited: make(chan struct{}), console: make(chan net.Conn, 1), agent: newPipeListener(), from: from}
 	d.vms[pid] = v
 	d.mu.Unlock()
 	serveAgent(v)

@@ -1,0 +1,209 @@
+package vm
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
+	"github.com/carrel-os/carrel/supervisor/registry"
+)
+
+// TestSnapshotRestoreFork walks snapshots through the manager on the fake
+// driver, with real qcow2 files: what a snapshot freezes and moves, what a
+// restore and a fork start from and tell the guest, what cannot be
+// deleted from under a fork, and what a failure leaves.
+func TestSnapshotRestoreFork(t *testing.T) {
+	e := newEnv(t)
+	l := &eventLog{}
+	e.withEvents(l)
+	e.withSystemImage(t, true)
+	ctx := context.Background()
+	a, err := e.m.Create(ctx, CreateParams{Name: "a", Image: "sys"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := e.reg.Dir("a")
+
+	s1, err := e.m.Snapshot(ctx, "a", SnapshotParams{Name: "s1", Note: "first"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(s1.Disks) != 2 || s1.State.Bytes == 0 || s1.Session != a.Session || s1.Note != "first" {
+		t.Fatalf("snapshot %+v", s1)
+	}
+	for _, d := range s1.Disks {
+		if fi, err := os.Stat(d.Path); err != nil || fi.Mode().Perm() != 0o444 {
+			t.Errorf("frozen layer %s: %v %v", d.Path, fi.Mode(), err)
+		}
+	}
+	rec, _ := e.m.Get("a")
+	for _, serial := range writableSerials {
+		n := diskName(rec.Record, serial)
+		if n == StateDiskName || n == WorkspaceDiskName {
+			t.Errorf("%s: the vm still writes %s after the snapshot", serial, n)
+		}
+		if info, err := readQCOW2(filepath.Join(dir, n)); err != nil || !strings.HasSuffix(info.Backing, "/"+map[string]string{protocol.StateSerial: StateDiskName, protocol.WorkspaceSerial: WorkspaceDiskName}[serial]) {
+			t.Errorf("%s: overlay %s over %q: %v", serial, n, info.Backing, err)
+		}
+	}
+	if e.drv.VM(a.Instance.PID).Paused() {
+		t.Error("the vm stayed paused after its snapshot")
+	}
+	if _, err := e.m.Snapshot(ctx, "a", SnapshotParams{Name: "s1"}); !errors.Is(err, ErrExists) {
+		t.Errorf("a second s1: %v", err)
+	}
+	if _, err := e.m.Snapshot(ctx, "a", SnapshotParams{Name: "../x"}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("a bad name: %v", err)
+	}
+
+	// Restore: a new QEMU from s1's state, told it was restored.
+	r, err := e.m.Restore(ctx, "a", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := e.drv.VM(r.Instance.PID)
+	if r.Instance.PID == a.Instance.PID || !strings.Contains(string(v.From()), "fake vm "+strconv.Itoa(a.Instance.PID)) {
+		t.Errorf("restored from %q", v.From()[:min(len(v.From()), 20)])
+	}
+	if got := v.Restored(); len(got) != 1 || got[0].MachineId != "" || len(got[0].Seed) != 64 {
+		t.Errorf("restored guest was told %v", got)
+	}
+	if r.Origin == nil || r.Origin.Snapshot != "s1" || r.Origin.Session != a.Session || r.Session == a.Session || r.Origin.Fork {
+		t.Errorf("restored record %+v", r)
+	}
+
+	// Fork: a new VM over the same layers, with its own machine id.
+	b, err := e.m.Fork(ctx, "a", "b", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	vb := e.drv.VM(b.Instance.PID)
+	if got := vb.Restored(); len(got) != 1 || len(got[0].MachineId) != 32 {
+		t.Errorf("fork was told %v", got)
+	}
+	if b.Origin == nil || !b.Origin.Fork || b.Origin.VM != "a" || b.ID == a.ID {
+		t.Errorf("fork record %+v", b)
+	}
+	files, err := chain(filepath.Join(e.reg.Dir("b"), diskName(b, protocol.StateSerial)))
+	if err != nil || len(files) < 2 || files[1] != s1.Disks[0].Path && files[1] != s1.Disks[1].Path {
+		t.Errorf("fork's state chain %v, %v", files, err)
+	}
+	if err := e.m.Delete(ctx, "a", true); err == nil || !strings.Contains(err.Error(), "b stand on") {
+		t.Errorf("deleting what a fork stands on: %v", err)
+	}
+	if err := e.m.DeleteSnapshot(ctx, "a", "s1"); err == nil || !strings.Contains(err.Error(), "forked") {
+		t.Errorf("deleting a fork's snapshot: %v", err)
+	}
+	if k := l.kinds(); !strings.Contains(k, "snapshot") {
+		t.Errorf("events %s", k)
+	}
+
+	// A damaged state is refused and the VM left as it was.
+	before, _ := e.m.Get("a")
+	state := filepath.Join(dir, snapshotsDir, "s1", snapshotState)
+	os.Chmod(state, 0o600)
+	if err := os.WriteFile(state, []byte("not the state"), 0o400); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.m.Restore(ctx, "a", "s1"); !errors.Is(err, ErrSnapshotDamaged) {
+		t.Errorf("restore of a damaged snapshot: %v", err)
+	}
+	if after, _ := e.m.Get("a"); after.Instance.PID != before.Instance.PID || after.State != registry.StateRunning {
+		t.Errorf("a refused restore changed the vm: %+v", after)
+	}
+
+	// A state that cannot be saved: no snapshot, the VM runs on, over
+	// whole disks.
+	e.drv.SetSnapshotFaults(drivertest.SnapshotFaults{SaveErr: errors.New("no space left on device")})
+	if _, err := e.m.Snapshot(ctx, "a", SnapshotParams{Name: "s2"}); err == nil || !strings.Contains(err.Error(), "no space") {
+		t.Errorf("snapshot onto a full disk: %v", err)
+	}
+	snaps, _ := e.m.Snapshots("a")
+	if len(snaps) != 1 {
+		t.Errorf("snapshots after a failed one: %v", snaps)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(dir, snapshotsDir)); len(ents) != 1 {
+		t.Errorf("left in snapshots/: %v", ents)
+	}
+	cur, _ := e.m.Get("a")
+	if e.drv.VM(cur.Instance.PID).Paused() || cur.PendingDisks != nil {
+		t.Errorf("after a failed snapshot: paused %v, pending %v", e.drv.VM(cur.Instance.PID).Paused(), cur.PendingDisks)
+	}
+	for _, serial := range writableSerials {
+		if _, err := readQCOW2(filepath.Join(dir, diskName(cur.Record, serial))); err != nil {
+			t.Errorf("%s after a failed snapshot: %v", serial, err)
+		}
+	}
+	// Disks that cannot be frozen: nothing moves.
+	e.drv.SetSnapshotFaults(drivertest.SnapshotFaults{FreezeErr: errors.New("qmp: no")})
+	if _, err := e.m.Snapshot(ctx, "a", SnapshotParams{Name: "s3"}); err == nil {
+		t.Error("a snapshot whose disks could not be frozen succeeded")
+	}
+	if now, _ := e.m.Get("a"); diskName(now.Record, protocol.StateSerial) != diskName(cur.Record, protocol.StateSerial) || now.PendingDisks != nil {
+		t.Errorf("a failed freeze moved the disks: %v, pending %v", now.Disks, now.PendingDisks)
+	}
+	e.drv.SetSnapshotFaults(drivertest.SnapshotFaults{})
+
+	// Once the fork is gone, its snapshot and the vm may go, and the
+	// layers with them.
+	if err := e.m.Delete(ctx, "b", true); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.DeleteSnapshot(ctx, "a", "s1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.Delete(ctx, "a", true); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestReconcileSettlesAnInterruptedSnapshot: a carreld that died while
+// moving a VM to new overlays left them named in pending_disks; the next
+// one takes each overlay that QEMU made over the old file, drops the rest,
+// and removes the unfinished snapshot's directory.
+func TestReconcileSettlesAnInterruptedSnapshot(t *testing.T) {
+	e := newEnv(t)
+	e.withSystemImage(t, true)
+	ctx := context.Background()
+	a, err := e.m.Create(ctx, CreateParams{Name: "a", Image: "sys"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.m.Close()
+	dir := e.reg.Dir("a")
+	// QEMU made the state disk's overlay; the workspace's never came.
+	e.drv.Pause(ctx, *a.Instance)
+	if err := e.drv.FreezeDisks(ctx, *a.Instance, map[string]string{filepath.Join(dir, StateDiskName): filepath.Join(dir, "state-0000aaaa.qcow2")}); err != nil {
+		t.Fatal(err)
+	}
+	e.drv.Resume(ctx, *a.Instance)
+	r, _ := e.reg.Get("a")
+	r.PendingDisks = map[string]string{protocol.StateSerial: "state-0000aaaa.qcow2", protocol.WorkspaceSerial: "workspace-0000bbbb.qcow2"}
+	if err := e.reg.Put(r); err != nil {
+		t.Fatal(err)
+	}
+	tmp := filepath.Join(dir, snapshotsDir, tmpPrefix+"half")
+	if err := os.MkdirAll(tmp, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	e.m = e.manager()
+	if err := e.m.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := e.m.Get("a")
+	if diskName(got.Record, protocol.StateSerial) != "state-0000aaaa.qcow2" || diskName(got.Record, protocol.WorkspaceSerial) != WorkspaceDiskName || got.PendingDisks != nil {
+		t.Errorf("settled disks %v, pending %v", got.Disks, got.PendingDisks)
+	}
+	if _, err := os.Stat(tmp); !os.IsNotExist(err) {
+		t.Errorf("the unfinished snapshot is still there: %v", err)
+	}
+	if got.State != registry.StateRunning || got.Instance.PID != a.Instance.PID {
+		t.Errorf("the vm was not adopted as it was: %+v", got)
+	}
+}
