@@ -63,6 +63,19 @@ func (s *Set) Start(ctx context.Context, spec Spec) (Instance, error) {
 
 var _ Snapshotter = (*Set)(nil)
 
+// SnapshotterFor returns what snapshots VMs of the named driver in d (a
+// Set, or a single driver), or an error wrapping ErrUnsupported, so that a
+// caller can ask before it changes anything.
+func SnapshotterFor(d Driver, name string) (Snapshotter, error) {
+	if s, ok := d.(*Set); ok {
+		return s.snapshotter(name)
+	}
+	if sn, ok := d.(Snapshotter); ok {
+		return sn, nil
+	}
+	return nil, fmt.Errorf("the %s driver cannot snapshot vms: %w", d.Name(), ErrUnsupported)
+}
+
 func (s *Set) snapshotter(name string) (Snapshotter, error) {
 	d, err := s.pick(name)
 	if err != nil {

@@ -1,6 +1,7 @@
 package driver_test
 
 import (
+	"os"
 	"context"
 	"errors"
 	"testing"
@@ -82,5 +83,31 @@ func TestSetKeepsEachVMOnItsDriver(t *testing.T) {
 	}
 	if _, err := s.ConsoleDialer(bad)(ctx); !errors.Is(err, driver.ErrUnknownDriver) {
 		t.Errorf("console on an unknown driver: %v", err)
+	}
+}
+
+// plain is a driver that cannot snapshot: it hides the fake's Snapshotter.
+type plain struct{ driver.Driver }
+
+func TestSetSnapshotsOnlyWhereTheDriverCan(t *testing.T) {
+	q := named{drivertest.New(), "qemu"}
+	l := plain{named{drivertest.New(), "libvirt"}}
+	s := driver.NewSet(q, l)
+	if _, err := driver.SnapshotterFor(s, "qemu"); err != nil {
+		t.Errorf("qemu: %v", err)
+	}
+	if _, err := driver.SnapshotterFor(s, "libvirt"); !errors.Is(err, driver.ErrUnsupported) {
+		t.Errorf("libvirt: %v", err)
+	}
+	if _, err := driver.SnapshotterFor(l, "libvirt"); !errors.Is(err, driver.ErrUnsupported) {
+		t.Errorf("a lone driver that cannot: %v", err)
+	}
+	f, err := os.CreateTemp(t.TempDir(), "state")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := s.Start(context.Background(), driver.Spec{Name: "x", Driver: "libvirt", Incoming: f}); !errors.Is(err, driver.ErrUnsupported) {
+		t.Errorf("a start from a saved state on a driver that cannot: %v", err)
 	}
 }

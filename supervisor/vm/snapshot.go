@@ -138,6 +138,10 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	if err := validSnapshotName(p.Name); err != nil {
 		return Snapshot{}, err
 	}
+	sn, err := driver.SnapshotterFor(m.cfg.Driver, rec.Driver)
+	if err != nil {
+		return Snapshot{}, err
+	}
 	if len(p.Note) > maxNote {
 		return Snapshot{}, fmt.Errorf("%w: a note of %d bytes, over %d", ErrInvalid, len(p.Note), maxNote)
 	}
@@ -203,12 +207,7 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	for serial, n := range cur {
 		overlays[filepath.Join(vmDir, n)] = filepath.Join(vmDir, next[serial])
 	}
-	sn, ok := m.cfg.Driver.(driver.Snapshotter)
-	if !ok {
-		err = fmt.Errorf("the %s driver cannot snapshot vms: %w", rec.Driver, driver.ErrUnsupported)
-	} else {
-		err = sn.FreezeDisks(ctx, inst, overlays)
-	}
+	err = sn.FreezeDisks(ctx, inst, overlays)
 	if err != nil {
 		for _, n := range next {
 			_ = os.Remove(filepath.Join(vmDir, n))
@@ -457,6 +456,9 @@ func (m *Manager) Restore(ctx context.Context, vmName, snapName string) (registr
 		if err != nil {
 			return err
 		}
+		if _, err := driver.SnapshotterFor(m.cfg.Driver, s.Driver); err != nil {
+			return err
+		}
 		state, err := m.verify(s)
 		if err != nil {
 			return fmt.Errorf("restore %q to %q: %w", vmName, snapName, err)
@@ -511,6 +513,11 @@ func (m *Manager) Fork(ctx context.Context, src, dst, snapName string) (registry
 	}
 	if _, err := m.get(dst); err == nil {
 		return registry.Record{}, fmt.Errorf("%w: %q", ErrExists, dst)
+	}
+	if src, err := m.get(src); err == nil {
+		if _, err := driver.SnapshotterFor(m.cfg.Driver, src.snapshot().Driver); err != nil {
+			return registry.Record{}, err
+		}
 	}
 	if snapName == "" {
 		snapName = "fork-" + dst
