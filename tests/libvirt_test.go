@@ -107,6 +107,20 @@ func TestLibvirtDriver(t *testing.T) {
 		}
 	})
 
+	t.Run("snapshots are refused and change nothing", func(t *testing.T) {
+		for _, args := range [][]string{{"vm", "snapshot", vmName, "--name", "s"}, {"vm", "fork", vmName, "forked"}} {
+			if r := d.Carrel(args...); r.Code == 0 || !strings.Contains(r.Stderr, "cannot snapshot") {
+				t.Errorf("%v on the libvirt driver: %+v", args, r)
+			}
+		}
+		if got := harness.MustVirsh(t, "domstate", dom); got != "running" {
+			t.Errorf("after refused snapshots: domain is %q", got)
+		}
+		if out := d.Must("exec", vmName, "--", "echo", "still"); out != "still\n" {
+			t.Errorf("exec after refused snapshots: %q", out)
+		}
+	})
+
 	t.Run("a foreign domain of the same name stops a create", func(t *testing.T) {
 		r := d.Carrel("vm", "create", foreignVM, "--image", "dev", "--memory", "256M")
 		if r.Code == 0 || !strings.Contains(r.Stderr, foreign) {

@@ -270,3 +270,79 @@ func TestPauseSnapshotRestoreFork(t *testing.T) {
 		t.Errorf("state left behind: %v", left)
 	}
 }
+
+// TestSnapshotCarreldKilled: carreld killed (SIGKILL) during a snapshot, a
+// fork and a restore. After the restart each finished or left nothing
+// half-done: the VM is adopted and runs on whole disks, no unfinished
+// snapshot is listed or left on disk, and a half-made fork is gone.
+func TestSnapshotCarreldKilled(t *testing.T) {
+	d := harness.New(t)
+	d.Start()
+	d.BuildImage()
+	d.Must("vm", "create", "k", "--memory", "256M")
+	dir := filepath.Join(d.State, "vms", "k")
+	whole := func(when string) {
+		t.Helper()
+		v, ok := vmNamed(t, d, "k")
+		if !ok {
+			t.Fatalf("%s: the vm is gone", when)
+		}
+		if v.State != "VM_STATE_RUNNING" {
+			d.Must("vm", "start", "k")
+		}
+		// An adopted VM's agent answers once its link is back.
+		waitFor(t, 30*time.Second, "the agent after "+when, func() bool {
+			v, _ := vmNamed(t, d, "k")
+			return v.AgentState == "AGENT_STATE_READY"
+		})
+		if out := d.Must("exec", "k", "--", "sh", "-c", "echo ok > /workspace/ok; cat /workspace/ok"); out != "ok\n" {
+			t.Errorf("%s: exec %q", when, out)
+		}
+		rec, err := os.ReadFile(filepath.Join(dir, "vm.json"))
+		if err != nil || strings.Contains(string(rec), "pending_disks") {
+			t.Errorf("%s: record %s %v", when, rec, err)
+		}
+		ents, _ := os.ReadDir(filepath.Join(dir, "snapshots"))
+		for _, e := range ents {
+			if strings.HasPrefix(e.Name(), ".") {
+				t.Errorf("%s: %s left in snapshots/", when, e.Name())
+			}
+		}
+	}
+	for i, delay := range []time.Duration{100 * time.Millisecond, 300 * time.Millisecond, 600 * time.Millisecond} {
+		name := "k" + strconv.Itoa(i)
+		done := make(chan harness.Result, 1)
+		go func() { done <- d.Carrel("vm", "snapshot", "k", "--name", name) }()
+		time.Sleep(delay)
+		d.Kill()
+		<-done
+		d.Start()
+		whole("after a snapshot cut " + delay.String() + " in")
+	}
+	d.Must("vm", "snapshot", "k", "--name", "good")
+
+	done := make(chan harness.Result, 1)
+	go func() { done <- d.Carrel("vm", "fork", "k", "kf", "--snapshot", "good") }()
+	time.Sleep(time.Second)
+	d.Kill()
+	<-done
+	d.Start()
+	if v, ok := vmNamed(t, d, "kf"); ok {
+		if v.State != "VM_STATE_RUNNING" {
+			t.Errorf("the fork survived its cut half-made: %+v", v)
+		}
+		d.Must("vm", "rm", "--force", "kf")
+	} else if _, err := os.Stat(filepath.Join(d.State, "vms", "kf")); !os.IsNotExist(err) {
+		t.Errorf("a cut fork left its directory: %v", err)
+	}
+	whole("after a fork cut midway")
+
+	go func() { done <- d.Carrel("vm", "restore", "k", "good") }()
+	time.Sleep(time.Second)
+	d.Kill()
+	<-done
+	d.Start()
+	whole("after a restore cut midway")
+	d.Must("vm", "restore", "k", "good")
+	whole("after a restore")
+}
