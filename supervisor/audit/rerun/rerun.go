@@ -42,7 +42,10 @@ type Plan struct {
 	PolicyRevision string
 	MemoryBytes    uint64
 	CPUs           uint32
-	Steps          []Step
+	// Origin is the snapshot the session started from (a restore or a
+	// fork); the rerun forks from it instead of booting.
+	Origin *audit.SnapshotRef
+	Steps  []Step
 	// Skipped names recorded actions a rerun cannot repeat, and why.
 	Skipped []string
 }
@@ -89,6 +92,9 @@ func Build(s *review.Session) (*Plan, error) {
 			var d audit.Lifecycle
 			if json.Unmarshal(r.Data, &d) == nil && p.ImageDigest == "" && d.ImageDigest != "" {
 				p.ImageDigest, p.Policy, p.PolicyRevision, p.MemoryBytes, p.CPUs = d.ImageDigest, d.Policy, d.PolicyRevision, d.MemoryBytes, d.CPUs
+			}
+			if d.Origin != nil && p.Origin == nil {
+				p.Origin = d.Origin
 			}
 		case audit.KindIntent:
 			v, err := audit.DecodeIntent(r.Data)
@@ -219,18 +225,28 @@ type Options struct {
 	Progress func(Result)
 }
 
-// Run creates a fresh VM from the plan's image and policy, carries out its
-// steps in order and compares each with the record. The policy bound to
+// Run creates a fresh VM from the plan's image and policy (or, for a
+// session that started from a snapshot, forks one from that snapshot),
+// carries out its steps in order and compares each with the record. The policy bound to
 // the plan's name must still have the recorded revision; otherwise Run
 // refuses, since decisions might differ.
 func Run(ctx context.Context, c *client.Client, dir string, p *Plan, opts Options) ([]Result, error) {
 	if err := checkPolicy(ctx, c, p); err != nil {
 		return nil, err
 	}
-	_, err := c.VMs.CreateVM(ctx, connect.NewRequest(&apiv1.CreateVMRequest{Name: opts.VM, Image: p.ImageDigest,
-		MemoryBytes: p.MemoryBytes, Cpus: p.CPUs, Policy: p.Policy}))
-	if err != nil {
-		return nil, fmt.Errorf("create the rerun vm %s from image %s: %w", opts.VM, p.ImageDigest, err)
+	if o := p.Origin; o != nil {
+		// The session began at a snapshot's instant, processes and all: a
+		// cold boot would not be the same machine.
+		_, err := c.VMs.ForkVM(ctx, connect.NewRequest(&apiv1.ForkVMRequest{Name: o.VM, NewName: opts.VM, Snapshot: o.Name}))
+		if err != nil {
+			return nil, fmt.Errorf("the session started from snapshot %q of %s (session %s); forking the rerun vm %s from it: %w", o.Name, o.VM, o.Session, opts.VM, err)
+		}
+	} else {
+		_, err := c.VMs.CreateVM(ctx, connect.NewRequest(&apiv1.CreateVMRequest{Name: opts.VM, Image: p.ImageDigest,
+			MemoryBytes: p.MemoryBytes, Cpus: p.CPUs, Policy: p.Policy}))
+		if err != nil {
+			return nil, fmt.Errorf("create the rerun vm %s from image %s: %w", opts.VM, p.ImageDigest, err)
+		}
 	}
 	if !opts.Keep {
 		defer c.VMs.DeleteVM(context.WithoutCancel(ctx), connect.NewRequest(&apiv1.DeleteVMRequest{Name: opts.VM, Force: true}))

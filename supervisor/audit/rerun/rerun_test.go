@@ -38,7 +38,8 @@ func TestBuild(t *testing.T) {
 		}
 		return d
 	}
-	must(l.Append(ctx, rec(audit.KindVMLifecycle, `{"event":"created","image_digest":"sha256:aa","policy":"default","policy_revision":"sha256:bb","memory_bytes":268435456,"cpus":1}`)))
+	must(l.Append(ctx, rec(audit.KindVMLifecycle, `{"event":"created","image_digest":"sha256:aa","policy":"default","policy_revision":"sha256:bb","memory_bytes":268435456,"cpus":1,`+
+		`"origin":{"vm":"src","name":"before","session":"ses_1111111111111111","fork":true}}`)))
 	must(l.Append(ctx, audit.Record{Kind: audit.KindIntent, VM: "b", Session: "ses_ffffffffffffffff", Provenance: audit.Host, Data: []byte(`{"action":"exec","argv":["other"]}`)}))
 	p, err := l.Begin(ctx, rec(audit.KindIntent, `{"action":"exec","argv":["cat"],"cwd":"/workspace","user":"agent"}`))
 	if err != nil {
@@ -72,6 +73,10 @@ func TestBuild(t *testing.T) {
 	}
 	if plan.ImageDigest != "sha256:aa" || plan.Policy != "default" || plan.PolicyRevision != "sha256:bb" || plan.MemoryBytes != 256<<20 || plan.VM != "a" {
 		t.Errorf("plan header %+v", plan)
+	}
+	// A session that began at a snapshot is rerun from it.
+	if o := plan.Origin; o == nil || o.VM != "src" || o.Name != "before" || o.Session != "ses_1111111111111111" {
+		t.Errorf("plan origin %+v", plan.Origin)
 	}
 	if len(plan.Steps) != 3 {
 		t.Fatalf("%d steps: %+v", len(plan.Steps), plan.Steps)
