@@ -67,17 +67,38 @@ func TestPauseSnapshotRestoreFork(t *testing.T) {
 	var atSnapshot int
 	t.Run("restore", func(t *testing.T) {
 		atSnapshot = count(t, d, "snap")
+		// A command running across the snapshot stalls for the pause and
+		// goes on.
+		across := make(chan harness.Result, 1)
+		go func() { across <- d.Carrel("exec", "snap", "--", "sh", "-c", "sleep 2; echo done") }()
+		time.Sleep(500 * time.Millisecond)
 		start := time.Now()
 		out := d.Must("vm", "snapshot", "snap", "--name", "s1", "--note", "before")
 		t.Logf("snapshot took %s: %s", time.Since(start).Round(time.Millisecond), strings.TrimSpace(out))
+		if r := <-across; r.Code != 0 || r.Stdout != "done\n" {
+			t.Errorf("a command across the snapshot: %+v", r)
+		}
 		d.Must("exec", "snap", "--", "sh", "-c", "echo later > /workspace/later")
 		// Long enough for the count to get well past where a restore, which
 		// takes a second or two, could bring it.
 		time.Sleep(10 * time.Second)
 		later := count(t, d, "snap")
+		// A command running across a restore fails, promptly: its VM is
+		// gone.
+		inflight := make(chan harness.Result, 1)
+		go func() { inflight <- d.Carrel("exec", "snap", "--", "sleep", "120") }()
+		time.Sleep(time.Second)
 		start = time.Now()
 		d.Must("vm", "restore", "snap", "s1")
 		t.Logf("restore to agent-ready took %s", time.Since(start).Round(time.Millisecond))
+		select {
+		case r := <-inflight:
+			if r.Code == 0 {
+				t.Errorf("a command across a restore: %+v", r)
+			}
+		case <-time.After(30 * time.Second):
+			t.Error("a command in flight hangs across a restore")
+		}
 		for _, l := range strings.Split(d.Logs(), "\n") {
 			if strings.Contains(l, "restored") || strings.Contains(l, "agent ready") || strings.Contains(l, "vm stopped") || strings.Contains(l, "healthy") {
 				t.Log(l)
