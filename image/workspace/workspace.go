@@ -124,22 +124,10 @@ func Create(ctx context.Context, qemuImg, path, template string, size uint64) er
 	if _, err := os.Lstat(path); err == nil {
 		return fmt.Errorf("workspace disk %s: %w", path, os.ErrExist)
 	}
-	// Made under a temporary name and renamed: a crash part-way leaves no
-	// half disk that a later boot would take for the VM's.
-	tmp := path + ".tmp"
-	os.Remove(tmp)
-	err := run(ctx, nil, qemuImg, "create", "-q", "-f", "qcow2", "-F", "raw", "-b", template, tmp, strconv.FormatUint(size, 10))
-	if err == nil {
-		err = syncFile(tmp)
-	}
-	if err == nil {
-		err = os.Rename(tmp, path)
-	}
-	if err != nil {
-		os.Remove(tmp)
+	if err := overlay(ctx, qemuImg, path, template, "raw", size); err != nil {
 		return fmt.Errorf("create workspace disk: %w", err)
 	}
-	return atomicfile.SyncDir(filepath.Dir(path))
+	return nil
 }
 
 // Overlay makes a qcow2 disk at path over backing, another qcow2 disk
@@ -152,9 +140,20 @@ func Overlay(ctx context.Context, qemuImg, path, backing string, size uint64) er
 	if _, err := os.Lstat(path); err == nil {
 		return fmt.Errorf("disk %s: %w", path, os.ErrExist)
 	}
+	if err := overlay(ctx, qemuImg, path, backing, "qcow2", size); err != nil {
+		return fmt.Errorf("create disk over %s: %w", backing, err)
+	}
+	return nil
+}
+
+// overlay makes the qcow2 file at path over backing, of format
+// backingFormat, of size bytes. It is made under a temporary name, synced
+// and renamed: a crash part-way leaves no half disk that a later boot
+// would take for the VM's.
+func overlay(ctx context.Context, qemuImg, path, backing, backingFormat string, size uint64) error {
 	tmp := path + ".tmp"
 	os.Remove(tmp)
-	err := run(ctx, nil, qemuImg, "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, tmp, strconv.FormatUint(size, 10))
+	err := run(ctx, nil, qemuImg, "create", "-q", "-f", "qcow2", "-F", backingFormat, "-b", backing, tmp, strconv.FormatUint(size, 10))
 	if err == nil {
 		err = syncFile(tmp)
 	}
@@ -163,7 +162,7 @@ func Overlay(ctx context.Context, qemuImg, path, backing string, size uint64) er
 	}
 	if err != nil {
 		os.Remove(tmp)
-		return fmt.Errorf("create disk over %s: %w", backing, err)
+		return err
 	}
 	return atomicfile.SyncDir(filepath.Dir(path))
 }

@@ -298,13 +298,13 @@ func tailFile(path string, n int) string {
 // qmpTimeout bounds one QMP exchange when the caller's context does not.
 const qmpTimeout = 10 * time.Second
 
-// monitor runs fn on a fresh QMP connection, bounded by ctx and qmpTimeout.
-// QEMU serves one QMP client at a time, so connections are short-lived.
-// go-qemu sets no deadlines itself and the listening socket is ours, so a
-// connect always succeeds: a QEMU that is stuck, or whose QMP another
-// client holds, would block forever. The exchange runs aside and is
-// abandoned when the deadline passes; it ends when QEMU does.
-func (d *Driver) monitor(ctx context.Context, socket string, fn func(*raw.Monitor) error) error {
+// rawMonitor runs fn on a fresh QMP connection, bounded by ctx and
+// qmpTimeout. QEMU serves one QMP client at a time, so connections are
+// short-lived. go-qemu sets no deadlines itself and the listening socket is
+// ours, so a connect always succeeds: a QEMU that is stuck, or whose QMP
+// another client holds, would block forever. The exchange runs aside and
+// is abandoned when the deadline passes; it ends when QEMU does.
+func (d *Driver) rawMonitor(ctx context.Context, socket string, fn func(qmp.Monitor) error) error {
 	ctx, cancel := context.WithTimeout(ctx, qmpTimeout)
 	defer cancel()
 	done := make(chan error, 1)
@@ -319,7 +319,7 @@ func (d *Driver) monitor(ctx context.Context, socket string, fn func(*raw.Monito
 			return
 		}
 		defer mon.Disconnect()
-		done <- fn(raw.NewMonitor(mon))
+		done <- fn(mon)
 	}()
 	select {
 	case err := <-done:
@@ -327,6 +327,11 @@ func (d *Driver) monitor(ctx context.Context, socket string, fn func(*raw.Monito
 	case <-ctx.Done():
 		return fmt.Errorf("qmp %s: no answer: %w", socket, ctx.Err())
 	}
+}
+
+// monitor is rawMonitor with go-qemu's typed commands.
+func (d *Driver) monitor(ctx context.Context, socket string, fn func(*raw.Monitor) error) error {
+	return d.rawMonitor(ctx, socket, func(mon qmp.Monitor) error { return fn(raw.NewMonitor(mon)) })
 }
 
 // Resume implements driver.Lifecycle.

@@ -52,32 +52,6 @@ func run(mon qmp.Monitor, cmd string, args, out any) error {
 	return nil
 }
 
-// rawMonitor runs fn on a fresh QMP connection, as monitor does.
-func (d *Driver) rawMonitor(ctx context.Context, socket string, fn func(qmp.Monitor) error) error {
-	ctx, cancel := context.WithTimeout(ctx, qmpTimeout)
-	defer cancel()
-	done := make(chan error, 1)
-	go func() {
-		mon, err := d.cfg.NewMonitor(socket)
-		if err != nil {
-			done <- fmt.Errorf("qmp %s: %w", socket, err)
-			return
-		}
-		if err := mon.Connect(); err != nil {
-			done <- fmt.Errorf("qmp connect %s: %w", socket, err)
-			return
-		}
-		defer mon.Disconnect()
-		done <- fn(mon)
-	}()
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-		return fmt.Errorf("qmp %s: no answer: %w", socket, ctx.Err())
-	}
-}
-
 // FreezeDisks implements driver.Snapshotter with one QMP transaction of
 // blockdev-snapshot-sync actions: QEMU makes each new overlay, naming the
 // current file as its backing by its absolute path, and switches to it.
