@@ -100,8 +100,11 @@ func TestPauseSnapshotRestoreFork(t *testing.T) {
 			t.Error("a command in flight hangs across a restore")
 		}
 		for _, l := range strings.Split(d.Logs(), "\n") {
-			if strings.Contains(l, "restored") || strings.Contains(l, "agent ready") || strings.Contains(l, "vm stopped") || strings.Contains(l, "healthy") {
-				t.Log(l)
+			for _, step := range []string{"restored", "agent ready", "vm stopped", "healthy", "starting qemu", "sandbox set", "GoAway"} {
+				if strings.Contains(l, step) {
+					t.Log(l[:min(len(l), 200)])
+					break
+				}
 			}
 		}
 		got := count(t, d, "snap")

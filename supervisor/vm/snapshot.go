@@ -418,7 +418,7 @@ func (m *Manager) verify(s Snapshot) (*os.File, error) {
 // restoredAttempt is how long one readiness probe of a guest started from
 // a snapshot waits: its agent answers within a few hundred milliseconds
 // once a handshake gets through.
-const restoredAttempt = time.Second
+const restoredAttempt = 250 * time.Millisecond
 
 // startPoint is a snapshot a boot starts from instead of booting.
 type startPoint struct {

@@ -96,7 +96,7 @@ func benchSnapshots(t *tb, d *harness.Daemon, rounds, forks int) {
 		cold = append(cold, name)
 	}
 	f, c := sum(qemuPSSAll(t, d, names)), sum(qemuPSSAll(t, d, cold))
-	fmt.Printf("  host memory (QEMU PSS, summed): %d forks %.1f MiB, %d cold boots %.1f MiB (%.2fx): each fork loads the whole saved state into RAM of its own\n",
+	fmt.Printf("  host memory (QEMU PSS, summed): %d forks %.1f MiB, %d cold boots %.1f MiB (%.2fx): each fork holds its own copy of the saved state's pages (zero pages are not loaded), a cold boot what booting touched\n",
 		forks, f, forks, c, f/c)
 	for _, name := range append(names, cold...) {
 		d.Must("vm", "rm", "--force", name)
