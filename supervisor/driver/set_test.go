@@ -1,9 +1,9 @@
 package driver_test
 
 import (
-	"os"
 	"context"
 	"errors"
+	"os"
 	"testing"
 
 	"github.com/carrel-os/carrel/supervisor/driver"
