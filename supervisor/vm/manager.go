@@ -477,9 +477,12 @@ func (m *Manager) boot(ctx context.Context, mc *machine, from *startPoint) error
 	readyErr := make(chan error, 1)
 	go func() {
 		if from != nil {
-			// The agent runs already, but may still hold the session it had
-			// at the snapshot and read the first handshake as that
-			// session's garbage: short attempts get past it.
+			// The agent runs already, but still holds the session it had at
+			// the snapshot: that one is ended first. Should that fail,
+			// short attempts get past it.
+			if err := link.TakeOver(ctx, restoredTakeOver, restoredSettle); err != nil {
+				m.log.Warn("restored guest's agent session not taken over; probing", "vm", name, "err", err)
+			}
 			readyErr <- link.WaitReadyEvery(ctx, restoredAttempt)
 			return
 		}
