@@ -100,7 +100,7 @@ func TestPauseSnapshotRestoreFork(t *testing.T) {
 			t.Error("a command in flight hangs across a restore")
 		}
 		for _, l := range strings.Split(d.Logs(), "\n") {
-			for _, step := range []string{"restored", "agent ready", "vm stopped", "healthy", "starting qemu", "sandbox set", "GoAway"} {
+			for _, step := range []string{"restored", "agent ready", "vm stopped", "healthy", "starting qemu", "sandbox set", "GoAway", "session", "answered"} {
 				if strings.Contains(l, step) {
 					t.Log(l[:min(len(l), 200)])
 					break

@@ -420,14 +420,6 @@ func (m *Manager) verify(s Snapshot) (*os.File, error) {
 // once a handshake gets through.
 const restoredAttempt = 250 * time.Millisecond
 
-// restoredTakeOver bounds the end of a restored agent's old session, and
-// restoredSettle is how long the guest gets to see the host hang up after
-// it (agentlink.Link.TakeOver).
-const (
-	restoredTakeOver = 5 * time.Second
-	restoredSettle   = 100 * time.Millisecond
-)
-
 // startPoint is a snapshot a boot starts from instead of booting.
 type startPoint struct {
 	snap  Snapshot
