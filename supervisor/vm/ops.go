@@ -473,7 +473,14 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 	go func() {
 		rctx, rcancel := context.WithTimeout(live, 30*time.Second)
 		defer rcancel()
-		if err := link.WaitReady(rctx); err != nil && live.Err() == nil {
+		wait := link.WaitReady
+		if paused && !rec.Paused {
+			// It was resumed just now: its agent may not yet have seen the
+			// previous carreld go, and read this one's first handshakes as
+			// its old session's bytes, as after a restore.
+			wait = func(ctx context.Context) error { return link.WaitReadyEvery(ctx, restoredAttempt) }
+		}
+		if err := wait(rctx); err != nil && live.Err() == nil {
 			log.Warn("adopted vm's agent is not answering", "err", err)
 			return
 		}
