@@ -1,6 +1,10 @@
 // Package vm is carreld's VM manager: the state machine that creates,
 // boots, stops and removes VMs through a driver, keeps their records, holds
 // the link to each guest agent, and re-adopts running VMs after a restart.
+// It also pauses and resumes VMs (pause.go), and snapshots, restores and
+// forks them where the driver can (snapshot.go): disk layers frozen under
+// new overlays, QEMU's state saved, both checked by digest before a start
+// from them.
 package vm
 
 import (

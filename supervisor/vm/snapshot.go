@@ -226,7 +226,7 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	}); err != nil {
 		return Snapshot{}, err
 	}
-	state, err := saveState(ctx, sn, inst, filepath.Join(tmp, snapshotState))
+	state, err := saveState(ctx, sn, inst, filepath.Join(tmp, snapshotState), maxStateBytes(rec.MemoryBytes))
 	if err != nil {
 		return Snapshot{}, fmt.Errorf("snapshot %q: save state: %w", rec.Name, err)
 	}
@@ -239,10 +239,10 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 		ImageDigest: rec.ImageDigest, RootHash: rec.RootHash, MemoryBytes: rec.MemoryBytes, CPUs: rec.CPUs, Driver: rec.Driver,
 		Policy: rec.PolicyName(), WorkspaceBytes: rec.WorkspaceBytes, MaxProcesses: rec.MaxProcesses,
 		Ephemeral: rec.Ephemeral, DiskBytes: rec.DiskBytes,
-		State: state, Guest: p.Guest, Note: p.Note,
+		Guest: p.Guest, Note: p.Note,
 	}
-	state.Path = filepath.Join(final, snapshotState)
 	snap.State = state
+	snap.State.Path = filepath.Join(final, snapshotState) // where it is once renamed
 	for _, serial := range writableSerials {
 		n, ok := cur[serial]
 		if !ok {
@@ -282,16 +282,46 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	return snap, nil
 }
 
-// saveState saves inst's state into a new file at path, hashing it on the
-// way, and syncs it.
-func saveState(ctx context.Context, sn driver.Snapshotter, inst driver.Instance, path string) (SnapshotFile, error) {
+// Bounds on saving a state. QEMU's stream is the guest's RAM (zero pages
+// as flags only, the rest with an 8-byte header per page) and its devices'
+// state, which is small; a stream that outgrows that, or a save that
+// outlasts saveTimeout, is cut, so that a broken QEMU cannot fill the disk
+// or hold the VM's vCPUs stopped.
+const saveTimeout = 10 * time.Minute
+
+func maxStateBytes(memory uint64) int64 {
+	return int64(memory + memory/64 + 64<<20)
+}
+
+// errStateTooLarge is a saved state over maxStateBytes.
+var errStateTooLarge = errors.New("the saved state is larger than the vm's memory allows")
+
+// capWriter passes at most left bytes to w, then fails.
+type capWriter struct {
+	w    io.Writer
+	left int64
+}
+
+func (c *capWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > c.left {
+		return 0, errStateTooLarge
+	}
+	c.left -= int64(len(p))
+	return c.w.Write(p)
+}
+
+// saveState saves inst's state into a new file at path, at most max
+// bytes, hashing it on the way, and syncs it.
+func saveState(ctx context.Context, sn driver.Snapshotter, inst driver.Instance, path string, max int64) (SnapshotFile, error) {
+	ctx, cancel := context.WithTimeout(ctx, saveTimeout)
+	defer cancel()
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o400)
 	if err != nil {
 		return SnapshotFile{}, err
 	}
 	defer f.Close()
 	h := sha256.New()
-	n, err := sn.SaveState(ctx, inst, io.MultiWriter(f, h))
+	n, err := sn.SaveState(ctx, inst, &capWriter{w: io.MultiWriter(f, h), left: max})
 	if err != nil {
 		return SnapshotFile{}, err
 	}
@@ -308,12 +338,15 @@ func hashFile(path string) (SnapshotFile, error) {
 		return SnapshotFile{}, err
 	}
 	defer f.Close()
+	sum, n, err := hashReader(f)
+	return SnapshotFile{Path: path, SHA256: sum, Bytes: n}, err
+}
+
+// hashReader returns the sha256 (hex) and length of what r holds.
+func hashReader(r io.Reader) (string, uint64, error) {
 	h := sha256.New()
-	n, err := io.Copy(h, f)
-	if err != nil {
-		return SnapshotFile{}, err
-	}
-	return SnapshotFile{Path: path, SHA256: hex.EncodeToString(h.Sum(nil)), Bytes: uint64(n)}, nil
+	n, err := io.Copy(h, r)
+	return hex.EncodeToString(h.Sum(nil)), uint64(n), err
 }
 
 func validSnapshotName(name string) error {
@@ -403,10 +436,9 @@ func (m *Manager) verify(s Snapshot) (*os.File, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: state: %w", ErrSnapshotDamaged, err)
 	}
-	h := sha256.New()
-	n, err := io.Copy(h, f)
-	if err == nil && (hex.EncodeToString(h.Sum(nil)) != s.State.SHA256 || uint64(n) != s.State.Bytes) {
-		err = fmt.Errorf("its state %s changed since the snapshot (%d bytes, sha256 %x; want %d, %s)", s.State.Path, n, h.Sum(nil), s.State.Bytes, s.State.SHA256)
+	sum, n, err := hashReader(f)
+	if err == nil && (sum != s.State.SHA256 || n != s.State.Bytes) {
+		err = fmt.Errorf("its state %s changed since the snapshot (%d bytes, sha256 %s; want %d, %s)", s.State.Path, n, sum, s.State.Bytes, s.State.SHA256)
 	}
 	if err != nil {
 		f.Close()
@@ -514,8 +546,8 @@ func (m *Manager) Fork(ctx context.Context, src, dst, snapName string) (registry
 	if _, err := m.get(dst); err == nil {
 		return registry.Record{}, fmt.Errorf("%w: %q", ErrExists, dst)
 	}
-	if src, err := m.get(src); err == nil {
-		if _, err := driver.SnapshotterFor(m.cfg.Driver, src.snapshot().Driver); err != nil {
+	if from, err := m.get(src); err == nil {
+		if _, err := driver.SnapshotterFor(m.cfg.Driver, from.snapshot().Driver); err != nil {
 			return registry.Record{}, err
 		}
 	}
@@ -746,11 +778,12 @@ func (m *Manager) tellRestored(ctx context.Context, link *agentlink.Link, from *
 	if err := done(ctx, err); err != nil {
 		return fmt.Errorf("the guest agent was not told it was restored: %w", err)
 	}
+	detail := protocol.CleanText(resp.Msg.Detail, 512) // the guest's words
 	if !resp.Msg.Reseeded {
-		return fmt.Errorf("the guest could not reseed its random number generator: %s", resp.Msg.Detail)
+		return fmt.Errorf("the guest could not reseed its random number generator: %s", detail)
 	}
-	if resp.Msg.Detail != "" {
-		m.log.Warn("guest restored in part", "detail", resp.Msg.Detail)
+	if detail != "" {
+		m.log.Warn("guest restored in part", "detail", detail)
 	}
 	return nil
 }

@@ -1,8 +1,10 @@
 package vm
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -102,6 +104,19 @@ func TestSnapshotRestoreFork(t *testing.T) {
 	}
 	if k := l.kinds(); !strings.Contains(k, "snapshot") {
 		t.Errorf("events %s", k)
+	}
+
+	// A guest that does not reseed fails its restore; its words are
+	// bounded and cleaned in the error.
+	e.drv.SetNext(drivertest.Behavior{NotReseeded: "no\x1b[31m" + strings.Repeat("x", 100<<10)})
+	if _, err := e.m.Restore(ctx, "a", "s1"); err == nil || !strings.Contains(err.Error(), "could not reseed") || len(err.Error()) > 4096 || strings.Contains(err.Error(), "\x1b") {
+		t.Errorf("restore into a guest that does not reseed: %.200v (%d bytes)", err, len(fmt.Sprint(err)))
+	}
+	if st, _ := e.m.Get("a"); st.State != registry.StateStopped {
+		t.Errorf("a vm that could not reseed is %s", st.State)
+	}
+	if _, err := e.m.Restore(ctx, "a", "s1"); err != nil {
+		t.Fatal(err)
 	}
 
 	// A damaged state is refused and the VM left as it was.
@@ -206,4 +221,51 @@ func TestReconcileSettlesAnInterruptedSnapshot(t *testing.T) {
 	if got.State != registry.StateRunning || got.Instance.PID != a.Instance.PID {
 		t.Errorf("the vm was not adopted as it was: %+v", got)
 	}
+}
+
+// TestSaveStateIsCapped: a stream over the cap fails the save.
+func TestSaveStateIsCapped(t *testing.T) {
+	var b bytes.Buffer
+	w := &capWriter{w: &b, left: 10}
+	if n, err := w.Write(make([]byte, 8)); n != 8 || err != nil {
+		t.Fatalf("under the cap: %d %v", n, err)
+	}
+	if _, err := w.Write(make([]byte, 3)); !errors.Is(err, errStateTooLarge) || b.Len() != 8 {
+		t.Fatalf("over the cap: %v, %d bytes through", err, b.Len())
+	}
+	if got := maxStateBytes(256 << 20); got < 256<<20 || got > 512<<20 {
+		t.Errorf("cap for 256 MiB: %d", got)
+	}
+}
+
+// FuzzReadQCOW2: whatever a file holds, the header reader answers without
+// panicking, and a backing name it returns lies within its bound.
+func FuzzReadQCOW2(f *testing.F) {
+	hdr := func(off uint64, n uint32, name string) []byte {
+		b := make([]byte, 512)
+		copy(b, []byte{0x51, 0x46, 0x49, 0xfb, 0, 0, 0, 3})
+		for i := 0; i < 8; i++ {
+			b[8+i] = byte(off >> (56 - 8*i))
+		}
+		for i := 0; i < 4; i++ {
+			b[16+i] = byte(n >> (24 - 8*i))
+		}
+		copy(b[off:], name)
+		return b
+	}
+	f.Add(hdr(104, 9, "/a/b.qcow2"))
+	f.Add(hdr(0, 0, ""))
+	f.Add(hdr(104, 4000, "x"))
+	f.Add([]byte("QFI"))
+	dir := f.TempDir()
+	f.Fuzz(func(t *testing.T, b []byte) {
+		p := filepath.Join(dir, "f.qcow2")
+		if err := os.WriteFile(p, b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		info, err := readQCOW2(p)
+		if err == nil && len(info.Backing) > maxBackingName {
+			t.Fatalf("backing name of %d bytes", len(info.Backing))
+		}
+	})
 }

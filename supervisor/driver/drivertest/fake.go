@@ -44,6 +44,9 @@ type Behavior struct {
 	// closes; a signal ends it with 128+signal, as the real agent reports a
 	// command a signal killed.
 	Process func(context.Context, *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error
+	// NotReseeded makes Restored answer that the RNG was not reseeded,
+	// with this detail (a guest that cannot, or lies).
+	NotReseeded string
 }
 
 // Driver is a fake driver. Its zero value is not usable: call New.

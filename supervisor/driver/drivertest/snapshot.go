@@ -101,6 +101,9 @@ func (a *agent) Restored(_ context.Context, req *connect.Request[agentv1.Restore
 	a.vm.mu.Lock()
 	a.vm.restored = append(a.vm.restored, req.Msg)
 	a.vm.mu.Unlock()
+	if d := a.vm.behavior.NotReseeded; d != "" {
+		return connect.NewResponse(&agentv1.RestoredResponse{ClockSet: true, Detail: d}), nil
+	}
 	return connect.NewResponse(&agentv1.RestoredResponse{Reseeded: true, ClockSet: true, MachineIdSet: req.Msg.MachineId != ""}), nil
 }
 
