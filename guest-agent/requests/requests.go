@@ -269,17 +269,36 @@ func Send(ctx context.Context, path string, r Request) (Answer, error) {
 	return a, nil
 }
 
-// ExposeSelf puts a copy of the running agent's executable at path, for
-// programs in the guest to run carrel-agent request with: as PID 1 of
-// carrel's images the agent ran from the initramfs, which is gone once the
-// real root is up (its file lives on only as /proc/self/exe). A copy that
-// is already the same bytes is left as it is.
+// ExposeSelf makes the running agent's executable runnable at path, for
+// programs in the guest to run carrel-agent request with. An agent run
+// from a file of the image (a service of the image's init) gets a symbolic
+// link to that file. As PID 1 of carrel's images the agent ran from the
+// initramfs, which is gone once the real root is up (its file lives on only
+// as /proc/self/exe): it gets a copy, left as it is when it already holds
+// the same bytes.
 func ExposeSelf(path string) error {
 	self, err := os.Open("/proc/self/exe")
 	if err != nil {
 		return err
 	}
 	defer self.Close()
+	if exe, ok := ownFile(self); ok {
+		if exe == path {
+			return nil
+		}
+		if cur, err := os.Readlink(path); err == nil && cur == exe {
+			return nil
+		}
+		tmp := path + ".new"
+		_ = os.Remove(tmp)
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			return err
+		}
+		if err := os.Symlink(exe, tmp); err != nil {
+			return err
+		}
+		return os.Rename(tmp, path)
+	}
 	if same, err := sameBytes(self, path); err == nil && same {
 		return nil
 	}
@@ -308,6 +327,24 @@ func ExposeSelf(path string) error {
 	return os.Rename(tmp.Name(), path)
 }
 
+// ownFile returns the path of the file the agent runs from, when it is
+// still there (os.Executable names a file that is self).
+func ownFile(self *os.File) (string, bool) {
+	exe, err := os.Executable()
+	if err != nil {
+		return "", false
+	}
+	a, err := os.Stat(exe)
+	if err != nil {
+		return "", false
+	}
+	b, err := self.Stat()
+	if err != nil {
+		return "", false
+	}
+	return exe, os.SameFile(a, b)
+}
+
 // sameBytes reports whether the file at path holds what f holds.
 func sameBytes(f *os.File, path string) (bool, error) {
 	g, err := os.Open(path)
@@ -331,7 +368,7 @@ func sameBytes(f *os.File, path string) (bool, error) {
 			return false, nil
 		}
 		if errA != nil || errB != nil {
-			return errA == errB || (errA == io.ErrUnexpectedEOF && errB == io.ErrUnexpectedEOF) || (errA == io.EOF && errB == io.EOF), nil
+			return errA == errB, nil // both ended, at the same place
 		}
 	}
 }

@@ -82,3 +82,50 @@ func TestNoHostTimesOut(t *testing.T) {
 		t.Errorf("unanswered: %v", err)
 	}
 }
+
+// TestExposeSelf: an agent that runs from a file of the image gets a link
+// to it, made once.
+func TestExposeSelf(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "bin", "carrel-agent")
+	for i := 0; i < 2; i++ {
+		if err := ExposeSelf(path); err != nil {
+			t.Fatal(err)
+		}
+	}
+	exe, _ := os.Executable()
+	if got, err := os.Readlink(path); err != nil || got != exe {
+		t.Errorf("link %q, %v; want %q", got, err, exe)
+	}
+}
+
+// TestSameBytes: the copy is kept only when it holds exactly the running
+// executable's bytes.
+func TestSameBytes(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, s string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(s), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	a := write("a", strings.Repeat("agent", 30000))
+	for _, c := range []struct {
+		other string
+		want  bool
+	}{
+		{strings.Repeat("agent", 30000), true},
+		{strings.Repeat("agent", 29999) + "agenT", false},
+		{strings.Repeat("agent", 29999), false},
+	} {
+		f, err := os.Open(a)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := sameBytes(f, write("b", c.other))
+		f.Close()
+		if err != nil || got != c.want {
+			t.Errorf("sameBytes of %d bytes: %v %v, want %v", len(c.other), got, err, c.want)
+		}
+	}
+}
