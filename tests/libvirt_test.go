@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"libvirt.org/go/libvirtxml"
 
@@ -107,18 +108,55 @@ func TestLibvirtDriver(t *testing.T) {
 		}
 	})
 
-	t.Run("snapshots are refused and change nothing", func(t *testing.T) {
-		for _, args := range [][]string{{"vm", "snapshot", vmName, "--name", "s"}, {"vm", "fork", vmName, "forked"}} {
-			if r := d.Carrel(args...); r.Code == 0 || !strings.Contains(r.Stderr, "cannot snapshot") {
-				t.Errorf("%v on the libvirt driver: %+v", args, r)
+	t.Run("snapshot, restore and fork", func(t *testing.T) {
+		d.Must("exec", vmName, "-d", "--", "sh", "-c", counter)
+		deadline := time.Now().Add(30 * time.Second)
+		for d.Carrel("exec", vmName, "--", "test", "-s", "/tmp/count").Code != 0 {
+			if time.Now().After(deadline) {
+				t.Fatal("the counter never started")
 			}
+			time.Sleep(200 * time.Millisecond)
 		}
+		d.Must("exec", vmName, "--", "sh", "-c", "echo before > /workspace/before")
+		atSnapshot := count(t, d, vmName)
+		d.Must("vm", "snapshot", vmName, "--name", "s1")
 		if got := harness.MustVirsh(t, "domstate", dom); got != "running" {
-			t.Errorf("after refused snapshots: domain is %q", got)
+			t.Errorf("after the snapshot: domain is %q", got)
 		}
-		if out := d.Must("exec", vmName, "--", "echo", "still"); out != "still\n" {
-			t.Errorf("exec after refused snapshots: %q", out)
+		d.Must("exec", vmName, "--", "sh", "-c", "echo later > /workspace/later")
+		time.Sleep(5 * time.Second)
+		later := count(t, d, vmName)
+
+		before := harness.MustVirsh(t, "domuuid", dom)
+		d.Must("vm", "restore", vmName, "s1")
+		if got := count(t, d, vmName); got < atSnapshot || got >= later {
+			t.Errorf("after restore the count is %d; it was %d at the snapshot and %d before the restore", got, atSnapshot, later)
 		}
+		if r := d.Carrel("exec", vmName, "--", "test", "-e", "/workspace/later"); r.Code != 1 {
+			t.Errorf("a file written after the snapshot is there after the restore: %+v", r)
+		}
+		if out := d.Must("exec", vmName, "--", "cat", "/workspace/before"); out != "before\n" {
+			t.Errorf("a file written before the snapshot: %q", out)
+		}
+		if got := harness.MustVirsh(t, "domuuid", dom); got == before {
+			t.Error("the restored domain kept the old uuid")
+		}
+
+		fork := vmName + "b"
+		t.Cleanup(func() { harness.Virsh("destroy", libvirt.DomainName(fork)) })
+		d.Must("vm", "fork", vmName, fork, "--snapshot", "s1")
+		if got := harness.MustVirsh(t, "domstate", libvirt.DomainName(fork)); got != "running" {
+			t.Errorf("fork domain is %q", got)
+		}
+		d.Must("exec", fork, "--", "sh", "-c", "echo b > /workspace/only-b")
+		if r := d.Carrel("exec", vmName, "--", "test", "-e", "/workspace/only-b"); r.Code != 1 {
+			t.Errorf("the parent sees the fork's file: %+v", r)
+		}
+		if a, b := d.Must("exec", vmName, "--", "cat", "/proc/sys/kernel/random/uuid"), d.Must("exec", fork, "--", "cat", "/proc/sys/kernel/random/uuid"); a == b {
+			t.Errorf("parent and fork draw the same uuid %q", a)
+		}
+		d.Must("vm", "rm", "--force", fork)
+		d.Must("vm", "snapshot", "rm", vmName, "s1")
 	})
 
 	t.Run("a foreign domain of the same name stops a create", func(t *testing.T) {

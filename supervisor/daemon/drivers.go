@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/carrel-os/carrel/image/workspace"
 	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/driver/libvirt"
 	"github.com/carrel-os/carrel/supervisor/driver/qemu"
@@ -24,7 +25,7 @@ const (
 // it can reach libvirtd before it serves. close ends the connection.
 func newDrivers(ctx context.Context, cfg Config, accelerator string, log *slog.Logger) (set *driver.Set, close func() error, err error) {
 	q := qemu.New(qemu.Config{Binary: cfg.QEMUBinary, Machine: cfg.Machine, Accelerator: accelerator, Logger: log.With("subsystem", "qemu"), Cgroups: true})
-	l, err := libvirt.New(libvirt.Config{URI: cfg.LibvirtURI, Accelerator: accelerator, Logger: log.With("subsystem", "libvirt")})
+	l, err := libvirt.New(libvirt.Config{URI: cfg.LibvirtURI, Accelerator: accelerator, Logger: log.With("subsystem", "libvirt"), QEMUImg: workspace.QEMUImg(cfg.QEMUBinary)})
 	if err != nil {
 		return nil, nil, err
 	}

@@ -62,6 +62,11 @@ type Disk struct {
 	// the qcow2 file records it with its format, and the libvirt driver
 	// spells the chain out too, so that no format is ever probed.
 	Backing string
+	// Layers are the frozen qcow2 files between Path and Backing, nearest
+	// first: the disk layers of the snapshots the disk stands on. Each
+	// records the file under it and its format; QEMU reads them from
+	// there, libvirt from the domain's XML.
+	Layers []string
 	// ReadOnly disks are attached read-only; one file may then serve
 	// many VMs at once.
 	ReadOnly bool
@@ -146,10 +151,31 @@ type Snapshotter interface {
 	// file stays as it was. All disks move or none. The vCPUs must be
 	// stopped.
 	FreezeDisks(ctx context.Context, inst Instance, overlays map[string]string) error
-	// SaveState writes inst's memory and device state to w and returns
-	// how many bytes it wrote. The vCPUs must be stopped; Resume starts
-	// them again.
-	SaveState(ctx context.Context, inst Instance, w io.Writer) (int64, error)
+	// SaveState writes inst's memory and device state to a new file at
+	// path, at most max bytes (else ErrStateTooLarge), and returns its
+	// size. The vCPUs must be stopped; Resume starts them again. The
+	// caller syncs the file.
+	SaveState(ctx context.Context, inst Instance, path string, max int64) (int64, error)
+}
+
+// ErrStateTooLarge is a saved state over the bound its caller set.
+var ErrStateTooLarge = errors.New("the saved state is larger than the vm's memory allows")
+
+// LimitWriter passes at most max bytes to w; a write past them fails
+// with ErrStateTooLarge and passes nothing.
+func LimitWriter(w io.Writer, max int64) io.Writer { return &limitWriter{w: w, left: max} }
+
+type limitWriter struct {
+	w    io.Writer
+	left int64
+}
+
+func (l *limitWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > l.left {
+		return 0, ErrStateTooLarge
+	}
+	l.left -= int64(len(p))
+	return l.w.Write(p)
 }
 
 // Driver is a complete VM back end.

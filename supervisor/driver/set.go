@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 )
 
@@ -98,12 +97,12 @@ func (s *Set) FreezeDisks(ctx context.Context, inst Instance, overlays map[strin
 }
 
 // SaveState implements Snapshotter, for members that do.
-func (s *Set) SaveState(ctx context.Context, inst Instance, w io.Writer) (int64, error) {
+func (s *Set) SaveState(ctx context.Context, inst Instance, path string, max int64) (int64, error) {
 	sn, err := s.snapshotter(inst.Driver)
 	if err != nil {
 		return 0, err
 	}
-	return sn.SaveState(ctx, inst, w)
+	return sn.SaveState(ctx, inst, path, max)
 }
 
 // Resume implements Lifecycle.

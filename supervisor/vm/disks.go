@@ -123,7 +123,20 @@ func (m *Manager) vmDisk(ctx context.Context, rec registry.Record, dir, name, te
 	case err != nil:
 		return driver.Disk{}, err
 	}
-	return driver.Disk{Path: disk, Format: driver.FormatQCOW2, Backing: template}, nil
+	// A disk over a snapshot's frozen layers has them between it and the
+	// template.
+	files, err := chain(disk)
+	if err != nil {
+		return driver.Disk{}, err
+	}
+	if files[len(files)-1] != template {
+		return driver.Disk{}, fmt.Errorf("disk %s stands on %s, not on its template %s", disk, files[len(files)-1], template)
+	}
+	d := driver.Disk{Path: disk, Format: driver.FormatQCOW2, Backing: template}
+	if len(files) > 2 {
+		d.Layers = files[1 : len(files)-1]
+	}
+	return d, nil
 }
 
 func (m *Manager) qemuImg() string {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -85,7 +86,7 @@ func TestWorkspaceDisk(t *testing.T) {
 	s := e.spec(t, "disk")
 	disk := filepath.Join(e.reg.Dir("disk"), WorkspaceDiskName)
 	want := driver.Disk{Path: disk, Format: driver.FormatQCOW2, Backing: tpl, Serial: protocol.WorkspaceSerial}
-	if len(s.Disks) != 1 || s.Disks[0] != want || !strings.HasSuffix(s.Cmdline, " "+protocol.WorkspaceDiskArg) {
+	if len(s.Disks) != 1 || !reflect.DeepEqual(s.Disks[0], want) || !strings.HasSuffix(s.Cmdline, " "+protocol.WorkspaceDiskArg) {
 		t.Errorf("spec: %+v", s)
 	}
 	// Half the memory by default, over the template.
@@ -200,7 +201,7 @@ func TestVerifiedRootDisks(t *testing.T) {
 		{Path: img.SystemVerityPath, Format: driver.FormatRaw, ReadOnly: true, Serial: protocol.SystemVeritySerial},
 		{Path: state, Format: driver.FormatQCOW2, Backing: tpl, Serial: protocol.StateSerial},
 	}
-	if !slices.Equal(s.Disks, want) || !strings.Contains(s.Cmdline, " carrel.state=disk") {
+	if !reflect.DeepEqual(s.Disks, want) || !strings.Contains(s.Cmdline, " carrel.state=disk") {
 		t.Fatalf("spec: %+v", s)
 	}
 	// The image brings no template, so carreld made its own, read-only.

@@ -226,7 +226,8 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	}); err != nil {
 		return Snapshot{}, err
 	}
-	state, err := saveState(ctx, sn, inst, filepath.Join(tmp, snapshotState), maxStateBytes(rec.MemoryBytes))
+	statePath := filepath.Join(tmp, snapshotState)
+	n, err := saveState(ctx, sn, inst, statePath, maxStateBytes(rec.MemoryBytes))
 	if err != nil {
 		return Snapshot{}, fmt.Errorf("snapshot %q: save state: %w", rec.Name, err)
 	}
@@ -234,6 +235,11 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 		return Snapshot{}, err
 	}
 	pause := time.Since(start)
+	// Hashed with the vCPUs running again.
+	state, err := sealState(statePath, n)
+	if err != nil {
+		return Snapshot{}, fmt.Errorf("snapshot %q: save state: %w", rec.Name, err)
+	}
 	snap := Snapshot{
 		Name: p.Name, VM: rec.Name, VMID: rec.ID, CreatedAt: start.UTC().Truncate(time.Millisecond), Session: rec.Session,
 		ImageDigest: rec.ImageDigest, RootHash: rec.RootHash, MemoryBytes: rec.MemoryBytes, CPUs: rec.CPUs, Driver: rec.Driver,
@@ -293,42 +299,33 @@ func maxStateBytes(memory uint64) int64 {
 	return int64(memory + memory/64 + 64<<20)
 }
 
-// errStateTooLarge is a saved state over maxStateBytes.
-var errStateTooLarge = errors.New("the saved state is larger than the vm's memory allows")
-
-// capWriter passes at most left bytes to w, then fails.
-type capWriter struct {
-	w    io.Writer
-	left int64
-}
-
-func (c *capWriter) Write(p []byte) (int, error) {
-	if int64(len(p)) > c.left {
-		return 0, errStateTooLarge
-	}
-	c.left -= int64(len(p))
-	return c.w.Write(p)
-}
-
 // saveState saves inst's state into a new file at path, at most max
-// bytes, hashing it on the way, and syncs it.
-func saveState(ctx context.Context, sn driver.Snapshotter, inst driver.Instance, path string, max int64) (SnapshotFile, error) {
+// bytes, within saveTimeout.
+func saveState(ctx context.Context, sn driver.Snapshotter, inst driver.Instance, path string, max int64) (int64, error) {
 	ctx, cancel := context.WithTimeout(ctx, saveTimeout)
 	defer cancel()
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o400)
+	return sn.SaveState(ctx, inst, path, max)
+}
+
+// sealState hashes and syncs the state a driver saved at path, which must
+// be the size it said it wrote.
+func sealState(path string, n int64) (SnapshotFile, error) {
+	f, err := os.Open(path)
 	if err != nil {
 		return SnapshotFile{}, err
 	}
 	defer f.Close()
-	h := sha256.New()
-	n, err := sn.SaveState(ctx, inst, &capWriter{w: io.MultiWriter(f, h), left: max})
+	sum, size, err := hashReader(f)
+	if err == nil && size != uint64(n) {
+		err = fmt.Errorf("the saved state %s is %d bytes, but %d were written", path, size, n)
+	}
+	if err == nil {
+		err = f.Sync()
+	}
 	if err != nil {
 		return SnapshotFile{}, err
 	}
-	if err := f.Sync(); err != nil {
-		return SnapshotFile{}, err
-	}
-	return SnapshotFile{Path: path, SHA256: hex.EncodeToString(h.Sum(nil)), Bytes: uint64(n)}, f.Close()
+	return SnapshotFile{Path: path, SHA256: sum, Bytes: size}, nil
 }
 
 // hashFile returns path's digest and size.

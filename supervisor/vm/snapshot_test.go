@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/driver/drivertest"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
@@ -226,11 +227,11 @@ func TestReconcileSettlesAnInterruptedSnapshot(t *testing.T) {
 // TestSaveStateIsCapped: a stream over the cap fails the save.
 func TestSaveStateIsCapped(t *testing.T) {
 	var b bytes.Buffer
-	w := &capWriter{w: &b, left: 10}
+	w := driver.LimitWriter(&b, 10)
 	if n, err := w.Write(make([]byte, 8)); n != 8 || err != nil {
 		t.Fatalf("under the cap: %d %v", n, err)
 	}
-	if _, err := w.Write(make([]byte, 3)); !errors.Is(err, errStateTooLarge) || b.Len() != 8 {
+	if _, err := w.Write(make([]byte, 3)); !errors.Is(err, driver.ErrStateTooLarge) || b.Len() != 8 {
 		t.Fatalf("over the cap: %v, %d bytes through", err, b.Len())
 	}
 	if got := maxStateBytes(256 << 20); got < 256<<20 || got > 512<<20 {

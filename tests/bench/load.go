@@ -25,10 +25,9 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -554,17 +553,16 @@ func fmtSince(ok bool, at, from time.Time, what string) string {
 	return at.Sub(from).Round(100*time.Millisecond).String() + " " + what
 }
 
-// qemuPid is the pid of VM name's QEMU, from its pid file.
+// qemuPid is the pid of VM name's QEMU, as carreld reports it (either
+// driver).
 func qemuPid(t *tb, d *harness.Daemon, name string) int {
-	b, err := os.ReadFile(filepath.Join(d.State, "vms", name, "qemu.pid"))
-	if err != nil {
-		t.Fatal(err)
+	var v struct {
+		Pid int `json:"pid"`
 	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
-	if err != nil {
-		t.Fatal(err)
+	if err := json.Unmarshal([]byte(d.Must("vm", "inspect", name)), &v); err != nil || v.Pid == 0 {
+		t.Fatalf("pid of %s: %+v, %v", name, v, err)
 	}
-	return pid
+	return v.Pid
 }
 
 // qemuPSSAll is each VM's QEMU PSS in MiB.

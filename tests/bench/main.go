@@ -126,6 +126,7 @@ func main() {
 	verityMiB := flag.Int64("verity-size", 256, "file size for -verity, MiB")
 	doSnapshot := flag.Bool("snapshot", true, "snapshots: restore to agent-ready against a cold boot, fork, snapshot time and size, host memory of forks against cold boots")
 	snapForks := flag.Int("snapshot-forks", 5, "forks (and cold boots) -snapshot measures host memory with")
+	snapLibvirt := flag.Bool("snapshot-libvirt", true, "with -snapshot, measure through the libvirt driver too (a second carreld; starts libvirtd if need be)")
 	doLoad := flag.Bool("load", false, "load: -load-vms VMs x -load-clients clients for -load-duration, with pass/fail checks; alone, turns the default sections off")
 	doFault := flag.Bool("fault", false, "fault injection: the load (its flags), with one VM's QEMU stopped for -fault-stop midway")
 	doSoak := flag.Bool("soak", false, "soak: a lower-rate load for -soak-duration with carreld killed and restarted every -soak-restart")
@@ -252,7 +253,15 @@ func main() {
 		benchOverhead(t, d, *overheadVMs)
 	}
 	if *doSnapshot {
-		benchSnapshots(t, d, *rounds, max(*snapForks, 2))
+		benchSnapshots(t, d, "qemu", *rounds, max(*snapForks, 2))
+		if *snapLibvirt {
+			if lv, why := libvirtDaemon(t, digest); lv == nil {
+				fmt.Printf("\nsnapshots through libvirt: left out, %s\n", why)
+			} else {
+				benchSnapshots(t, lv, "libvirt", *rounds, max(*snapForks, 2))
+				lv.Stop()
+			}
+		}
 	}
 	if *doEgress {
 		benchEgress(t, d, *egressMiB<<20, *egressRounds)

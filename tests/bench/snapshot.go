@@ -45,9 +45,9 @@ func mibOf(s string) float64 {
 	return float64(n) / (1 << 20)
 }
 
-func benchSnapshots(t *tb, d *harness.Daemon, rounds, forks int) {
+func benchSnapshots(t *tb, d *harness.Daemon, driverName string, rounds, forks int) {
 	const memory = 256 << 20
-	fmt.Printf("\nsnapshots (qemu driver, %d MiB, 1 vCPU; times to agent-ready, through the CLI):\n", memory>>20)
+	fmt.Printf("\nsnapshots (%s driver, %d MiB, 1 vCPU; times to agent-ready, through the CLI):\n", driverName, memory>>20)
 	d.Must("vm", "create", "snapbench", "--memory", "256M", "--cpus", "1")
 	defer d.Must("vm", "rm", "--force", "snapbench")
 	d.Must("exec", "snapbench", "--", "true")

@@ -57,7 +57,7 @@ func (d *Driver) FreezeDisks(ctx context.Context, inst driver.Instance, overlays
 
 // SaveState implements driver.Snapshotter: the state is the VM's pid,
 // repeated, so that a start from it can tell whose it was (VM.From).
-func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, w io.Writer) (int64, error) {
+func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, path string, max int64) (int64, error) {
 	v, err := d.vm(inst)
 	if err != nil {
 		return 0, err
@@ -65,6 +65,12 @@ func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, w io.Write
 	if !v.Paused() {
 		return 0, errors.New("fake: saving the state of a running vm")
 	}
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o400)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	w := driver.LimitWriter(f, max)
 	d.mu.Lock()
 	serr := d.faults.SaveErr
 	d.mu.Unlock()
@@ -79,7 +85,7 @@ func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, w io.Write
 			return n, serr
 		}
 	}
-	return n, nil
+	return n, f.Close()
 }
 
 // From returns the saved state the VM started from (Spec.Incoming), read

@@ -179,13 +179,13 @@ func domainXML(c domainConfig) (string, error) {
 }
 
 // domainDisk is the i-th disk of the VM. A qcow2 disk's chain is spelled
-// out (its raw backing file, then nothing), so that libvirt probes no
-// formats. The guest finds each disk by its serial.
+// out (its frozen qcow2 layers, then its raw backing file, then nothing),
+// so that libvirt probes no formats. The guest finds each disk by its
+// serial.
 func domainDisk(disk driver.Disk, i int) libvirtxml.DomainDisk {
 	d := libvirtxml.DomainDisk{
 		Device: "disk",
 		Driver: &libvirtxml.DomainDiskDriver{Name: "qemu", Type: disk.Format},
-		Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: disk.Path}},
 		Target: &libvirtxml.DomainDiskTarget{Dev: "vd" + string(rune('a'+i)), Bus: "virtio"},
 		Serial: disk.Serial,
 	}
@@ -194,15 +194,32 @@ func domainDisk(disk driver.Disk, i int) libvirtxml.DomainDisk {
 	} else {
 		d.Driver.Discard = "unmap"
 	}
-	if disk.Backing != "" {
-		d.BackingStore = &libvirtxml.DomainDiskBackingStore{
-			Format: &libvirtxml.DomainDiskFormat{Type: "raw"},
-			Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: disk.Backing}},
-			// An empty element ends the chain: the backing file has none.
-			BackingStore: &libvirtxml.DomainDiskBackingStore{},
+	setDiskFiles(&d, disk)
+	return d
+}
+
+// setDiskFiles points d at disk's file and spells out its backing chain:
+// its frozen layers, then its backing file.
+func setDiskFiles(d *libvirtxml.DomainDisk, disk driver.Disk) {
+	d.Source = &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: disk.Path}}
+	d.BackingStore = nil
+	if disk.Backing == "" {
+		return
+	}
+	// An empty element ends the chain: the backing file has none.
+	chain := &libvirtxml.DomainDiskBackingStore{
+		Format:       &libvirtxml.DomainDiskFormat{Type: driver.FormatRaw},
+		Source:       &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: disk.Backing}},
+		BackingStore: &libvirtxml.DomainDiskBackingStore{},
+	}
+	for i := len(disk.Layers) - 1; i >= 0; i-- {
+		chain = &libvirtxml.DomainDiskBackingStore{
+			Format:       &libvirtxml.DomainDiskFormat{Type: driver.FormatQCOW2},
+			Source:       &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: disk.Layers[i]}},
+			BackingStore: chain,
 		}
 	}
-	return d
+	d.BackingStore = chain
 }
 
 // memoryLimit is the host's limit on the memory of a domain's QEMU, the

@@ -79,6 +79,9 @@ type Config struct {
 	// GPUs checks a VM's GPUs again at each start and gives the managed
 	// VFIO hostdevs of their IOMMU groups; nil reads the host's /sys.
 	GPUs *gpu.Host
+	// QEMUImg is the qemu-img that makes the overlays of a snapshot;
+	// default "qemu-img" from PATH.
+	QEMUImg string
 }
 
 // Driver implements driver.Driver with libvirt.
@@ -125,6 +128,9 @@ func New(cfg Config) (*Driver, error) {
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
+	}
+	if cfg.QEMUImg == "" {
+		cfg.QEMUImg = "qemu-img"
 	}
 	return &Driver{cfg: cfg, uri: u, log: cfg.Logger}, nil
 }
@@ -197,6 +203,12 @@ func (d *Driver) client(ctx context.Context) (*lv.Libvirt, error) {
 func (d *Driver) do(ctx context.Context, what string, fn func(*lv.Libvirt) error) error {
 	ctx, cancel := context.WithTimeout(ctx, rpcTimeout)
 	defer cancel()
+	return d.doLong(ctx, what, fn)
+}
+
+// doLong is do bounded by ctx alone, for calls that move a VM's memory
+// (a save or restore), which can outlast rpcTimeout.
+func (d *Driver) doLong(ctx context.Context, what string, fn func(*lv.Libvirt) error) error {
 	c, err := d.client(ctx)
 	if err != nil {
 		return fmt.Errorf("%s: %w", what, err)
@@ -295,15 +307,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	}
 	steps := newStepTimer()
 	name := DomainName(spec.Name)
-	var capsXML string
-	err = d.do(ctx, "read host capabilities", func(c *lv.Libvirt) (err error) {
-		capsXML, err = c.ConnectGetCapabilities()
-		return err
-	})
-	if err != nil {
-		return driver.Instance{}, err
-	}
-	uid, _, user, err := dacUser(capsXML, d.domainType())
+	uid, user, err := d.qemuUser(ctx)
 	if err != nil {
 		return driver.Instance{}, err
 	}
@@ -311,6 +315,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	readOnly := []string{spec.Kernel, spec.Initrd}
 	var readWrite []string
 	for _, disk := range spec.Disks {
+		readOnly = append(readOnly, disk.Layers...)
 		if disk.Backing != "" {
 			readOnly = append(readOnly, disk.Backing)
 		}
@@ -353,12 +358,9 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	if err := writeMarker(l.marker, marker{Domain: name, UUID: uuid}); err != nil {
 		return driver.Instance{}, err
 	}
-	x, err := domainXML(domainConfig{
+	cfg := domainConfig{
 		Spec: spec, Name: name, UUID: uuid, Accelerator: d.cfg.Accelerator, User: user,
 		AgentSocket: l.agent, ConsoleSocket: l.console, Hostdevs: hostdevs,
-	})
-	if err != nil {
-		return driver.Instance{}, err
 	}
 	inst := driver.Instance{
 		Driver:        Name,
@@ -368,12 +370,20 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 		Domain:        name,
 		DomainUUID:    uuid,
 	}
-	d.log.Debug("creating domain", "vm", spec.Name, "domain", name, "uuid", uuid)
+	d.log.Debug("creating domain", "vm", spec.Name, "domain", name, "uuid", uuid, "restore", spec.Incoming != nil)
 	var dom lv.Domain
-	err = d.do(ctx, "create domain "+name, func(c *lv.Libvirt) (err error) {
-		dom, err = c.DomainCreateXML(x, lv.DomainStartPaused)
-		return err
-	})
+	if spec.Incoming != nil {
+		dom, err = d.restore(ctx, cfg, l)
+	} else {
+		var x string
+		x, err = domainXML(cfg)
+		if err == nil {
+			err = d.do(ctx, "create domain "+name, func(c *lv.Libvirt) (err error) {
+				dom, err = c.DomainCreateXML(x, lv.DomainStartPaused)
+				return err
+			})
+		}
+	}
 	fail := func(err error) (driver.Instance, error) {
 		// Also when the create itself failed: it may have reached libvirtd
 		// after this call gave up on it.
@@ -422,6 +432,21 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	steps.done("checks")
 	d.log.Debug("domain created, paused", append([]any{"vm", spec.Name, "domain", name}, steps.attrs()...)...)
 	return inst, nil
+}
+
+// qemuUser returns the uid QEMU runs as, and its DAC label "+uid:+gid",
+// from libvirt's host capabilities.
+func (d *Driver) qemuUser(ctx context.Context) (uid int, label string, err error) {
+	var capsXML string
+	err = d.do(ctx, "read host capabilities", func(c *lv.Libvirt) (err error) {
+		capsXML, err = c.ConnectGetCapabilities()
+		return err
+	})
+	if err != nil {
+		return 0, "", err
+	}
+	uid, _, label, err = dacUser(capsXML, d.domainType())
+	return uid, label, err
 }
 
 // stepTimer times the steps of a domain's start, for the debug log: where

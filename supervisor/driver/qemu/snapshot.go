@@ -94,14 +94,20 @@ func (d *Driver) FreezeDisks(ctx context.Context, inst driver.Instance, overlays
 
 // SaveState implements driver.Snapshotter. QEMU migrates to a unix socket
 // carreld listens on in the VM's directory, and carreld copies what comes
-// to w. Without -sandbox's spawn, QEMU cannot run a helper to write a
-// file, and a socket keeps the bytes in carreld's hands (it hashes them on
-// the way). After a save QEMU waits in "postmigrate": Resume continues
-// the VM.
-func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, w io.Writer) (int64, error) {
-	path := filepath.Join(filepath.Dir(inst.QMPSocket), migrateSocketName)
-	_ = os.Remove(path)
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+// to the file, at most max bytes. Without -sandbox's spawn, QEMU cannot
+// run a helper to write a file, and a socket keeps the bytes in carreld's
+// hands. After a save QEMU waits in "postmigrate": Resume continues the
+// VM.
+func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, path string, max int64) (int64, error) {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o400)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	w := driver.LimitWriter(f, max)
+	sock := filepath.Join(filepath.Dir(inst.QMPSocket), migrateSocketName)
+	_ = os.Remove(sock)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		return 0, fmt.Errorf("listen for the vm's state: %w", err)
 	}
@@ -126,7 +132,7 @@ func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, w io.Write
 		if err := run(mon, "migrate-set-parameters", map[string]any{"max-bandwidth": int64(1) << 40}, nil); err != nil {
 			return err
 		}
-		return run(mon, "migrate", map[string]any{"uri": "unix:" + path}, nil)
+		return run(mon, "migrate", map[string]any{"uri": "unix:" + sock}, nil)
 	})
 	if err != nil {
 		return 0, err
@@ -150,7 +156,7 @@ func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, w io.Write
 	if status != "completed" {
 		return res.n, fmt.Errorf("save vm state: qemu's migration ended %s", status)
 	}
-	return res.n, nil
+	return res.n, f.Close()
 }
 
 // migrateStatus waits for QEMU's migration to leave its running states
