@@ -481,10 +481,14 @@ func (m *Manager) boot(ctx context.Context, mc *machine, from *startPoint) error
 	readyErr := make(chan error, 1)
 	go func() {
 		if from != nil {
-			// The agent runs already, but still holds the session it had at
-			// the snapshot and reads the first handshakes as that session's
-			// bytes: short attempts get past it.
+			// The agent runs already, but holds the session it had at the
+			// snapshot until it reads that the host left (see
+			// restoredSettle); then short attempts.
 			t := time.Now()
+			select {
+			case <-ctx.Done():
+			case <-time.After(restoredSettle):
+			}
 			err := link.WaitReadyEvery(ctx, restoredAttempt)
 			m.log.Debug("restored guest's agent answered", "vm", name, "took", time.Since(t), "err", err)
 			readyErr <- err

@@ -449,6 +449,20 @@ func (m *Manager) verify(s Snapshot) (*os.File, error) {
 // once a handshake gets through.
 const restoredAttempt = 250 * time.Millisecond
 
+// restoredSettle is how long carreld leaves a restored guest to run before
+// it connects to its agent. The agent wakes in the HTTP/2 session it had
+// with the previous QEMU and drops it only when it reads EOF, which its
+// port reports while no host is connected: QEMU tells the guest once its
+// vCPUs run that the host end it had is gone. A host that connects before
+// the agent has read that keeps the old session alive, which then takes
+// the host's handshake for its own bytes (GOAWAY), and the next handshakes
+// are lost while it closes: 1.5-2 s here, against about 0.3 s when the
+// guest gets the time to settle. The guest needs 20-60 ms for it on an
+// idle TCG host; a slower one falls back to those retries. QEMU's
+// VSERPORT_CHANGE events would say exactly when the agent has opened its
+// port again, but carreld does not listen to QEMU's events.
+const restoredSettle = 150 * time.Millisecond
+
 // startPoint is a snapshot a boot starts from instead of booting.
 type startPoint struct {
 	snap  Snapshot
