@@ -3,6 +3,7 @@ package tests
 import (
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -54,6 +55,16 @@ func TestPauseSnapshotRestoreFork(t *testing.T) {
 		}
 		if out := d.Must("vm", "ls"); !strings.Contains(out, "running (paused)") {
 			t.Errorf("vm ls of a paused vm:\n%s", out)
+		}
+		// A paused VM snapshots, again and again, and stays paused.
+		for _, n := range []string{"p1", "p2"} {
+			d.Must("vm", "snapshot", "snap", "--name", n)
+		}
+		if out := d.Must("vm", "ls"); !strings.Contains(out, "running (paused)") {
+			t.Errorf("vm ls of a paused vm after its snapshots:\n%s", out)
+		}
+		for _, n := range []string{"p1", "p2"} {
+			d.Must("vm", "snapshot", "rm", "snap", n)
 		}
 		time.Sleep(time.Second)
 		d.Must("vm", "resume", "snap")
@@ -333,6 +344,37 @@ func TestSnapshotCarreldKilled(t *testing.T) {
 			}
 		}
 	}
+	// A full disk: the VM's snapshots live on a file system of 16 MiB,
+	// which the state (about 100 MiB) cannot fit. The snapshot fails with
+	// the reason, none is listed or left, and the VM runs on, on whole
+	// disks.
+	snaps := filepath.Join(dir, "snapshots")
+	if err := os.MkdirAll(snaps, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", snaps).CombinedOutput(); err != nil {
+		t.Fatalf("mount a small file system for the snapshots: %v: %s", err, out)
+	}
+	t.Cleanup(func() { _ = exec.Command("umount", snaps).Run() })
+	d.Must("exec", "k", "--", "sh", "-c", "echo before > /workspace/before")
+	r := d.Carrel("vm", "snapshot", "k", "--name", "full")
+	if r.Code == 0 || !strings.Contains(r.Stderr, "no space left on device") {
+		t.Errorf("a snapshot onto a full disk: %+v", r)
+	}
+	if out := d.Must("vm", "snapshot", "ls", "k", "--output", "json"); strings.Contains(out, "full") {
+		t.Errorf("the failed snapshot is listed: %s", out)
+	}
+	if out := d.Must("exec", "k", "--", "cat", "/workspace/before"); out != "before\n" {
+		t.Errorf("after the failed snapshot: %q", out)
+	}
+	whole("a snapshot onto a full disk")
+	if out, err := exec.Command("umount", snaps).CombinedOutput(); err != nil {
+		t.Fatalf("umount: %v: %s", err, out)
+	}
+	// The VM still snapshots once there is room.
+	d.Must("vm", "snapshot", "k", "--name", "roomy")
+	d.Must("vm", "snapshot", "rm", "k", "roomy")
+
 	for i, delay := range []time.Duration{100 * time.Millisecond, 300 * time.Millisecond, 600 * time.Millisecond} {
 		name := "k" + strconv.Itoa(i)
 		done := make(chan harness.Result, 1)

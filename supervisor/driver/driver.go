@@ -158,6 +158,16 @@ type Snapshotter interface {
 	SaveState(ctx context.Context, inst Instance, path string, max int64) (int64, error)
 }
 
+// DiskFiles is what a driver can say of a running VM's disks: the files
+// they have open now. A carreld that died during FreezeDisks asks it to
+// know whether the disks moved. A driver whose FreezeDisks moves the disks
+// in the same step as it makes the overlays (the qemu driver: QEMU makes
+// them) need not have it.
+type DiskFiles interface {
+	// OpenDiskFiles returns the file of each disk inst has open.
+	OpenDiskFiles(ctx context.Context, inst Instance) ([]string, error)
+}
+
 // ErrStateTooLarge is a saved state over the bound its caller set.
 var ErrStateTooLarge = errors.New("the saved state is larger than the vm's memory allows")
 

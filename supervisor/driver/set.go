@@ -105,6 +105,20 @@ func (s *Set) SaveState(ctx context.Context, inst Instance, path string, max int
 	return sn.SaveState(ctx, inst, path, max)
 }
 
+// OpenDiskFiles implements DiskFiles, for members that do; for the others
+// it returns ErrUnsupported.
+func (s *Set) OpenDiskFiles(ctx context.Context, inst Instance) ([]string, error) {
+	d, err := s.pick(inst.Driver)
+	if err != nil {
+		return nil, err
+	}
+	df, ok := d.(DiskFiles)
+	if !ok {
+		return nil, ErrUnsupported
+	}
+	return df.OpenDiskFiles(ctx, inst)
+}
+
 // Resume implements Lifecycle.
 func (s *Set) Resume(ctx context.Context, inst Instance) error {
 	d, err := s.pick(inst.Driver)

@@ -412,7 +412,7 @@ func (m *Manager) killLeftovers(ctx context.Context, rec *registry.Record) error
 
 func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error {
 	log := m.log.With("vm", rec.Name)
-	m.reconcilePending(rec)
+	m.reconcilePending(ctx, rec)
 	switch {
 	case rec.State == registry.StateCreating:
 		log.Warn("removing vm whose create was interrupted")

@@ -181,7 +181,8 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	mc.mu.Lock()
 	held := mc.paused
 	mc.mu.Unlock()
-	if !rec.Paused && !held {
+	resumed := !rec.Paused && !held // at the end, by resume
+	if resumed {
 		if err := m.cfg.Driver.Pause(ctx, inst); err != nil {
 			return Snapshot{}, errors.Join(fmt.Errorf("snapshot %q: %w", rec.Name, err), m.persist(mc, func(r *registry.Record) { r.PendingDisks = nil }))
 		}
@@ -233,6 +234,17 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	}
 	if err := resume(); err != nil {
 		return Snapshot{}, err
+	}
+	if !resumed {
+		// The VM stays paused (its operator's pause, or carreld's hold),
+		// but where a save leaves QEMU ("postmigrate") it refuses the next
+		// save: a moment's run moves it back to plain paused.
+		if err := m.cfg.Driver.Resume(ctx, inst); err == nil {
+			err = m.cfg.Driver.Pause(ctx, inst)
+		}
+		if err != nil {
+			return Snapshot{}, fmt.Errorf("snapshot %q: pause the vm again after its save: %w", rec.Name, err)
+		}
 	}
 	pause := time.Since(start)
 	// Hashed with the vCPUs running again.
@@ -724,13 +736,14 @@ func (m *Manager) dependents(vmName string) []string {
 	return out
 }
 
-// reconcilePending settles a snapshot that a carreld died in: for each
-// disk, the overlay it was making is the VM's if it exists over the old
-// file (QEMU made it, and either writes it or writes the file under it,
-// which the overlay shows through), and is removed otherwise. The state it
-// was saving, in a ".tmp-" directory, is removed: the snapshot was never
-// taken.
-func (m *Manager) reconcilePending(rec *registry.Record) {
+// reconcilePending settles a snapshot that a carreld died in. The state
+// it was saving, in a ".tmp-" directory, is removed: the snapshot was never
+// taken. For each disk, the overlay it was making is the VM's when the VM
+// has it open, as its driver says (driver.DiskFiles); when the driver
+// cannot say, or the VM is not running, when it exists over the old file
+// (QEMU made it, and either writes it or writes the file under it, which
+// the overlay shows through). Otherwise it is removed.
+func (m *Manager) reconcilePending(ctx context.Context, rec *registry.Record) {
 	dir := m.cfg.Registry.Dir(rec.Name)
 	if ents, err := os.ReadDir(filepath.Join(dir, snapshotsDir)); err == nil {
 		for _, e := range ents {
@@ -743,10 +756,25 @@ func (m *Manager) reconcilePending(rec *registry.Record) {
 	if len(rec.PendingDisks) == 0 {
 		return
 	}
+	var open map[string]bool
+	if df, ok := m.cfg.Driver.(driver.DiskFiles); ok && rec.Instance != nil {
+		if files, err := df.OpenDiskFiles(ctx, *rec.Instance); err == nil {
+			open = map[string]bool{}
+			for _, f := range files {
+				open[f] = true
+			}
+		}
+	}
 	for serial, n := range rec.PendingDisks {
 		p := filepath.Join(dir, n)
-		info, err := readQCOW2(p)
-		if err == nil && info.Backing == filepath.Join(dir, diskName(*rec, serial)) {
+		var moved bool
+		if open != nil {
+			moved = open[p]
+		} else {
+			info, err := readQCOW2(p)
+			moved = err == nil && info.Backing == filepath.Join(dir, diskName(*rec, serial))
+		}
+		if moved {
 			if rec.Disks == nil {
 				rec.Disks = map[string]string{}
 			}

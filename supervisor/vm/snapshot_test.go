@@ -270,3 +270,42 @@ func FuzzReadQCOW2(f *testing.F) {
 		}
 	})
 }
+
+// TestReconcileAsksWhatTheVMHasOpen: a carreld that died after its driver
+// made the overlays but before the disks moved to them (the libvirt
+// driver makes them first): the VM's driver says it still writes the old
+// files, so those stay its disks and the overlays go.
+func TestReconcileAsksWhatTheVMHasOpen(t *testing.T) {
+	e := newEnv(t)
+	e.withSystemImage(t, true)
+	ctx := context.Background()
+	a, err := e.m.Create(ctx, CreateParams{Name: "a", Image: "sys"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.m.Close()
+	dir := e.reg.Dir("a")
+	overlay := filepath.Join(dir, "state-0000aaaa.qcow2")
+	e.drv.SetSnapshotFaults(drivertest.SnapshotFaults{OverlaysOnly: true})
+	e.drv.Pause(ctx, *a.Instance)
+	if err := e.drv.FreezeDisks(ctx, *a.Instance, map[string]string{filepath.Join(dir, StateDiskName): overlay}); err != nil {
+		t.Fatal(err)
+	}
+	e.drv.Resume(ctx, *a.Instance)
+	r, _ := e.reg.Get("a")
+	r.PendingDisks = map[string]string{protocol.StateSerial: filepath.Base(overlay)}
+	if err := e.reg.Put(r); err != nil {
+		t.Fatal(err)
+	}
+	e.m = e.manager()
+	if err := e.m.Reconcile(ctx); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := e.m.Get("a")
+	if diskName(got.Record, protocol.StateSerial) != StateDiskName || got.PendingDisks != nil {
+		t.Errorf("settled disks %v, pending %v", got.Disks, got.PendingDisks)
+	}
+	if _, err := os.Stat(overlay); !os.IsNotExist(err) {
+		t.Errorf("the overlay the vm never wrote is still there: %v", err)
+	}
+}

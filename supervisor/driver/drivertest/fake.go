@@ -79,7 +79,8 @@ type VM struct {
 	restored []*agentv1.RestoredRequest // what Restored calls said
 	sandbox  *agentv1.SetSandboxRequest // the last one carreld set
 	paused   bool
-	execs    int // commands started by Process
+	execs    int      // commands started by Process
+	open     []string // the disk files it has open
 }
 
 // Paused reports whether carreld paused the VM (Driver.Pause) and has not
@@ -157,6 +158,9 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	d.nextPID++
 	pid := d.nextPID
 	v := &VM{Spec: spec, behavior: b, exited: make(chan struct{}), console: make(chan net.Conn, 1), agent: newPipeListener(), from: from}
+	for _, disk := range spec.Disks {
+		v.open = append(v.open, disk.Path)
+	}
 	d.vms[pid] = v
 	d.mu.Unlock()
 	serveAgent(v)

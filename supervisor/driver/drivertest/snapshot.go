@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"slices"
 
 	"connectrpc.com/connect"
 
@@ -21,6 +22,9 @@ type SnapshotFaults struct {
 	// FreezeErr fails FreezeDisks before it makes anything; SaveErr fails
 	// SaveState after part of the state is written.
 	FreezeErr, SaveErr error
+	// OverlaysOnly makes FreezeDisks make the overlays and return, the
+	// disks not moved, as a libvirt driver cut short between the two.
+	OverlaysOnly bool
 }
 
 // SetSnapshotFaults scripts the snapshots that follow.
@@ -38,7 +42,7 @@ func (d *Driver) FreezeDisks(ctx context.Context, inst driver.Instance, overlays
 		return err
 	}
 	d.mu.Lock()
-	ferr := d.faults.FreezeErr
+	ferr, only := d.faults.FreezeErr, d.faults.OverlaysOnly
 	d.mu.Unlock()
 	if ferr != nil {
 		return ferr
@@ -52,7 +56,31 @@ func (d *Driver) FreezeDisks(ctx context.Context, inst driver.Instance, overlays
 			return fmt.Errorf("fake: qemu-img: %v: %s", err, out)
 		}
 	}
+	if only {
+		return nil
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for i, f := range v.open {
+		if next, ok := overlays[f]; ok {
+			v.open[i] = next
+		}
+	}
 	return nil
+}
+
+var _ driver.DiskFiles = (*Driver)(nil)
+
+// OpenDiskFiles implements driver.DiskFiles: the disks of the VM's spec,
+// moved by FreezeDisks.
+func (d *Driver) OpenDiskFiles(ctx context.Context, inst driver.Instance) ([]string, error) {
+	v, err := d.vm(inst)
+	if err != nil {
+		return nil, err
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return slices.Clone(v.open), nil
 }
 
 // SaveState implements driver.Snapshotter: the state is the VM's pid,

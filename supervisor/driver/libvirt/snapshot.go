@@ -157,6 +157,28 @@ func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, path strin
 	return fi.Size(), nil
 }
 
+var _ driver.DiskFiles = (*Driver)(nil)
+
+// OpenDiskFiles implements driver.DiskFiles from the domain's live XML:
+// FreezeDisks makes the overlays before libvirt moves the disks to them.
+func (d *Driver) OpenDiskFiles(ctx context.Context, inst driver.Instance) ([]string, error) {
+	dom, _, err := d.activeDomain(ctx, inst)
+	if err != nil {
+		return nil, err
+	}
+	live, err := d.liveDomain(ctx, dom)
+	if err != nil {
+		return nil, err
+	}
+	var files []string
+	for _, disk := range live.Devices.Disks {
+		if disk.Source != nil && disk.Source.File != nil {
+			files = append(files, disk.Source.File.File)
+		}
+	}
+	return files, nil
+}
+
 // liveDomain reads dom's XML as it runs.
 func (d *Driver) liveDomain(ctx context.Context, dom lv.Domain) (*libvirtxml.Domain, error) {
 	var x string
