@@ -11,10 +11,12 @@ import (
 // qcow2 header fields carreld reads (QEMU's docs/interop/qcow2.txt): the
 // magic, the backing file name's offset and size, and the virtual size.
 const (
-	qcow2Magic          = 0x514649fb // "QFI\xfb"
-	qcow2HeaderBytes    = 32
-	maxBackingName      = 1023 // QEMU's own limit
-	maxChain            = 64
+	qcow2Magic       = 0x514649fb // "QFI\xfb"
+	qcow2HeaderBytes = 32
+	maxBackingName   = 1023 // QEMU's own limit
+	// maxChain bounds a disk's chain: each snapshot adds a layer under
+	// the VM's disks, and a chain that names itself must end.
+	maxChain            = 1024
 	qcow2OffBackingOff  = 8
 	qcow2OffBackingSize = 16
 	qcow2OffSize        = 24
