@@ -168,6 +168,12 @@ type DiskFiles interface {
 	OpenDiskFiles(ctx context.Context, inst Instance) ([]string, error)
 }
 
+// ErrDisksUnknown is a FreezeDisks that failed without the driver knowing
+// whether the disks moved (the hypervisor stopped answering): the
+// overlays are left in place, for the caller to settle once it can ask
+// (DiskFiles).
+var ErrDisksUnknown = errors.New("the driver cannot tell whether the disks moved")
+
 // ErrStateTooLarge is a saved state over the bound its caller set.
 var ErrStateTooLarge = errors.New("the saved state is larger than the vm's memory allows")
 

@@ -142,6 +142,9 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	if err != nil {
 		return Snapshot{}, err
 	}
+	if len(rec.PendingDisks) > 0 {
+		return Snapshot{}, fmt.Errorf("%w: an earlier snapshot of %q left its disks unsettled (its driver could not say whether they moved); restart carreld to settle them", ErrBusy, rec.Name)
+	}
 	if len(p.Note) > maxNote {
 		return Snapshot{}, fmt.Errorf("%w: a note of %d bytes, over %d", ErrInvalid, len(p.Note), maxNote)
 	}
@@ -177,13 +180,9 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 	}
 	// The vCPUs stop for the disks and the state to be of one instant.
 	inst := *rec.Instance
-	stopped := false
-	mc.mu.Lock()
-	held := mc.paused
-	mc.mu.Unlock()
-	resumed := !rec.Paused && !held // at the end, by resume
-	if resumed {
-		if err := m.cfg.Driver.Pause(ctx, inst); err != nil {
+	stopped, saving := false, false
+	if !rec.Paused {
+		if err := m.setVCPUs(ctx, mc, false); err != nil {
 			return Snapshot{}, errors.Join(fmt.Errorf("snapshot %q: %w", rec.Name, err), m.persist(mc, func(r *registry.Record) { r.PendingDisks = nil }))
 		}
 		stopped = true
@@ -193,7 +192,8 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 			return nil
 		}
 		stopped = false
-		if err := m.cfg.Driver.Resume(context.WithoutCancel(ctx), inst); err != nil {
+		// Unless carreld's hold began meanwhile: ResumeAll resumes it then.
+		if err := m.setVCPUs(context.WithoutCancel(ctx), mc, true); err != nil {
 			return fmt.Errorf("the vm could not be resumed after its snapshot: %w", err)
 		}
 		return nil
@@ -202,6 +202,11 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 		if rerr := resume(); rerr != nil {
 			err = errors.Join(err, rerr)
 		}
+		if saving && rec.Paused {
+			if uerr := m.unstick(ctx, mc); uerr != nil {
+				err = errors.Join(err, uerr)
+			}
+		}
 	}()
 
 	overlays := map[string]string{}
@@ -209,6 +214,10 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 		overlays[filepath.Join(vmDir, n)] = filepath.Join(vmDir, next[serial])
 	}
 	err = sn.FreezeDisks(ctx, inst, overlays)
+	if errors.Is(err, driver.ErrDisksUnknown) {
+		// Left named in the record, for the next start to settle.
+		return Snapshot{}, fmt.Errorf("snapshot %q: freeze disks: %w; carreld settles them when it next starts", rec.Name, err)
+	}
 	if err != nil {
 		for _, n := range next {
 			_ = os.Remove(filepath.Join(vmDir, n))
@@ -228,23 +237,13 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 		return Snapshot{}, err
 	}
 	statePath := filepath.Join(tmp, snapshotState)
+	saving = true
 	n, err := saveState(ctx, sn, inst, statePath, maxStateBytes(rec.MemoryBytes))
 	if err != nil {
 		return Snapshot{}, fmt.Errorf("snapshot %q: save state: %w", rec.Name, err)
 	}
 	if err := resume(); err != nil {
 		return Snapshot{}, err
-	}
-	if !resumed {
-		// The VM stays paused (its operator's pause, or carreld's hold),
-		// but where a save leaves QEMU ("postmigrate") it refuses the next
-		// save: a moment's run moves it back to plain paused.
-		if err := m.cfg.Driver.Resume(ctx, inst); err == nil {
-			err = m.cfg.Driver.Pause(ctx, inst)
-		}
-		if err != nil {
-			return Snapshot{}, fmt.Errorf("snapshot %q: pause the vm again after its save: %w", rec.Name, err)
-		}
 	}
 	pause := time.Since(start)
 	// Hashed with the vCPUs running again.
@@ -298,6 +297,22 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 		"vcpus_stopped", pause.Round(time.Millisecond), "guest", p.Guest)
 	_ = m.eventSnap(ctx, mc, EventSnapshot, &snap, fmt.Sprintf("snapshot %q taken: %d bytes, vcpus stopped %s", p.Name, snap.Bytes(), pause.Round(time.Millisecond)))
 	return snap, nil
+}
+
+// unstick takes a VM its operator paused out of where a save left its
+// QEMU ("postmigrate"), from which QEMU refuses the next save, with a
+// moment's run. A VM that then cannot be paused again is recorded as
+// running, as it is.
+func (m *Manager) unstick(ctx context.Context, mc *machine) error {
+	ctx = context.WithoutCancel(ctx)
+	if err := m.setVCPUs(ctx, mc, true); err != nil {
+		return fmt.Errorf("the paused vm could not leave its saved state, and may refuse the next snapshot until it is resumed: %w", err)
+	}
+	if err := m.setVCPUs(ctx, mc, false); err != nil {
+		perr := m.persist(mc, func(r *registry.Record) { r.Paused, r.PausedAt = false, time.Time{} })
+		return fmt.Errorf("the vm runs again: it could not be paused after its snapshot: %w", joinErr(err, perr))
+	}
+	return nil
 }
 
 // Bounds on saving a state. QEMU's stream is the guest's RAM (zero pages
@@ -758,11 +773,17 @@ func (m *Manager) reconcilePending(ctx context.Context, rec *registry.Record) {
 	}
 	var open map[string]bool
 	if df, ok := m.cfg.Driver.(driver.DiskFiles); ok && rec.Instance != nil {
-		if files, err := df.OpenDiskFiles(ctx, *rec.Instance); err == nil {
+		files, err := df.OpenDiskFiles(ctx, *rec.Instance)
+		switch {
+		case err == nil:
 			open = map[string]bool{}
 			for _, f := range files {
 				open[f] = true
 			}
+		case !errors.Is(err, driver.ErrUnsupported) && !errors.Is(err, driver.ErrNotRunning):
+			// Judged by the headers below, which keeps every write: at
+			// worst the VM's next snapshot fails until it restarts.
+			m.log.Warn("the driver cannot say which disk files the vm has open", "vm", rec.Name, "err", err)
 		}
 	}
 	for serial, n := range rec.PendingDisks {

@@ -134,6 +134,13 @@ func restoreXML(saved string, c domainConfig) (header, full string, err error) {
 	if d.Devices == nil || d.OS == nil {
 		return "", "", errors.New("the saved domain has no devices or os")
 	}
+	// None of carrel's domains has these; the state file is root's and
+	// hashed, but a domain from it gets no more than domainXML gives.
+	if len(d.Devices.Hostdevs) > 0 || len(d.Devices.Filesystems) > 0 || len(d.Devices.Interfaces) > 0 || d.QEMUCommandline != nil {
+		return "", "", errors.New("the saved domain has host devices, file systems, network interfaces or qemu arguments, which carrel's domains never have")
+	}
+	// libvirt's own QEMU for the domain type, as at a start.
+	d.Devices.Emulator = ""
 	d.Name, d.UUID = c.Name, c.UUID
 	// The memory limit the saved domain had live: Start sets it on the
 	// restored domain as on a new one (see memoryLimit).

@@ -76,6 +76,7 @@ func TestRestoreXML(t *testing.T) {
 	saved.Devices.Disks[1].Address = &libvirtxml.DomainAddress{PCI: &libvirtxml.DomainAddressPCI{Bus: new(uint)}}
 	saved.Devices.VSock.CID.Address = "7"
 	saved.MemoryTune = &libvirtxml.DomainMemoryTune{HardLimit: &libvirtxml.DomainMemoryTuneLimit{Value: 1}}
+	saved.Devices.Emulator = "/somewhere/qemu"
 	savedXML, err := saved.Marshal()
 	if err != nil {
 		t.Fatal(err)
@@ -119,6 +120,20 @@ func TestRestoreXML(t *testing.T) {
 	}
 	if d.Devices.VSock.CID.Auto != "yes" || d.Devices.VSock.CID.Address != "" {
 		t.Errorf("vsock cid: %+v", d.Devices.VSock.CID)
+	}
+
+	// A saved domain with more than carrel's domains ever have is refused.
+	odd := *saved
+	odd.Devices = &libvirtxml.DomainDeviceList{}
+	*odd.Devices = *saved.Devices
+	odd.Devices.Interfaces = []libvirtxml.DomainInterface{{}}
+	if x, err := odd.Marshal(); err != nil {
+		t.Fatal(err)
+	} else if _, _, err := restoreXML(x, fork); err == nil {
+		t.Error("restored a saved domain with a network interface")
+	}
+	if strings.Contains(full, "<emulator>") {
+		t.Errorf("the saved emulator was kept:\n%s", full)
 	}
 
 	// A VM whose disks are not the saved domain's cannot take its state.

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"time"
 
 	lv "github.com/digitalocean/go-libvirt"
 	"libvirt.org/go/libvirtxml"
@@ -101,7 +103,36 @@ func (d *Driver) FreezeDisks(ctx context.Context, inst driver.Instance, overlays
 		_, err := c.DomainSnapshotCreateXML(dom, x, uint32(flags))
 		return err
 	})
-	return err
+	if err == nil {
+		return nil
+	}
+	// A call cut short may have gone through all the same: what the disks
+	// have open says.
+	qctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rpcTimeout)
+	defer cancel()
+	files, qerr := d.OpenDiskFiles(qctx, inst)
+	if qerr != nil {
+		made = nil // QEMU may be writing them
+		return fmt.Errorf("%w: %w (asking libvirt since: %v)", driver.ErrDisksUnknown, err, qerr)
+	}
+	moved := 0
+	for _, p := range made {
+		if slices.Contains(files, p) {
+			moved++
+		}
+	}
+	switch moved {
+	case 0:
+		return err
+	case len(made):
+		d.log.Warn("the disk snapshot went through though its call failed", "domain", dom.Name, "err", err)
+		made = nil
+		return nil
+	default:
+		n := len(made)
+		made = nil
+		return fmt.Errorf("%w: %w (%d of %d disks moved)", driver.ErrDisksUnknown, err, moved, n)
+	}
 }
 
 // SaveState implements driver.Snapshotter with an external snapshot of
@@ -140,8 +171,9 @@ func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, path strin
 	})
 	if err != nil {
 		if ctx.Err() != nil {
-			// libvirtd goes on saving: stop it, or the vm stays busy.
-			_ = d.do(context.WithoutCancel(ctx), "abort the save of domain "+dom.Name, func(c *lv.Libvirt) error { return c.DomainAbortJob(dom) })
+			// libvirtd goes on saving: stop it, or the domain stays busy
+			// and cannot be resumed.
+			err = errors.Join(err, d.abortJob(context.WithoutCancel(ctx), dom))
 		}
 		_ = os.Remove(path)
 		return 0, fmt.Errorf("save vm state: %w", err)
@@ -177,6 +209,31 @@ func (d *Driver) OpenDiskFiles(ctx context.Context, inst driver.Instance) ([]str
 		}
 	}
 	return files, nil
+}
+
+// abortJob aborts dom's job and waits, up to rpcTimeout, until it has
+// ended.
+func (d *Driver) abortJob(ctx context.Context, dom lv.Domain) error {
+	ctx, cancel := context.WithTimeout(ctx, rpcTimeout)
+	defer cancel()
+	if err := d.do(ctx, "abort the job of domain "+dom.Name, func(c *lv.Libvirt) error { return c.DomainAbortJob(dom) }); err != nil {
+		return err
+	}
+	for {
+		var typ int32
+		err := d.do(ctx, "read the job of domain "+dom.Name, func(c *lv.Libvirt) (err error) {
+			typ, _, _, _, _, _, _, _, _, _, _, _, err = c.DomainGetJobInfo(dom)
+			return err
+		})
+		if err != nil || typ == int32(lv.DomainJobNone) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the aborted job of domain %s has not ended: %w", dom.Name, ctx.Err())
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // liveDomain reads dom's XML as it runs.
