@@ -1,0 +1,200 @@
+package tests
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"github.com/carrel-os/carrel/tests/harness"
+)
+
+// mcpSession starts `carrel mcp args...` against d and connects the MCP Go
+// SDK's client to it over stdio.
+func mcpSession(t *testing.T, d *harness.Daemon, args ...string) *mcp.ClientSession {
+	t.Helper()
+	cmd := exec.Command(filepath.Join(d.Bin, "carrel"), append([]string{"mcp"}, args...)...)
+	cmd.Env = append(os.Environ(), "CARREL_SOCKET="+d.Socket)
+	cmd.Stderr = os.Stderr
+	c := mcp.NewClient(&mcp.Implementation{Name: "carrel-tests", Version: "v0"}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s, err := c.Connect(ctx, &mcp.CommandTransport{Command: cmd}, nil)
+	if err != nil {
+		t.Fatalf("connect to carrel mcp: %v", err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+// call calls tool and decodes its structured output into out (nil to
+// skip); it returns the tool's error text, "" when it succeeded.
+func call(t *testing.T, s *mcp.ClientSession, tool string, args map[string]any, out any) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	res, err := s.CallTool(ctx, &mcp.CallToolParams{Name: tool, Arguments: args})
+	if err != nil {
+		t.Fatalf("%s: %v", tool, err)
+	}
+	if res.IsError {
+		var text []string
+		for _, c := range res.Content {
+			if tc, ok := c.(*mcp.TextContent); ok {
+				text = append(text, tc.Text)
+			}
+		}
+		return strings.Join(text, "\n")
+	}
+	if out != nil {
+		b, _ := json.Marshal(res.StructuredContent)
+		if err := json.Unmarshal(b, out); err != nil {
+			t.Fatalf("%s: output %s: %v", tool, b, err)
+		}
+	}
+	return ""
+}
+
+// TestMCP drives a real VM through `carrel mcp` with the MCP Go SDK's own
+// client: every tool, a call the VM's policy denies (its error names the
+// rule), and a token scoped to another VM, refused.
+func TestMCP(t *testing.T) {
+	d := harness.New(t)
+	d.Start()
+	d.BuildImage()
+	d.Must("vm", "create", "m", "--policy", "locked-down", "--memory", "256M")
+	s := mcpSession(t, d, "--vm", "m")
+
+	tools, err := s.ListTools(context.Background(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, tool := range tools.Tools {
+		names = append(names, tool.Name)
+		if tool.InputSchema == nil || tool.OutputSchema == nil {
+			t.Errorf("tool %s has no input or output schema", tool.Name)
+		}
+	}
+	for _, want := range []string{"exec", "read_file", "write_file", "list_dir", "stat", "make_dir", "remove", "move", "vm_list"} {
+		if !slices.Contains(names, want) {
+			t.Errorf("tools %v lack %s", names, want)
+		}
+	}
+
+	var ex struct {
+		ExitCode        int    `json:"exit_code"`
+		Stdout          string `json:"stdout"`
+		Stderr          string `json:"stderr"`
+		StdoutTruncated bool   `json:"stdout_truncated"`
+	}
+	if e := call(t, s, "exec", map[string]any{"command": "echo out; echo err >&2; exit 3"}, &ex); e != "" || ex.ExitCode != 3 || ex.Stdout != "out\n" || ex.Stderr != "err\n" {
+		t.Errorf("exec: %+v %s", ex, e)
+	}
+	if e := call(t, s, "exec", map[string]any{"argv": []string{"cat"}, "stdin": "fed", "cwd": "/workspace", "env": map[string]string{"X": "1"}}, &ex); e != "" || ex.Stdout != "fed" {
+		t.Errorf("exec with stdin: %+v %s", ex, e)
+	}
+	if e := call(t, s, "exec", map[string]any{"command": "head -c 3000000 /dev/zero | tr '\\0' a"}, &ex); e != "" || len(ex.Stdout) != 1<<20 || !ex.StdoutTruncated {
+		t.Errorf("exec of 3 MB: %d bytes, truncated %v, %s", len(ex.Stdout), ex.StdoutTruncated, e)
+	}
+	if e := call(t, s, "exec", map[string]any{"command": "sleep 30", "timeout_seconds": 1}, nil); !strings.Contains(e, "did not finish") {
+		t.Errorf("exec past its timeout: %q", e)
+	}
+
+	var w struct {
+		Bytes int64 `json:"bytes"`
+	}
+	if e := call(t, s, "write_file", map[string]any{"path": "/workspace/d/a.txt", "content": "hello\n", "make_parents": true}, &w); e != "" || w.Bytes != 6 {
+		t.Errorf("write_file: %+v %s", w, e)
+	}
+	var r struct {
+		Content  string `json:"content"`
+		Encoding string `json:"encoding"`
+		Size     int64  `json:"size"`
+	}
+	if e := call(t, s, "read_file", map[string]any{"path": "/workspace/d/a.txt"}, &r); e != "" || r.Content != "hello\n" || r.Encoding != "utf-8" || r.Size != 6 {
+		t.Errorf("read_file: %+v %s", r, e)
+	}
+	if e := call(t, s, "write_file", map[string]any{"path": "/workspace/d/b.bin", "content": "AP8=", "encoding": "base64"}, nil); e != "" {
+		t.Errorf("write_file base64: %s", e)
+	}
+	if e := call(t, s, "read_file", map[string]any{"path": "/workspace/d/b.bin"}, &r); e != "" || r.Content != "AP8=" || r.Encoding != "base64" {
+		t.Errorf("read_file of bytes: %+v %s", r, e)
+	}
+	if e := call(t, s, "make_dir", map[string]any{"path": "/workspace/d/sub"}, nil); e != "" {
+		t.Errorf("make_dir: %s", e)
+	}
+	if e := call(t, s, "move", map[string]any{"from": "/workspace/d/a.txt", "to": "/workspace/d/sub/c.txt"}, nil); e != "" {
+		t.Errorf("move: %s", e)
+	}
+	var st struct {
+		Type string `json:"type"`
+		Size int64  `json:"size"`
+	}
+	if e := call(t, s, "stat", map[string]any{"path": "/workspace/d/sub/c.txt"}, &st); e != "" || st.Type != "file" || st.Size != 6 {
+		t.Errorf("stat: %+v %s", st, e)
+	}
+	var ls struct {
+		Entries []struct {
+			Path string `json:"path"`
+			Type string `json:"type"`
+		} `json:"entries"`
+	}
+	if e := call(t, s, "list_dir", map[string]any{"path": "/workspace/d", "recursive": true}, &ls); e != "" || len(ls.Entries) != 3 {
+		t.Errorf("list_dir: %+v %s", ls, e)
+	}
+	if e := call(t, s, "remove", map[string]any{"path": "/workspace/d", "recursive": true}, nil); e != "" {
+		t.Errorf("remove: %s", e)
+	}
+	if e := call(t, s, "stat", map[string]any{"path": "/workspace/d"}, nil); !strings.Contains(e, "not_found") {
+		t.Errorf("stat after remove: %q", e)
+	}
+	var vms struct {
+		VMs []struct {
+			Name  string `json:"name"`
+			State string `json:"state"`
+		} `json:"vms"`
+	}
+	if e := call(t, s, "vm_list", nil, &vms); e != "" || len(vms.VMs) != 1 || vms.VMs[0].Name != "m" || vms.VMs[0].State != "running" {
+		t.Errorf("vm_list: %+v %s", vms, e)
+	}
+
+	// Denied by the VM's policy, naming the rule; nothing happens.
+	for _, c := range []struct {
+		tool string
+		args map[string]any
+		rule string
+	}{
+		{"read_file", map[string]any{"path": "/etc/shadow"}, "carrel.fs.secret_path"},
+		{"write_file", map[string]any{"path": "/tmp/f", "content": "x"}, "carrel.fs.default_deny"},
+		{"exec", map[string]any{"argv": []string{"wget", "http://example.com"}}, "carrel.exec.denied_command"},
+	} {
+		if e := call(t, s, c.tool, c.args, nil); !strings.Contains(e, "denied by policy locked-down") || !strings.Contains(e, c.rule) {
+			t.Errorf("%s %v: %q; want a deny naming %s", c.tool, c.args, e, c.rule)
+		}
+	}
+	// A server scoped to one VM takes no other.
+	if e := call(t, s, "exec", map[string]any{"vm": "other", "argv": []string{"true"}}, nil); !strings.Contains(e, `acts on vm "m" only`) {
+		t.Errorf("exec in another vm: %q", e)
+	}
+	// A token is its VM's only.
+	token := strings.TrimSpace(d.Must("token", "create", "m"))
+	ts := mcpSession(t, d, "--token", token)
+	if e := call(t, ts, "exec", map[string]any{"vm": "m", "argv": []string{"true"}}, nil); e != "" {
+		t.Errorf("exec with m's token in m: %s", e)
+	}
+	if e := call(t, ts, "exec", map[string]any{"vm": "other", "argv": []string{"true"}}, nil); !strings.Contains(e, "permission_denied") {
+		t.Errorf("exec with m's token in another vm: %q", e)
+	}
+	if out := d.Must("audit", "verify", "--dir", filepath.Join(d.State, "audit")); !strings.Contains(out, "ok: the log is intact") {
+		t.Errorf("audit verify: %s", out)
+	}
+	d.Must("vm", "rm", "--force", "m")
+}
