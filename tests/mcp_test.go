@@ -3,11 +3,14 @@ package tests
 import (
 	"context"
 	"encoding/json"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -193,8 +196,91 @@ func TestMCP(t *testing.T) {
 	if e := call(t, ts, "exec", map[string]any{"vm": "other", "argv": []string{"true"}}, nil); !strings.Contains(e, "permission_denied") {
 		t.Errorf("exec with m's token in another vm: %q", e)
 	}
+	t.Run("http", func(t *testing.T) { mcpOverHTTP(t, d, token) })
 	if out := d.Must("audit", "verify", "--dir", filepath.Join(d.State, "audit")); !strings.Contains(out, "ok: the log is intact") {
 		t.Errorf("audit verify: %s", out)
 	}
 	d.Must("vm", "rm", "--force", "m")
+}
+
+// bearerRT adds a bearer token and, when set, a Host header to each
+// request.
+type bearerRT struct {
+	token, host string
+}
+
+func (b bearerRT) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	if b.token != "" {
+		r.Header.Set("Authorization", "Bearer "+b.token)
+	}
+	if b.host != "" {
+		r.Host = b.host
+	}
+	return http.DefaultTransport.RoundTrip(r)
+}
+
+// mcpOverHTTP: `carrel mcp --listen` serves vm m to a client with m's
+// token; a request without a token, or with a made-up one, gets 401; a
+// Host that is not a loopback name gets 403 (DNS rebinding).
+func mcpOverHTTP(t *testing.T, d *harness.Daemon, token string) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	cmd := exec.Command(filepath.Join(d.Bin, "carrel"), "mcp", "--vm", "m", "--listen", addr)
+	cmd.Env = append(os.Environ(), "CARREL_SOCKET="+d.Socket)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() })
+	url := "http://" + addr + "/mcp"
+	waitFor(t, 10*time.Second, "carrel mcp --listen", func() bool {
+		c, err := net.Dial("tcp", addr)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
+	post := func(rt bearerRT) int {
+		req, _ := http.NewRequest("POST", url, strings.NewReader(`{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"0"}}}`))
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Accept", "application/json, text/event-stream")
+		resp, err := (&http.Client{Transport: rt}).Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	if code := post(bearerRT{}); code != http.StatusUnauthorized {
+		t.Errorf("no token: %d, want 401", code)
+	}
+	if code := post(bearerRT{token: "carrel_0000000000000000_00000000000000000000000000000000"}); code != http.StatusUnauthorized {
+		t.Errorf("a made-up token: %d, want 401", code)
+	}
+	if code := post(bearerRT{token: token, host: "evil.example:80"}); code != http.StatusForbidden {
+		t.Errorf("a foreign Host: %d, want 403", code)
+	}
+	c := mcp.NewClient(&mcp.Implementation{Name: "carrel-tests", Version: "v0"}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	s, err := c.Connect(ctx, &mcp.StreamableClientTransport{Endpoint: url, HTTPClient: &http.Client{Transport: bearerRT{token: token}}}, nil)
+	if err != nil {
+		t.Fatalf("connect over http: %v", err)
+	}
+	defer s.Close()
+	var ex struct {
+		ExitCode int    `json:"exit_code"`
+		Stdout   string `json:"stdout"`
+	}
+	if e := call(t, s, "exec", map[string]any{"argv": []string{"echo", "over http"}}, &ex); e != "" || ex.Stdout != "over http\n" {
+		t.Errorf("exec over http: %+v %s", ex, e)
+	}
+	if e := call(t, s, "read_file", map[string]any{"path": "/etc/shadow"}, nil); !strings.Contains(e, "carrel.fs.secret_path") {
+		t.Errorf("a denied read over http: %q", e)
+	}
 }

@@ -1,6 +1,16 @@
 package main
 
 import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 	"github.com/spf13/cobra"
 
@@ -9,10 +19,10 @@ import (
 )
 
 func newMCPCmd(g *globals) *cobra.Command {
-	var vm string
+	var vm, listen string
 	cmd := &cobra.Command{
-		Use:   "mcp [--vm NAME]",
-		Short: "Serve carrel's tools to an agent over MCP (stdio)",
+		Use:   "mcp [--vm NAME] [--listen ADDR]",
+		Short: "Serve carrel's tools to an agent over MCP (stdio, or streamable HTTP)",
 		Long: `mcp serves carrel's tools to an agent over the Model Context Protocol, on stdin and stdout:
 exec, read_file, write_file, list_dir, stat, make_dir, remove, move and vm_list.
 
@@ -20,7 +30,11 @@ Each tool is an ordinary call to carreld, made as the caller of carrel mcp (the 
 holder): the VM's policy decides it and the audit log records it. With --vm the tools act on that VM only;
 without, each call names its VM.
 
-An agent's MCP configuration runs it as a command, e.g. {"command": "carrel", "args": ["mcp", "--vm", "dev"]}.`,
+An agent's MCP configuration runs it as a command, e.g. {"command": "carrel", "args": ["mcp", "--vm", "dev"]}.
+
+With --listen (and --vm), it serves MCP's streamable HTTP transport at http://ADDR/mcp instead. Every request
+must carry a carrel token for the VM as its bearer token (carrel token create VM), and its tools act as that
+token's holder; requests whose Host is not a loopback name are refused (DNS rebinding).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if vm != "" {
@@ -28,10 +42,43 @@ An agent's MCP configuration runs it as a command, e.g. {"command": "carrel", "a
 					return err
 				}
 			}
-			s := mcpserver.New(g.client(), mcpserver.Config{VM: vm, Version: version})
-			return s.Run(cmd.Context(), &mcp.StdioTransport{})
+			cfg := mcpserver.Config{VM: vm, Version: version}
+			if listen != "" {
+				return serveMCP(cmd.Context(), g, listen, cfg)
+			}
+			return mcpserver.New(g.client(), cfg).Run(cmd.Context(), &mcp.StdioTransport{})
 		},
 	}
 	cmd.Flags().StringVar(&vm, "vm", "", "act on this VM only")
+	cmd.Flags().StringVar(&listen, "listen", "", "serve streamable HTTP on this address (e.g. 127.0.0.1:7070) instead of stdio")
 	return cmd
+}
+
+// serveMCP serves MCP over HTTP on addr until ctx ends or a SIGINT or
+// SIGTERM comes.
+func serveMCP(ctx context.Context, g *globals, addr string, cfg mcpserver.Config) error {
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	h, err := mcpserver.HTTP(func(token string) *client.Client { return client.New(g.socket, client.WithToken(token)) }, cfg)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return err
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/mcp", h)
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	fmt.Fprintf(os.Stderr, "carrel mcp: serving vm %s on http://%s/mcp\n", cfg.VM, ln.Addr())
+	go func() {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx)
+	}()
+	if err := srv.Serve(ln); !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	return nil
 }
