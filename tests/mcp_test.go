@@ -3,6 +3,7 @@ package tests
 import (
 	"context"
 	"encoding/json"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -86,7 +87,7 @@ func TestMCP(t *testing.T) {
 			t.Errorf("tool %s has no input or output schema", tool.Name)
 		}
 	}
-	for _, want := range []string{"exec", "read_file", "write_file", "list_dir", "stat", "make_dir", "remove", "move", "vm_list"} {
+	for _, want := range []string{"exec", "read_file", "write_file", "list_dir", "stat", "make_dir", "remove", "move", "vm_list", "search_files", "port_forward", "snapshot", "restore", "fork"} {
 		if !slices.Contains(names, want) {
 			t.Errorf("tools %v lack %s", names, want)
 		}
@@ -153,6 +154,47 @@ func TestMCP(t *testing.T) {
 	if e := call(t, s, "list_dir", map[string]any{"path": "/workspace/d", "recursive": true}, &ls); e != "" || len(ls.Entries) != 3 {
 		t.Errorf("list_dir: %+v %s", ls, e)
 	}
+	var found struct {
+		Matches []struct {
+			Path string `json:"path"`
+			Line int    `json:"line"`
+			Text string `json:"text"`
+		} `json:"matches"`
+	}
+	if e := call(t, s, "search_files", map[string]any{"path": "/workspace", "name": "*.txt", "content": "^hel+o$"}, &found); e != "" ||
+		len(found.Matches) != 1 || found.Matches[0].Path != "/workspace/d/sub/c.txt" || found.Matches[0].Line != 1 || found.Matches[0].Text != "hello" {
+		t.Errorf("search_files by content: %+v %s", found, e)
+	}
+	if e := call(t, s, "search_files", map[string]any{"path": "/workspace", "name": "*.bin"}, &found); e != "" || len(found.Matches) != 1 || found.Matches[0].Path != "/workspace/d/b.bin" {
+		t.Errorf("search_files by name: %+v %s", found, e)
+	}
+	if e := call(t, s, "search_files", map[string]any{"path": "-delete", "name": "x"}, nil); !strings.Contains(e, "absolute path") {
+		t.Errorf("search_files from an option: %q", e)
+	}
+	// Snapshot, change, restore: the change is gone. A fork is a VM of its
+	// own.
+	var snap struct {
+		Name       string `json:"name"`
+		StateBytes uint64 `json:"state_bytes"`
+	}
+	if e := call(t, s, "snapshot", map[string]any{"name": "s1"}, &snap); e != "" || snap.Name != "s1" || snap.StateBytes == 0 {
+		t.Errorf("snapshot: %+v %s", snap, e)
+	}
+	call(t, s, "write_file", map[string]any{"path": "/workspace/later", "content": "x"}, nil)
+	if e := call(t, s, "restore", map[string]any{"snapshot": "s1"}, nil); e != "" {
+		t.Errorf("restore: %s", e)
+	}
+	if e := call(t, s, "stat", map[string]any{"path": "/workspace/later"}, nil); !strings.Contains(e, "not_found") {
+		t.Errorf("a file written after the snapshot, after the restore: %q", e)
+	}
+	var forked struct {
+		Name  string `json:"name"`
+		State string `json:"state"`
+	}
+	if e := call(t, s, "fork", map[string]any{"new_name": "mf", "snapshot": "s1"}, &forked); e != "" || forked.Name != "mf" || forked.State != "running" {
+		t.Errorf("fork: %+v %s", forked, e)
+	}
+	d.Must("vm", "rm", "--force", "mf")
 	if e := call(t, s, "remove", map[string]any{"path": "/workspace/d", "recursive": true}, nil); e != "" {
 		t.Errorf("remove: %s", e)
 	}
@@ -178,6 +220,7 @@ func TestMCP(t *testing.T) {
 		{"read_file", map[string]any{"path": "/etc/shadow"}, "carrel.fs.secret_path"},
 		{"write_file", map[string]any{"path": "/tmp/f", "content": "x"}, "carrel.fs.default_deny"},
 		{"exec", map[string]any{"argv": []string{"wget", "http://example.com"}}, "carrel.exec.denied_command"},
+		{"port_forward", map[string]any{"action": "start", "guest_port": 8080}, "carrel.net.default_deny"},
 	} {
 		if e := call(t, s, c.tool, c.args, nil); !strings.Contains(e, "denied by policy locked-down") || !strings.Contains(e, c.rule) {
 			t.Errorf("%s %v: %q; want a deny naming %s", c.tool, c.args, e, c.rule)
@@ -197,6 +240,53 @@ func TestMCP(t *testing.T) {
 		t.Errorf("exec with m's token in another vm: %q", e)
 	}
 	t.Run("http", func(t *testing.T) { mcpOverHTTP(t, d, token) })
+	// Unscoped, an operator's server makes and removes VMs.
+	all := mcpSession(t, d)
+	var made struct {
+		Name  string `json:"name"`
+		State string `json:"state"`
+	}
+	if e := call(t, all, "vm_create", map[string]any{"name": "m2", "memory_bytes": 256 << 20}, &made); e != "" || made.State != "running" {
+		t.Errorf("vm_create: %+v %s", made, e)
+	}
+	// Under the default policy, a port forward carries a connection to a
+	// server in the VM.
+	d.Must("exec", "m2", "--", "sh", "-c", "mkdir -p /workspace/www && echo served > /workspace/www/index.html")
+	d.Must("exec", "--detach", "m2", "--", "busybox", "httpd", "-f", "-p", "127.0.0.1:8080", "-h", "/workspace/www")
+	var fw struct {
+		Forwards []struct {
+			ID    int    `json:"id"`
+			Local string `json:"local"`
+		} `json:"forwards"`
+	}
+	waitFor(t, 30*time.Second, "the forward to the guest's httpd", func() bool {
+		return call(t, all, "port_forward", map[string]any{"vm": "m2", "action": "start", "guest_port": 8080}, &fw) == "" && len(fw.Forwards) == 1
+	})
+	local, id := fw.Forwards[0].Local, fw.Forwards[0].ID
+	resp, err := http.Get("http://" + local + "/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(body) != "served\n" {
+		t.Errorf("through the forward: %q", body)
+	}
+	if e := call(t, all, "port_forward", map[string]any{"action": "stop", "id": id}, nil); e != "" {
+		t.Errorf("stop the forward: %s", e)
+	}
+	if e := call(t, all, "port_forward", map[string]any{"action": "list"}, &fw); e != "" || len(fw.Forwards) != 0 {
+		t.Errorf("forwards after stop: %+v %s", fw, e)
+	}
+	if _, err := http.Get("http://" + local + "/"); err == nil {
+		t.Error("the stopped forward still answers")
+	}
+	if e := call(t, all, "vm_remove", map[string]any{"name": "m2"}, nil); e != "" {
+		t.Errorf("vm_remove: %s", e)
+	}
+	if e := call(t, all, "exec", map[string]any{"argv": []string{"true"}}, nil); !strings.Contains(e, "name the vm") {
+		t.Errorf("an unscoped exec naming no vm: %q", e)
+	}
 	if out := d.Must("audit", "verify", "--dir", filepath.Join(d.State, "audit")); !strings.Contains(out, "ok: the log is intact") {
 		t.Errorf("audit verify: %s", out)
 	}

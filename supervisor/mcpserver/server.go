@@ -67,6 +67,7 @@ func New(c *client.Client, cfg Config) *mcp.Server {
 	mcp.AddTool(s, &mcp.Tool{Name: "remove", Description: "Remove a file, or a directory (recursive to remove what it holds)."}, t.remove)
 	mcp.AddTool(s, &mcp.Tool{Name: "move", Description: "Move or rename a file or directory within the VM."}, t.move)
 	mcp.AddTool(s, &mcp.Tool{Name: "vm_list", Description: "List the VMs the caller may see, with their state."}, t.vmList)
+	addMore(s, t)
 	return s
 }
 
@@ -78,8 +79,9 @@ func instructions(vm string) string {
 }
 
 type tools struct {
-	c  *client.Client
-	vm string
+	c   *client.Client
+	vm  string
+	fwd forwards
 }
 
 // VMArg names the VM of a call when the server has no scope.
