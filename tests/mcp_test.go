@@ -314,6 +314,9 @@ func (b bearerRT) RoundTrip(r *http.Request) (*http.Response, error) {
 // token; a request without a token, or with a made-up one, gets 401; a
 // Host that is not a loopback name gets 403 (DNS rebinding).
 func mcpOverHTTP(t *testing.T, d *harness.Daemon, token string) {
+	if r := d.Carrel("mcp", "--vm", "m", "--listen", "0.0.0.0:0"); r.Code == 0 || !strings.Contains(r.Stderr, "loopback") {
+		t.Errorf("--listen on every address: %+v", r)
+	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)

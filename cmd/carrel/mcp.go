@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/signal"
 	"syscall"
@@ -62,6 +63,15 @@ func serveMCP(ctx context.Context, g *globals, addr string, cfg mcpserver.Config
 	h, err := mcpserver.HTTP(func(token string) *client.Client { return client.New(g.socket, client.WithToken(token)) }, cfg)
 	if err != nil {
 		return err
+	}
+	// Bearer tokens in plain HTTP, and the SDK's DNS-rebinding check only
+	// on loopback: a loopback address, behind a TLS proxy for others.
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("--listen %q: %w", addr, err)
+	}
+	if ip, err := netip.ParseAddr(host); host != "localhost" && (err != nil || !ip.IsLoopback()) {
+		return fmt.Errorf("--listen %q: serve on a loopback address (127.0.0.1, ::1 or localhost), and put a TLS proxy in front for others", addr)
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {

@@ -42,7 +42,13 @@ func HTTP(newClient func(token string) *client.Client, cfg Config) (http.Handler
 		}
 		token, _ := ti.Extra["token"].(string)
 		return New(newClient(token), cfg)
-	}, nil)
+	}, &mcp.StreamableHTTPOptions{
+		// An idle session ends, and with it its forwards and connections.
+		SessionTimeout:        sessionIdle,
+		CrossOriginProtection: http.NewCrossOriginProtection(),
+		// write_file's content, encoded, and the JSON around it.
+		MaxRequestBodyBytes: MaxWrite*4/3 + 1<<20,
+	})
 	return auth.RequireBearerToken(v.verify, &auth.RequireBearerTokenOptions{AllowMissingExpiration: true})(h), nil
 }
 
@@ -58,6 +64,9 @@ type verifier struct {
 }
 
 const verifyFor = 30 * time.Second
+
+// sessionIdle ends an HTTP session no request has used for that long.
+const sessionIdle = 30 * time.Minute
 
 func (v *verifier) verify(ctx context.Context, token string, _ *http.Request) (*auth.TokenInfo, error) {
 	if !strings.HasPrefix(token, "carrel_") || len(token) > 256 {

@@ -67,27 +67,51 @@ func (t *tools) searchFiles(ctx context.Context, _ *mcp.CallToolRequest, in Sear
 		return nil, SearchOut{}, errors.New("give an absolute path, and a name glob, a content pattern or both")
 	}
 	// Run in the guest as an ordinary command (the policy decides it), with
-	// the arguments as argv: nothing is a shell's to interpret. find and
-	// grep's common options only, which busybox has too.
+	// the arguments as argv: nothing is a shell's to interpret (the pattern
+	// reaches grep through the environment, since find reads "{}" in its
+	// arguments). find and grep's common options only, which busybox has
+	// too.
 	argv := []string{"find", in.Path, "-type", "f"}
 	if in.Name != "" {
 		argv = append(argv, "-name", in.Name)
 	}
+	var env []string
 	if in.Content != "" {
-		argv = append(argv, "-exec", "grep", "-nHE", "-e", in.Content, "{}", "+")
+		argv = append(argv, "-exec", "sh", "-c", `grep -nHE -e "$CARREL_PATTERN" -- "$@"`, "sh", "{}", "+")
+		env = []string{"CARREL_PATTERN=" + in.Content}
+	} else {
+		argv = append(argv, "-print0")
 	}
 	out := &capped{max: MaxOutput}
 	errs := &capped{max: 4096}
-	st, err := t.c.Run(ctx, client.Session{VM: vm, Start: &agentv1.ExecRequest{Argv: argv}, Stdout: out, Stderr: errs, Stdin: strings.NewReader("")})
+	rctx, cancel := context.WithTimeout(ctx, DefaultTimeout)
+	defer cancel()
+	st, err := t.c.Run(rctx, client.Session{VM: vm, Start: &agentv1.ExecRequest{Argv: argv, Env: env}, Stdout: out, Stderr: errs, Stdin: strings.NewReader("")})
 	if err != nil {
+		if rctx.Err() != nil && ctx.Err() == nil {
+			return nil, SearchOut{}, fmt.Errorf("the search did not finish in %s", DefaultTimeout)
+		}
 		return nil, SearchOut{}, explain(err)
 	}
-	// grep exits 1 when nothing matched, and find with it; both exit 1 or
-	// 2 on unreadable files, which they name on stderr.
-	if st.Code > 1 && out.b.Len() == 0 {
+	// grep exits 1 when nothing matched, and find with it; both name on
+	// stderr what they could not read.
+	if st.Code != 0 && out.b.Len() == 0 && strings.TrimSpace(errs.String()) != "" {
 		return nil, SearchOut{}, fmt.Errorf("%s failed (exit %d): %s", argv[0], st.Code, strings.TrimSpace(errs.String()))
 	}
 	res := SearchOut{Matches: []Match{}, Truncated: out.cut}
+	if in.Content == "" {
+		for _, p := range strings.Split(out.String(), "\x00") {
+			if p == "" {
+				continue
+			}
+			if len(res.Matches) == maxMatches {
+				res.Truncated = true
+				break
+			}
+			res.Matches = append(res.Matches, Match{Path: p})
+		}
+		return nil, res, nil
+	}
 	sc := bufio.NewScanner(strings.NewReader(out.String()))
 	sc.Buffer(make([]byte, 64<<10), MaxOutput)
 	for sc.Scan() {
@@ -95,16 +119,13 @@ func (t *tools) searchFiles(ctx context.Context, _ *mcp.CallToolRequest, in Sear
 			res.Truncated = true
 			break
 		}
-		line := sc.Text()
-		if in.Content == "" {
-			res.Matches = append(res.Matches, Match{Path: line})
-			continue
-		}
-		p, rest, ok1 := strings.Cut(line, ":")
+		// PATH:LINE:TEXT. A name with ":N:" in it reads wrongly here;
+		// names are the guest's.
+		p, rest, ok1 := strings.Cut(sc.Text(), ":")
 		num, text, ok2 := strings.Cut(rest, ":")
 		n, err := strconv.Atoi(num)
 		if !ok1 || !ok2 || err != nil {
-			continue // a name with a colon in it: left out rather than misread
+			continue // "Binary file ... matches", or a name with a colon
 		}
 		res.Matches = append(res.Matches, Match{Path: p, Line: n, Text: text})
 	}

@@ -8,19 +8,23 @@ import (
 	"net"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/modelcontextprotocol/go-sdk/mcp"
 )
 
-// maxForwards caps the forwards one server holds.
+// maxForwards caps the forwards of the whole process, every session's.
 const maxForwards = 64
+
+// openForwards counts them.
+var openForwards atomic.Int32
 
 // forwards are the port forwards a server holds: a listener on the host's
 // loopback whose connections each become a connection to a port in the
 // VM (carreld's PortService, decided by the VM's policy like a carrel
-// port-forward). They end when stopped, or with the process that serves
-// them (carrel mcp).
+// port-forward). They end when stopped, when their session ends, or
+// with the process that serves them (carrel mcp).
 type forwards struct {
 	mu   sync.Mutex
 	next int
@@ -75,8 +79,7 @@ func (t *tools) portForward(ctx context.Context, _ *mcp.CallToolRequest, in Forw
 		if !ok {
 			return nil, ForwardOut{}, fmt.Errorf("no forward %d", in.ID)
 		}
-		fw.cancel()
-		fw.ln.Close()
+		fw.stop()
 		return nil, ForwardOut{Forwards: []Forward{}}, nil
 	case "start":
 	default:
@@ -102,12 +105,12 @@ func (t *tools) portForward(ctx context.Context, _ *mcp.CallToolRequest, in Forw
 	if err != nil {
 		return nil, ForwardOut{}, err
 	}
-	f.mu.Lock()
-	if len(f.m) >= maxForwards {
-		f.mu.Unlock()
+	if openForwards.Add(1) > maxForwards {
+		openForwards.Add(-1)
 		ln.Close()
 		return nil, ForwardOut{}, fmt.Errorf("%d forwards already: stop one first", maxForwards)
 	}
+	f.mu.Lock()
 	if f.m == nil {
 		f.m = map[int]*forward{}
 	}
@@ -152,5 +155,22 @@ func (t *tools) serveForward(ctx context.Context, fw *forward) {
 func closeWrite(c net.Conn) {
 	if cw, ok := c.(interface{ CloseWrite() error }); ok {
 		_ = cw.CloseWrite()
+	}
+}
+
+// stop ends fw: its listener and the connections it carries.
+func (fw *forward) stop() {
+	fw.cancel()
+	fw.ln.Close()
+	openForwards.Add(-1)
+}
+
+// stopAll ends every forward of f.
+func (f *forwards) stopAll() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for id, fw := range f.m {
+		fw.stop()
+		delete(f.m, id)
 	}
 }

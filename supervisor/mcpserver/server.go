@@ -53,10 +53,19 @@ type Config struct {
 
 // New returns an MCP server whose tools call carreld through c.
 func New(c *client.Client, cfg Config) *mcp.Server {
+	t := &tools{c: c, vm: cfg.VM}
 	s := mcp.NewServer(&mcp.Implementation{Name: "carrel", Title: "carrel: a computer of its own for an agent", Version: cfg.Version}, &mcp.ServerOptions{
 		Instructions: instructions(cfg.VM),
+		// When the session ends, so do its port forwards and its
+		// connections to carreld.
+		InitializedHandler: func(_ context.Context, req *mcp.InitializedRequest) {
+			go func() {
+				_ = req.Session.Wait()
+				t.fwd.stopAll()
+				c.CloseIdleConnections()
+			}()
+		},
 	})
-	t := &tools{c: c, vm: cfg.VM}
 	mcp.AddTool(s, &mcp.Tool{Name: "exec", Description: "Run a command in the VM and wait for it: argv, or a shell command line run by /bin/sh -c. " +
 		"Returns its exit code and its stdout and stderr (each cut at 1 MiB, saying so)."}, t.exec)
 	mcp.AddTool(s, &mcp.Tool{Name: "read_file", Description: "Read a file of the VM (at most 4 MiB; text, or base64 when it is not UTF-8)."}, t.readFile)
@@ -210,7 +219,11 @@ func (t *tools) readFile(ctx context.Context, _ *mcp.CallToolRequest, in ReadIn)
 		return nil, ReadOut{}, explain(err)
 	}
 	out := ReadOut{Size: info.Size, Truncated: info.Size > int64(buf.b.Len()), Encoding: "utf-8", Content: buf.String()}
-	if !utf8.Valid(buf.b.Bytes()) {
+	if out.Truncated {
+		// A cut through a character is not binary.
+		out.Content = trimRune(buf.b.Bytes())
+	}
+	if !utf8.ValidString(out.Content) {
 		out.Encoding, out.Content = "base64", base64Of(buf.b.Bytes())
 	}
 	return nil, out, nil
@@ -465,10 +478,22 @@ func (c *capped) Write(p []byte) (int, error) {
 
 // String is what was kept, with any UTF-8 sequence the cut split dropped.
 func (c *capped) String() string {
-	b := c.b.Bytes()
 	if c.cut {
-		for len(b) > 0 && !utf8.Valid(b) && len(b) > c.b.Len()-utf8.UTFMax {
-			b = b[:len(b)-1]
+		return trimRune(c.b.Bytes())
+	}
+	return c.b.String()
+}
+
+// trimRune is b without the start of a UTF-8 sequence that a cut left at
+// its end.
+func trimRune(b []byte) string {
+	n := len(b)
+	for i := 1; i < utf8.UTFMax && n-i >= 0; i++ {
+		if utf8.RuneStart(b[n-i]) {
+			if r, _ := utf8.DecodeRune(b[n-i:]); r == utf8.RuneError && !utf8.FullRune(b[n-i:]) {
+				return string(b[:n-i])
+			}
+			break
 		}
 	}
 	return string(b)
