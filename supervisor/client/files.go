@@ -20,7 +20,9 @@ import (
 // whatever its size.
 const chunkBytes = protocol.MaxMessageBytes - 1<<10
 
-func forVM[T any](vm string, msg *T) *connect.Request[T] {
+// ForVM is a request for the guest's services (Files, Agent, Ports), which
+// carreld relays to vm.
+func ForVM[T any](vm string, msg *T) *connect.Request[T] {
 	req := connect.NewRequest(msg)
 	req.Header().Set(protocol.VMHeader, vm)
 	return req
@@ -28,7 +30,7 @@ func forVM[T any](vm string, msg *T) *connect.Request[T] {
 
 // Stat describes path in vm. It does not follow a final symlink.
 func (c *Client) Stat(ctx context.Context, vm, path string) (*agentv1.FileInfo, error) {
-	resp, err := c.Files.Stat(ctx, forVM(vm, &agentv1.StatRequest{Path: path}))
+	resp, err := c.Files.Stat(ctx, ForVM(vm, &agentv1.StatRequest{Path: path}))
 	if err != nil {
 		return nil, err
 	}
@@ -38,7 +40,7 @@ func (c *Client) Stat(ctx context.Context, vm, path string) (*agentv1.FileInfo, 
 // Download streams the file at path in vm to w and returns the bytes
 // copied.
 func (c *Client) Download(ctx context.Context, vm, path string, w io.Writer) (int64, error) {
-	s, err := c.Files.Read(ctx, forVM(vm, &agentv1.ReadRequest{Path: path}))
+	s, err := c.Files.Read(ctx, ForVM(vm, &agentv1.ReadRequest{Path: path}))
 	if err != nil {
 		return 0, err
 	}
@@ -106,7 +108,7 @@ func (c *Client) DownloadTree(ctx context.Context, vm, path, dir string, skipped
 	defer root.Close()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	s, err := c.Files.ReadTar(ctx, forVM(vm, &agentv1.ReadTarRequest{Path: path}))
+	s, err := c.Files.ReadTar(ctx, ForVM(vm, &agentv1.ReadTarRequest{Path: path}))
 	if err != nil {
 		return tarfs.Stats{}, err
 	}

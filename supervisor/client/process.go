@@ -12,7 +12,7 @@ import (
 
 // ListProcesses lists the processes running in vm.
 func (c *Client) ListProcesses(ctx context.Context, vm string) ([]*agentv1.ProcessInfo, error) {
-	resp, err := c.Agent.ListProcesses(ctx, forVM(vm, &agentv1.ListProcessesRequest{}))
+	resp, err := c.Agent.ListProcesses(ctx, ForVM(vm, &agentv1.ListProcessesRequest{}))
 	if err != nil {
 		return nil, err
 	}
@@ -21,7 +21,7 @@ func (c *Client) ListProcesses(ctx context.Context, vm string) ([]*agentv1.Proce
 
 // Signal sends sig (0 means SIGTERM) to the process pid in vm.
 func (c *Client) Signal(ctx context.Context, vm string, pid int32, sig int32) error {
-	_, err := c.Agent.Signal(ctx, forVM(vm, &agentv1.SignalRequest{Target: &agentv1.SignalRequest_Pid{Pid: pid}, Signal: sig}))
+	_, err := c.Agent.Signal(ctx, ForVM(vm, &agentv1.SignalRequest{Target: &agentv1.SignalRequest_Pid{Pid: pid}, Signal: sig}))
 	return err
 }
 

@@ -24,7 +24,7 @@ type WatchOptions struct {
 func (c *Client) Watch(ctx context.Context, vm, path string, opts WatchOptions, fn func(*agentv1.WatchResponse) error) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	s, err := c.Files.Watch(ctx, forVM(vm, &agentv1.WatchRequest{Path: path, Recursive: opts.Recursive, MaxEventsPerSecond: opts.MaxEventsPerSecond}))
+	s, err := c.Files.Watch(ctx, ForVM(vm, &agentv1.WatchRequest{Path: path, Recursive: opts.Recursive, MaxEventsPerSecond: opts.MaxEventsPerSecond}))
 	if err != nil {
 		return err
 	}

@@ -8,15 +8,7 @@ import (
 
 	"connectrpc.com/connect"
 
-	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
-
-// forVM is a request for the guest's services, routed to vm by carreld.
-func forVM[T any](vm string, msg *T) *connect.Request[T] {
-	req := connect.NewRequest(msg)
-	req.Header().Set(protocol.VMHeader, vm)
-	return req
-}
 
 // explain is carreld's error as the agent reads it: its words (a denial
 // names the policy and the rule), and what kind of error it is.

@@ -206,7 +206,7 @@ func (t *tools) readFile(ctx context.Context, _ *mcp.CallToolRequest, in ReadIn)
 	if info.Type != agentv1.FileType_FILE_TYPE_REGULAR {
 		return nil, ReadOut{}, fmt.Errorf("%s is a %s, not a file", in.Path, kind(info.Type))
 	}
-	stream, err := t.c.Files.Read(ctx, forVM(vm, &agentv1.ReadRequest{Path: in.Path, Length: limit}))
+	stream, err := t.c.Files.Read(ctx, client.ForVM(vm, &agentv1.ReadRequest{Path: in.Path, Length: limit}))
 	if err != nil {
 		return nil, ReadOut{}, explain(err)
 	}
@@ -268,7 +268,7 @@ func (t *tools) writeFile(ctx context.Context, _ *mcp.CallToolRequest, in WriteI
 		mode = 0o644
 	}
 	if in.MakeParents {
-		if _, err := t.c.Files.MakeDir(ctx, forVM(vm, &agentv1.MakeDirRequest{Path: path.Dir(in.Path), Parents: true, Mode: 0o755})); err != nil {
+		if _, err := t.c.Files.MakeDir(ctx, client.ForVM(vm, &agentv1.MakeDirRequest{Path: path.Dir(in.Path), Parents: true, Mode: 0o755})); err != nil {
 			return nil, WriteOut{}, explain(err)
 		}
 	}
@@ -347,7 +347,7 @@ func (t *tools) listDir(ctx context.Context, _ *mcp.CallToolRequest, in ListIn) 
 	if err != nil {
 		return nil, ListOut{}, err
 	}
-	stream, err := t.c.Files.List(ctx, forVM(vm, &agentv1.ListRequest{Path: in.Path, Recursive: in.Recursive, MaxDepth: in.MaxDepth, MaxEntries: maxEntries}))
+	stream, err := t.c.Files.List(ctx, client.ForVM(vm, &agentv1.ListRequest{Path: in.Path, Recursive: in.Recursive, MaxDepth: in.MaxDepth, MaxEntries: maxEntries}))
 	if err != nil {
 		return nil, ListOut{}, explain(err)
 	}
@@ -382,7 +382,7 @@ func (t *tools) makeDir(ctx context.Context, _ *mcp.CallToolRequest, in MakeDirI
 	if err != nil {
 		return nil, Done{}, err
 	}
-	if _, err := t.c.Files.MakeDir(ctx, forVM(vm, &agentv1.MakeDirRequest{Path: in.Path, Parents: in.Parents, Mode: 0o755})); err != nil {
+	if _, err := t.c.Files.MakeDir(ctx, client.ForVM(vm, &agentv1.MakeDirRequest{Path: in.Path, Parents: in.Parents, Mode: 0o755})); err != nil {
 		return nil, Done{}, explain(err)
 	}
 	return nil, Done{OK: true}, nil
@@ -400,7 +400,7 @@ func (t *tools) remove(ctx context.Context, _ *mcp.CallToolRequest, in RemoveIn)
 	if err != nil {
 		return nil, Done{}, err
 	}
-	if _, err := t.c.Files.Remove(ctx, forVM(vm, &agentv1.RemoveRequest{Path: in.Path, Recursive: in.Recursive})); err != nil {
+	if _, err := t.c.Files.Remove(ctx, client.ForVM(vm, &agentv1.RemoveRequest{Path: in.Path, Recursive: in.Recursive})); err != nil {
 		return nil, Done{}, explain(err)
 	}
 	return nil, Done{OK: true}, nil
@@ -418,7 +418,7 @@ func (t *tools) move(ctx context.Context, _ *mcp.CallToolRequest, in MoveIn) (*m
 	if err != nil {
 		return nil, Done{}, err
 	}
-	if _, err := t.c.Files.Rename(ctx, forVM(vm, &agentv1.RenameRequest{From: in.From, To: in.To})); err != nil {
+	if _, err := t.c.Files.Rename(ctx, client.ForVM(vm, &agentv1.RenameRequest{From: in.From, To: in.To})); err != nil {
 		return nil, Done{}, explain(err)
 	}
 	return nil, Done{OK: true}, nil

@@ -22,7 +22,6 @@ import (
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
-	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/audit/review"
 	"github.com/carrel-os/carrel/supervisor/client"
@@ -422,19 +421,19 @@ func runFile(ctx context.Context, c *client.Client, vm string, st Step) Result {
 	var err error
 	switch st.Action {
 	case "file.mkdir":
-		_, err = c.Files.MakeDir(ctx, forVM(vm, &agentv1.MakeDirRequest{Path: st.Path, Parents: st.Recursive, Mode: st.Mode}))
+		_, err = c.Files.MakeDir(ctx, client.ForVM(vm, &agentv1.MakeDirRequest{Path: st.Path, Parents: st.Recursive, Mode: st.Mode}))
 	case "file.remove":
-		_, err = c.Files.Remove(ctx, forVM(vm, &agentv1.RemoveRequest{Path: st.Path, Recursive: st.Recursive}))
+		_, err = c.Files.Remove(ctx, client.ForVM(vm, &agentv1.RemoveRequest{Path: st.Path, Recursive: st.Recursive}))
 	case "file.rename":
-		_, err = c.Files.Rename(ctx, forVM(vm, &agentv1.RenameRequest{From: st.Path, To: st.To}))
+		_, err = c.Files.Rename(ctx, client.ForVM(vm, &agentv1.RenameRequest{From: st.Path, To: st.To}))
 	case "file.chmod":
-		_, err = c.Files.Chmod(ctx, forVM(vm, &agentv1.ChmodRequest{Path: st.Path, Mode: st.Mode}))
+		_, err = c.Files.Chmod(ctx, client.ForVM(vm, &agentv1.ChmodRequest{Path: st.Path, Mode: st.Mode}))
 	case "file.chown":
 		if st.UID == nil || st.GID == nil {
 			r.Err = errors.New("the record lacks the uid or gid")
 			return r
 		}
-		_, err = c.Files.Chown(ctx, forVM(vm, &agentv1.ChownRequest{Path: st.Path, Uid: *st.UID, Gid: *st.GID}))
+		_, err = c.Files.Chown(ctx, client.ForVM(vm, &agentv1.ChownRequest{Path: st.Path, Uid: *st.UID, Gid: *st.GID}))
 	}
 	switch {
 	case err != nil && st.Failed == "":
@@ -443,12 +442,6 @@ func runFile(ctx context.Context, c *client.Client, vm string, st Step) Result {
 		r.Diffs = append(r.Diffs, "succeeded now, failed then: "+st.Failed)
 	}
 	return r
-}
-
-func forVM[T any](vm string, msg *T) *connect.Request[T] {
-	req := connect.NewRequest(msg)
-	req.Header().Set(protocol.VMHeader, vm)
-	return req
 }
 
 // firstDiff describes where got first differs from want, or "" when they
