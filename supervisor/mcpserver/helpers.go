@@ -7,7 +7,6 @@ import (
 	"strings"
 
 	"connectrpc.com/connect"
-
 )
 
 // explain is carreld's error as the agent reads it: its words (a denial
