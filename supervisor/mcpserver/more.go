@@ -1,7 +1,6 @@
 package mcpserver
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -98,9 +97,18 @@ func (t *tools) searchFiles(ctx context.Context, _ *mcp.CallToolRequest, in Sear
 	if st.Code != 0 && out.b.Len() == 0 && strings.TrimSpace(errs.String()) != "" {
 		return nil, SearchOut{}, fmt.Errorf("%s failed (exit %d): %s", argv[0], st.Code, strings.TrimSpace(errs.String()))
 	}
-	res := SearchOut{Matches: []Match{}, Truncated: out.cut}
-	if in.Content == "" {
-		for _, p := range strings.Split(out.String(), "\x00") {
+	return nil, parseMatches(out.String(), in.Content != "", out.cut), nil
+}
+
+// parseMatches reads what the guest's find printed (NUL-separated names)
+// or grep (PATH:LINE:TEXT lines), at most maxMatches of them. The output
+// is the guest's: a line that does not read as a match ("Binary file ...
+// matches", a name with a colon) is left out. A name with ":N:" in it
+// reads wrongly; names are the guest's too.
+func parseMatches(out string, content, cut bool) SearchOut {
+	res := SearchOut{Matches: []Match{}, Truncated: cut}
+	if !content {
+		for _, p := range strings.Split(out, "\x00") {
 			if p == "" {
 				continue
 			}
@@ -110,26 +118,22 @@ func (t *tools) searchFiles(ctx context.Context, _ *mcp.CallToolRequest, in Sear
 			}
 			res.Matches = append(res.Matches, Match{Path: p})
 		}
-		return nil, res, nil
+		return res
 	}
-	sc := bufio.NewScanner(strings.NewReader(out.String()))
-	sc.Buffer(make([]byte, 64<<10), MaxOutput)
-	for sc.Scan() {
+	for _, line := range strings.Split(out, "\n") {
+		p, rest, ok1 := strings.Cut(line, ":")
+		num, text, ok2 := strings.Cut(rest, ":")
+		n, err := strconv.Atoi(num)
+		if !ok1 || !ok2 || err != nil || n <= 0 || p == "" {
+			continue
+		}
 		if len(res.Matches) == maxMatches {
 			res.Truncated = true
 			break
 		}
-		// PATH:LINE:TEXT. A name with ":N:" in it reads wrongly here;
-		// names are the guest's.
-		p, rest, ok1 := strings.Cut(sc.Text(), ":")
-		num, text, ok2 := strings.Cut(rest, ":")
-		n, err := strconv.Atoi(num)
-		if !ok1 || !ok2 || err != nil {
-			continue // "Binary file ... matches", or a name with a colon
-		}
 		res.Matches = append(res.Matches, Match{Path: p, Line: n, Text: text})
 	}
-	return nil, res, nil
+	return res
 }
 
 // SnapshotIn is snapshot's input.
