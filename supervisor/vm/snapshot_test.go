@@ -184,26 +184,10 @@ func TestSnapshotRestoreFork(t *testing.T) {
 // one takes each overlay that QEMU made over the old file, drops the rest,
 // and removes the unfinished snapshot's directory.
 func TestReconcileSettlesAnInterruptedSnapshot(t *testing.T) {
-	e := newEnv(t)
-	e.withSystemImage(t, true)
-	ctx := context.Background()
-	a, err := e.m.Create(ctx, CreateParams{Name: "a", Image: "sys"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.m.Close()
-	dir := e.reg.Dir("a")
 	// QEMU made the state disk's overlay; the workspace's never came.
-	e.drv.Pause(ctx, *a.Instance)
-	if err := e.drv.FreezeDisks(ctx, *a.Instance, map[string]string{filepath.Join(dir, StateDiskName): filepath.Join(dir, "state-0000aaaa.qcow2")}); err != nil {
-		t.Fatal(err)
-	}
-	e.drv.Resume(ctx, *a.Instance)
-	r, _ := e.reg.Get("a")
-	r.PendingDisks = map[string]string{protocol.StateSerial: "state-0000aaaa.qcow2", protocol.WorkspaceSerial: "workspace-0000bbbb.qcow2"}
-	if err := e.reg.Put(r); err != nil {
-		t.Fatal(err)
-	}
+	e, a := interruptedFreeze(t, drivertest.SnapshotFaults{}, map[string]string{protocol.StateSerial: "state-0000aaaa.qcow2", protocol.WorkspaceSerial: "workspace-0000bbbb.qcow2"})
+	ctx := context.Background()
+	dir := e.reg.Dir("a")
 	tmp := filepath.Join(dir, snapshotsDir, tmpPrefix+"half")
 	if err := os.MkdirAll(tmp, 0o700); err != nil {
 		t.Fatal(err)
@@ -276,27 +260,9 @@ func FuzzReadQCOW2(f *testing.F) {
 // driver makes them first): the VM's driver says it still writes the old
 // files, so those stay its disks and the overlays go.
 func TestReconcileAsksWhatTheVMHasOpen(t *testing.T) {
-	e := newEnv(t)
-	e.withSystemImage(t, true)
+	e, _ := interruptedFreeze(t, drivertest.SnapshotFaults{OverlaysOnly: true}, map[string]string{protocol.StateSerial: "state-0000aaaa.qcow2"})
 	ctx := context.Background()
-	a, err := e.m.Create(ctx, CreateParams{Name: "a", Image: "sys"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e.m.Close()
-	dir := e.reg.Dir("a")
-	overlay := filepath.Join(dir, "state-0000aaaa.qcow2")
-	e.drv.SetSnapshotFaults(drivertest.SnapshotFaults{OverlaysOnly: true})
-	e.drv.Pause(ctx, *a.Instance)
-	if err := e.drv.FreezeDisks(ctx, *a.Instance, map[string]string{filepath.Join(dir, StateDiskName): overlay}); err != nil {
-		t.Fatal(err)
-	}
-	e.drv.Resume(ctx, *a.Instance)
-	r, _ := e.reg.Get("a")
-	r.PendingDisks = map[string]string{protocol.StateSerial: filepath.Base(overlay)}
-	if err := e.reg.Put(r); err != nil {
-		t.Fatal(err)
-	}
+	overlay := filepath.Join(e.reg.Dir("a"), "state-0000aaaa.qcow2")
 	e.m = e.manager()
 	if err := e.m.Reconcile(ctx); err != nil {
 		t.Fatal(err)
@@ -308,4 +274,33 @@ func TestReconcileAsksWhatTheVMHasOpen(t *testing.T) {
 	if _, err := os.Stat(overlay); !os.IsNotExist(err) {
 		t.Errorf("the overlay the vm never wrote is still there: %v", err)
 	}
+}
+
+// interruptedFreeze makes VM "a" and leaves it as a carreld that died
+// during a snapshot would: the driver, scripted by faults, froze its state
+// disk onto state-0000aaaa.qcow2, and its record names pending as the
+// overlays under way. The manager is closed; the caller makes the next.
+func interruptedFreeze(t *testing.T, faults drivertest.SnapshotFaults, pending map[string]string) (*env, registry.Record) {
+	t.Helper()
+	e := newEnv(t)
+	e.withSystemImage(t, true)
+	ctx := context.Background()
+	a, err := e.m.Create(ctx, CreateParams{Name: "a", Image: "sys"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.m.Close()
+	dir := e.reg.Dir("a")
+	e.drv.SetSnapshotFaults(faults)
+	e.drv.Pause(ctx, *a.Instance)
+	if err := e.drv.FreezeDisks(ctx, *a.Instance, map[string]string{filepath.Join(dir, StateDiskName): filepath.Join(dir, "state-0000aaaa.qcow2")}); err != nil {
+		t.Fatal(err)
+	}
+	e.drv.Resume(ctx, *a.Instance)
+	r, _ := e.reg.Get("a")
+	r.PendingDisks = pending
+	if err := e.reg.Put(r); err != nil {
+		t.Fatal(err)
+	}
+	return e, a
 }
