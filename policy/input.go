@@ -57,11 +57,12 @@ type Caller = audit.Caller
 const (
 	CallerPeer  = audit.CallerPeer
 	CallerToken = audit.CallerToken
+	CallerKey   = audit.CallerKey
 )
 
 func normalizeCaller(c Caller) error {
 	switch c.Type {
-	case CallerPeer, CallerToken:
+	case CallerPeer, CallerToken, CallerKey:
 	default:
 		return fmt.Errorf("%w: caller type %q", ErrInvalidInput, c.Type)
 	}
@@ -71,7 +72,13 @@ func normalizeCaller(c Caller) error {
 	if err := checkStrings("caller groups", c.Groups...); err != nil {
 		return err
 	}
-	return checkStrings("caller", c.TokenID, c.VM)
+	if len(c.Images) > 256 {
+		return fmt.Errorf("%w: caller may boot %d images, limit 256", ErrInvalidInput, len(c.Images))
+	}
+	if err := checkStrings("caller images", c.Images...); err != nil {
+		return err
+	}
+	return checkStrings("caller", c.TokenID, c.VM, c.KeyID, c.Name, c.Policy)
 }
 
 // Keys and fixed values of input documents, built once and shared by
@@ -109,11 +116,17 @@ var (
 	keyIP        = ast.StringTerm("ip")
 	keyClass     = ast.StringTerm("class")
 	keyGPUs      = ast.StringTerm("gpus")
+	keyKeyID     = ast.StringTerm("key_id")
+	keyName      = ast.StringTerm("name")
+	keyImages    = ast.StringTerm("images")
+	keyPolicy    = ast.StringTerm("policy")
+	keyImage     = ast.StringTerm("image")
+	keyVMPolicy  = ast.StringTerm("vm_policy")
 
 	versionTerm = ast.IntNumberTerm(InputVersion)
 	fixedTerms  = func() map[string]*ast.Term {
 		m := map[string]*ast.Term{}
-		for _, s := range []string{CallerPeer, CallerToken, OpRead, OpWrite, OpCreate, OpDelete, OpChmod, OpList, OpWatch,
+		for _, s := range []string{CallerPeer, CallerToken, CallerKey, OpRead, OpWrite, OpCreate, OpDelete, OpChmod, OpList, OpWatch,
 			DirEgress, DirForward, "tcp", "udp", DefaultUser, DefaultCwd,
 			ClassPublic, ClassPrivate, ClassLoopback, ClassLinkLocal, ClassCGNAT, ClassUnspecified, ClassMulticast, ClassMetadata, ClassReserved} {
 			m[s] = ast.StringTerm(s)
@@ -144,11 +157,29 @@ func callerValue(c Caller) ast.Value {
 			ast.Item(keyGroups, ast.ArrayTerm(groups...)),
 		)
 	}
+	if c.Type == CallerKey {
+		return ast.NewObject(
+			ast.Item(keyType, stringTerm(c.Type)),
+			ast.Item(keyKeyID, ast.StringTerm(c.KeyID)),
+			ast.Item(keyName, ast.StringTerm(c.Name)),
+			ast.Item(keyImages, stringsTerm(c.Images)),
+			ast.Item(keyPolicy, ast.StringTerm(c.Policy)),
+			ast.Item(keyVM, ast.StringTerm(c.VM)),
+		)
+	}
 	return ast.NewObject(
 		ast.Item(keyType, stringTerm(c.Type)),
 		ast.Item(keyTokenID, ast.StringTerm(c.TokenID)),
 		ast.Item(keyVM, ast.StringTerm(c.VM)),
 	)
+}
+
+func stringsTerm(ss []string) *ast.Term {
+	ts := make([]*ast.Term, len(ss))
+	for i, s := range ss {
+		ts[i] = ast.StringTerm(s)
+	}
+	return ast.ArrayTerm(ts...)
 }
 
 // CleanPath puts a guest path in the one form rules compare: absolute,

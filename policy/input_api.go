@@ -17,6 +17,10 @@ type APIInput struct {
 	// CreateVM's, or the ones a VM that StartVM boots was created with.
 	// Normalize writes them in the kernel's spelling, sorted.
 	GPUs []string `json:"gpus,omitempty"`
+	// Image and VMPolicy, on CreateVM only, are the image the new VM
+	// would boot and the policy it would be bound to ("" is "default").
+	Image    string `json:"image,omitempty"`
+	VMPolicy string `json:"vm_policy,omitempty"`
 }
 
 func (*APIInput) Kind() Kind        { return KindAPI }
@@ -34,30 +38,26 @@ func (in *APIInput) Normalize() error {
 		return err
 	}
 	in.GPUs = gpus
-	return checkStrings("api", in.Procedure, in.VM)
+	return checkStrings("api", in.Procedure, in.VM, in.Image, in.VMPolicy)
 }
 
 func (in *APIInput) value() ast.Value {
-	caller := ast.NewTerm(callerValue(in.Caller))
-	if len(in.GPUs) == 0 { // as in the JSON: gpus only when set
-		return ast.NewObject(
-			ast.Item(keyVersion, versionTerm),
-			ast.Item(keyCaller, caller),
-			ast.Item(keyDaemonUID, ast.InternedTerm(in.DaemonUID)),
-			ast.Item(keyProcedure, ast.StringTerm(in.Procedure)),
-			ast.Item(keyVM, ast.StringTerm(in.VM)),
-		)
-	}
-	gpus := make([]*ast.Term, len(in.GPUs))
-	for i, g := range in.GPUs {
-		gpus[i] = ast.StringTerm(g)
-	}
-	return ast.NewObject(
+	items := [][2]*ast.Term{
 		ast.Item(keyVersion, versionTerm),
-		ast.Item(keyCaller, caller),
+		ast.Item(keyCaller, ast.NewTerm(callerValue(in.Caller))),
 		ast.Item(keyDaemonUID, ast.InternedTerm(in.DaemonUID)),
 		ast.Item(keyProcedure, ast.StringTerm(in.Procedure)),
 		ast.Item(keyVM, ast.StringTerm(in.VM)),
-		ast.Item(keyGPUs, ast.ArrayTerm(gpus...)),
-	)
+	}
+	// As in the JSON: each of these only when set.
+	if len(in.GPUs) > 0 {
+		items = append(items, ast.Item(keyGPUs, stringsTerm(in.GPUs)))
+	}
+	if in.Image != "" {
+		items = append(items, ast.Item(keyImage, ast.StringTerm(in.Image)))
+	}
+	if in.VMPolicy != "" {
+		items = append(items, ast.Item(keyVMPolicy, ast.StringTerm(in.VMPolicy)))
+	}
+	return ast.NewObject(items...)
 }

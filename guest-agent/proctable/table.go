@@ -381,6 +381,28 @@ func (t *Table) SignalCommand(id string, sig unix.Signal) error {
 	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("signal: command %s has exited", id))
 }
 
+// Input applies one message of a Process call's kind (stdin, close_stdin
+// or resize) to the running command with the id, attached or not:
+// CodeNotFound if there is none, CodeFailedPrecondition if it has exited.
+func (t *Table) Input(id string, m *agentv1.ProcessInput) error {
+	switch m.Msg.(type) {
+	case *agentv1.ProcessInput_Stdin, *agentv1.ProcessInput_CloseStdin, *agentv1.ProcessInput_Resize:
+	default:
+		return invalid("input: stdin, close_stdin or resize is required")
+	}
+	p := t.runner.Lookup(id)
+	if p == nil {
+		t.mu.Lock()
+		_, ok := t.detached[id]
+		t.mu.Unlock()
+		if !ok {
+			return connect.NewError(connect.CodeNotFound, fmt.Errorf("input: no command %q", truncate(id)))
+		}
+		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("input: command %s has exited", id))
+	}
+	return apply(p, m)
+}
+
 // internal wraps an unexpected error; nil stays nil.
 func internal(err error) error {
 	if err == nil {

@@ -142,6 +142,24 @@ func (s *service) Signal(_ context.Context, req *connect.Request[agentv1.SignalR
 	return connect.NewResponse(&agentv1.SignalResponse{}), nil
 }
 
+// Input feeds a running command by its id (proctable.Table.Input).
+func (s *service) Input(_ context.Context, req *connect.Request[agentv1.InputRequest]) (*connect.Response[agentv1.InputResponse], error) {
+	in := &agentv1.ProcessInput{}
+	switch m := req.Msg.GetInput().(type) {
+	case *agentv1.InputRequest_Stdin:
+		in.Msg = &agentv1.ProcessInput_Stdin{Stdin: m.Stdin}
+	case *agentv1.InputRequest_CloseStdin:
+		in.Msg = &agentv1.ProcessInput_CloseStdin{CloseStdin: &agentv1.CloseStdin{}}
+	case *agentv1.InputRequest_Resize:
+		in.Msg = &agentv1.ProcessInput_Resize{Resize: m.Resize}
+	}
+	if err := s.sessions.Input(req.Msg.GetExecId(), in); err != nil {
+		s.cfg.Log.Info("input failed", "exec_id", truncate(req.Msg.GetExecId()), "err", err)
+		return nil, err
+	}
+	return connect.NewResponse(&agentv1.InputResponse{}), nil
+}
+
 func signalPid(pid int, sig unix.Signal) error {
 	switch {
 	case pid <= 1:

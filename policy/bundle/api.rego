@@ -6,7 +6,10 @@
 #    "daemon_uid": 0, "caller": {"type": "peer", "uid": 1000, "gid": 1000, "pid": 4242}}
 # caller is a local process, {"type": "peer", "uid", "gid", "pid"} from
 # SO_PEERCRED, or a bearer token, {"type": "token", "token_id", "vm"},
-# where vm is the one VM the token may act on. vm is the VM the call names,
+# where vm is the one VM the token may act on, or an API key,
+# {"type": "key", "key_id", "name", "images", "policy", "vm"} (see the key
+# rules below). CreateVM's input also has "image" and, when set,
+# "vm_policy": what the new VM would boot and be bound to. vm is the VM the call names,
 # or "" when it names none. daemon_uid is carreld's own uid.
 # gpus is there only when the call would give its VM GPUs (CreateVM with
 # GPUs, or StartVM of a VM created with them): their PCI addresses in the
@@ -40,6 +43,7 @@ procedures := {
 	"/carrel.api.v1.VMService/RestoreVM": "snapshot",
 	"/carrel.api.v1.VMService/DeleteSnapshot": "snapshot",
 	"/carrel.api.v1.VMService/ForkVM": "admin",
+	"/carrel.api.v1.VMService/SetVMExpiry": "admin",
 	"/carrel.api.v1.VMService/Exec": "exec",
 	"/carrel.api.v1.ImageService/BuildImage": "admin",
 	"/carrel.api.v1.ImageService/ListImages": "read",
@@ -62,6 +66,7 @@ procedures := {
 	"/carrel.agent.v1.AgentService/Process": "exec",
 	"/carrel.agent.v1.AgentService/ListProcesses": "exec",
 	"/carrel.agent.v1.AgentService/Signal": "exec",
+	"/carrel.agent.v1.AgentService/Input": "exec",
 	# carreld's own business: its handlers refuse to relay these, whoever asks.
 	"/carrel.agent.v1.AgentService/Shutdown": "admin",
 	"/carrel.agent.v1.AgentService/SetSandbox": "admin",
@@ -132,6 +137,13 @@ decision := {
 	operator
 	gpus_allowed
 } else := {
+	"allow": true,
+	"rule": "carrel.api.key",
+	"reason": concat("", [who, " may call ", procedure, key_on_what]),
+} if {
+	input.caller.type == "key"
+	key_may_call
+} else := {
 	"allow": false,
 	"rule": "carrel.api.unknown_procedure",
 	"reason": concat("", [procedure, " is not a procedure carreld serves"]),
@@ -151,6 +163,27 @@ decision := {
 } if {
 	input.caller.type == "token"
 	not token_on_its_vm
+} else := {
+	"allow": false,
+	"rule": "carrel.api.key_procedure",
+	"reason": concat("", [who, " may not call ", procedure, key_procedure_refusal]),
+} if {
+	input.caller.type == "key"
+	not key_procedure_ok
+} else := {
+	"allow": false,
+	"rule": "carrel.api.key_vm",
+	"reason": sprintf("%s acts only on its own VMs (named %q...%s); %s names VM %q", [who, key_prefix, key_scope_text, procedure, vm]),
+} if {
+	input.caller.type == "key"
+	not key_vm_ok
+} else := {
+	"allow": false,
+	"rule": "carrel.api.key_create",
+	"reason": sprintf("%s may create VMs of images %v under policy %q, without GPUs; this one would boot %q under %q%s", [who, input.caller.images, key_policy(input.caller.policy), object.get(input, "image", ""), key_policy(object.get(input, "vm_policy", "")), key_gpu_text]),
+} if {
+	input.caller.type == "key"
+	not key_create_ok
 } else := {
 	"allow": false,
 	"rule": "carrel.api.gpu_vm",
@@ -209,11 +242,96 @@ token_on_its_vm if {
 	input.caller.vm == vm
 }
 
+# API keys. A key names an identity (caller.name) that creates VMs of
+# its own, named "e2b-NAME-...", and acts on those alone: lifecycle calls
+# (key_lifecycle), and the classes in settings.api.key_classes. A sandbox
+# token of a key (caller.vm set) acts on that one VM, and on no
+# lifecycle call. A key creates VMs only of the images it names ("*": any),
+# under the policy it names ("" is "default"), and never with GPUs.
+key_lifecycle := {
+	"/carrel.api.v1.VMService/CreateVM",
+	"/carrel.api.v1.VMService/StartVM",
+	"/carrel.api.v1.VMService/StopVM",
+	"/carrel.api.v1.VMService/DeleteVM",
+	"/carrel.api.v1.VMService/SetVMExpiry",
+}
+
+key_classes := object.get(settings, "key_classes", ["read", "exec", "files_read", "files_write", "ports"])
+
+key_prefix := concat("", ["e2b-", object.get(input.caller, "name", ""), "-"])
+
+key_may_call if {
+	key_procedure_ok
+	key_vm_ok
+	key_create_ok
+}
+
+key_procedure_ok if {
+	procedures[input.procedure] in key_classes
+}
+
+key_procedure_ok if {
+	input.procedure in key_lifecycle
+	input.caller.vm == ""
+}
+
+key_procedure_refusal := " (a sandbox token makes no lifecycle calls)" if {
+	input.procedure in key_lifecycle
+} else := concat("", [": its class, ", class, ", is not in settings.api.key_classes"]) if {
+	class
+} else := ""
+
+# ListVMs names no VM: its handler lists the key's own alone.
+key_vm_ok if {
+	input.procedure == "/carrel.api.v1.VMService/ListVMs"
+	vm == ""
+}
+
+key_vm_ok if {
+	startswith(vm, key_prefix)
+	key_scope_ok
+}
+
+key_scope_ok if input.caller.vm == ""
+
+key_scope_ok if input.caller.vm == vm
+
+key_scope_text := sprintf(", and this token only %q", [input.caller.vm]) if {
+	input.caller.vm != ""
+} else := ""
+
+key_create_ok if input.procedure != "/carrel.api.v1.VMService/CreateVM"
+
+key_create_ok if {
+	input.procedure == "/carrel.api.v1.VMService/CreateVM"
+	key_image_ok
+	key_policy(input.caller.policy) == key_policy(object.get(input, "vm_policy", ""))
+	count(requested_gpus) == 0
+}
+
+key_image_ok if "*" in input.caller.images
+
+key_image_ok if object.get(input, "image", "") in input.caller.images
+
+key_policy(p) := "default" if {
+	p == ""
+} else := p
+
+key_gpu_text := sprintf(" with GPUs %v", [requested_gpus]) if {
+	count(requested_gpus) > 0
+} else := ""
+
+key_on_what := concat("", [" on its VM ", vm]) if {
+	vm != ""
+} else := " (listing its own VMs)"
+
 # who names the caller in reasons.
 who := sprintf("uid %v gid %v (pid %v)", [input.caller.uid, input.caller.gid, input.caller.pid]) if {
 	input.caller.type == "peer"
 } else := concat("", ["token ", input.caller.token_id]) if {
 	input.caller.type == "token"
+} else := sprintf("key %s (%s)", [input.caller.name, input.caller.key_id]) if {
+	input.caller.type == "key"
 } else := sprintf("a caller of type %v", [object.get(input, ["caller", "type"], "none")])
 
 # caller_may_call is true when one of the allows above holds, GPUs aside:

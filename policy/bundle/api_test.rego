@@ -232,3 +232,59 @@ test_operator_groups if {
 	denied_by(decide(outsider, "/carrel.api.v1.VMService/StopVM", "demo"), "carrel.api.default_deny")
 	denied_by(decide(member, "/carrel.api.v1.VMService/StopVM", "demo"), "carrel.api.default_deny") with data.settings.api.operator_groups as []
 }
+
+# API keys.
+
+key(name, scope) := {"type": "key", "key_id": "0123456789abcdef", "name": name, "images": ["agent"], "policy": "", "vm": scope}
+
+create(caller, vm, image, vm_policy) := d if {
+	d := api.decision with input as object.union(call(caller, "/carrel.api.v1.VMService/CreateVM", vm), {"image": image, "vm_policy": vm_policy})
+}
+
+test_key_acts_on_its_own_vms if {
+	every procedure in ["/carrel.api.v1.VMService/DeleteVM", "/carrel.api.v1.VMService/SetVMExpiry", "/carrel.agent.v1.AgentService/Process", "/carrel.agent.v1.AgentService/Input", "/carrel.agent.v1.FileService/Write"] {
+		allowed_by(decide(key("alice", ""), procedure, "e2b-alice-1a2b"), "carrel.api.key")
+	}
+	allowed_by(decide(key("alice", ""), "/carrel.api.v1.VMService/ListVMs", ""), "carrel.api.key")
+}
+
+test_key_denied_others_vms if {
+	every vm in ["e2b-bob-1a2b", "demo", "e2b-alicex-1", "e2b-alice", ""] {
+		d := decide(key("alice", ""), "/carrel.agent.v1.AgentService/Process", vm)
+		denied_by(d, "carrel.api.key_vm")
+	}
+	d := decide(key("alice", ""), "/carrel.api.v1.VMService/DeleteVM", "e2b-bob-1")
+	d.reason == "key alice (0123456789abcdef) acts only on its own VMs (named \"e2b-alice-\"...); /carrel.api.v1.VMService/DeleteVM names VM \"e2b-bob-1\""
+}
+
+test_key_admin_procedures_denied if {
+	every procedure in ["/carrel.api.v1.PolicyService/ApplyPolicy", "/carrel.api.v1.TokenService/CreateToken", "/carrel.api.v1.VMService/ForkVM", "/carrel.api.v1.ImageService/BuildImage", "/carrel.agent.v1.AgentService/Shutdown"] {
+		denied_by(decide(key("alice", ""), procedure, "e2b-alice-1"), "carrel.api.key_procedure")
+	}
+}
+
+test_key_classes_setting if {
+	denied_by(decide(key("alice", ""), "/carrel.agent.v1.FileService/Write", "e2b-alice-1"), "carrel.api.key_procedure") with data.settings.api.key_classes as ["read"]
+	allowed_by(decide(key("alice", ""), "/carrel.api.v1.VMService/DeleteVM", "e2b-alice-1"), "carrel.api.key") with data.settings.api.key_classes as []
+}
+
+test_sandbox_token_one_vm_no_lifecycle if {
+	allowed_by(decide(key("alice", "e2b-alice-1"), "/carrel.agent.v1.AgentService/Process", "e2b-alice-1"), "carrel.api.key")
+	denied_by(decide(key("alice", "e2b-alice-1"), "/carrel.agent.v1.AgentService/Process", "e2b-alice-2"), "carrel.api.key_vm")
+	denied_by(decide(key("alice", "e2b-alice-1"), "/carrel.api.v1.VMService/DeleteVM", "e2b-alice-1"), "carrel.api.key_procedure")
+}
+
+test_key_creates_its_images_under_its_policy if {
+	allowed_by(create(key("alice", ""), "e2b-alice-1", "agent", ""), "carrel.api.key")
+	allowed_by(create(key("alice", ""), "e2b-alice-1", "agent", "default"), "carrel.api.key")
+	denied_by(create(key("alice", ""), "e2b-alice-1", "dev", ""), "carrel.api.key_create")
+	denied_by(create(key("alice", ""), "e2b-alice-1", "agent", "open"), "carrel.api.key_create")
+	denied_by(create(key("alice", ""), "bob", "agent", ""), "carrel.api.key_vm")
+	allowed_by(create(object.union(key("alice", ""), {"images": ["*"]}), "e2b-alice-1", "dev", ""), "carrel.api.key")
+}
+
+test_key_never_gets_gpus if {
+	doc := object.union(call(key("alice", ""), "/carrel.api.v1.VMService/CreateVM", "e2b-alice-1"), {"image": "agent", "gpus": ["0000:41:00.0"]})
+	d := api.decision with input as doc with data.settings.gpu.allow as true
+	denied_by(d, "carrel.api.key_create")
+}

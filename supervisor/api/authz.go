@@ -13,6 +13,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
+	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
 	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/policystore"
@@ -116,6 +117,9 @@ func (a authzInterceptor) authorize(ctx context.Context, call *recorder.APICall,
 	recorded := caller
 	call.Caller, call.VM = &recorded, vm
 	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: call.Procedure, VM: vm, GPUs: a.cfg.gpusOf(call.Procedure, vm, msg)}
+	if c, ok := msg.(*apiv1.CreateVMRequest); ok {
+		in.Image, in.VMPolicy = c.Image, c.Policy
+	}
 	d, err := a.cfg.decision(ctx, in)
 	call.Decision = d.ID
 	if err != nil {

@@ -217,12 +217,29 @@ func (s *tokenService) CreateToken(ctx context.Context, req *connect.Request[api
 	if err != nil {
 		return nil, err
 	}
+	const maxTTL = 365 * 24 * time.Hour
+	ttl := time.Duration(min(req.Msg.TtlSeconds, uint64(maxTTL/time.Second))) * time.Second
+	var tok identity.Token
+	var secret string
+	if m := req.Msg; m.KeyName != "" {
+		if m.Vm != "" {
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("an API key is not scoped to a VM: give key_name or vm, not both"))
+		}
+		if m.Policy != "" && s.cfg.Policies != nil {
+			if _, err := s.cfg.Policies.Get(m.Policy); err != nil {
+				return nil, connect.NewError(connect.CodeInvalidArgument, err)
+			}
+		}
+		tok, secret, err = t.CreateKey(identity.Key{Name: m.KeyName, Images: m.Images, Policy: m.Policy}, ttl)
+		if err != nil {
+			return nil, connect.NewError(connect.CodeInvalidArgument, err)
+		}
+		return connect.NewResponse(&apiv1.CreateTokenResponse{Token: tokenProto(tok), Secret: secret}), nil
+	}
 	if _, err := s.cfg.Manager.Get(req.Msg.Vm); err != nil {
 		return nil, toConnect(err)
 	}
-	const maxTTL = 365 * 24 * time.Hour
-	ttl := time.Duration(min(req.Msg.TtlSeconds, uint64(maxTTL/time.Second))) * time.Second
-	tok, secret, err := t.Create(req.Msg.Vm, ttl)
+	tok, secret, err = t.Create(req.Msg.Vm, ttl)
 	if err != nil {
 		return nil, connect.NewError(connect.CodeResourceExhausted, err)
 	}
@@ -254,6 +271,9 @@ func (s *tokenService) RevokeToken(ctx context.Context, req *connect.Request[api
 
 func tokenProto(t identity.Token) *apiv1.Token {
 	out := &apiv1.Token{Id: t.ID, Vm: t.VM, CreatedAt: t.CreatedAt.Format(time.RFC3339)}
+	if k := t.Key; k != nil {
+		out.KeyName, out.Images, out.Policy = k.Name, k.Images, k.Policy
+	}
 	if !t.ExpiresAt.IsZero() {
 		out.ExpiresAt = t.ExpiresAt.Format(time.RFC3339)
 	}

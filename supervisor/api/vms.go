@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -12,6 +13,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/supervisor/gen/apiv1/apiv1connect"
+	"github.com/carrel-os/carrel/supervisor/identity"
 	"github.com/carrel-os/carrel/supervisor/registry"
 	"github.com/carrel-os/carrel/supervisor/relay"
 	"github.com/carrel-os/carrel/supervisor/vm"
@@ -34,7 +36,8 @@ func (s *vmService) CreateVM(ctx context.Context, req *connect.Request[apiv1.Cre
 	m := req.Msg
 	rec, err := s.cfg.Manager.Create(ctx, vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus, Policy: m.Policy,
 		WorkspaceBytes: m.WorkspaceBytes, MaxProcesses: m.MaxProcesses, GPUs: m.Gpus,
-		Ephemeral: m.Ephemeral, DiskBytes: m.DiskBytes})
+		Ephemeral: m.Ephemeral, DiskBytes: m.DiskBytes,
+		Env: m.Env, Labels: m.Labels, TTL: time.Duration(min(m.TtlSeconds, maxTTLSeconds)) * time.Second, ExpiryAction: expiryAction(m.ExpiryAction)})
 	if err != nil {
 		return nil, toConnect(err)
 	}
@@ -53,12 +56,55 @@ func (s *vmService) GetVM(ctx context.Context, req *connect.Request[apiv1.GetVMR
 	return connect.NewResponse(&apiv1.GetVMResponse{Vm: toProto(st)}), nil
 }
 
+// ListVMs lists the VMs that carry every label asked for. A caller with
+// an API key sees only the VMs in its key's namespace.
 func (s *vmService) ListVMs(ctx context.Context, req *connect.Request[apiv1.ListVMsRequest]) (*connect.Response[apiv1.ListVMsResponse], error) {
 	resp := &apiv1.ListVMsResponse{}
+	caller, _ := identity.CallerFrom(ctx)
 	for _, st := range s.cfg.Manager.List() {
+		if !hasLabels(st.Labels, req.Msg.Labels) || !identity.Sees(caller, st.Name) {
+			continue
+		}
 		resp.Vms = append(resp.Vms, toProto(st))
 	}
 	return connect.NewResponse(resp), nil
+}
+
+func hasLabels(have, want map[string]string) bool {
+	for k, v := range want {
+		if got, ok := have[k]; !ok || got != v {
+			return false
+		}
+	}
+	return true
+}
+
+// maxTTLSeconds keeps a time to live from overflowing a time.Duration;
+// the manager refuses anything over vm.MaxTTL.
+const maxTTLSeconds = uint64(10 * vm.MaxTTL / time.Second)
+
+func expiryAction(a apiv1.ExpiryAction) string {
+	switch a {
+	case apiv1.ExpiryAction_EXPIRY_ACTION_UNSPECIFIED:
+		return ""
+	case apiv1.ExpiryAction_EXPIRY_ACTION_DELETE:
+		return registry.ExpireDelete
+	case apiv1.ExpiryAction_EXPIRY_ACTION_STOP:
+		return registry.ExpireStop
+	}
+	return a.String() // refused by the manager, by name
+}
+
+func (s *vmService) SetVMExpiry(ctx context.Context, req *connect.Request[apiv1.SetVMExpiryRequest]) (*connect.Response[apiv1.SetVMExpiryResponse], error) {
+	ttl := time.Duration(min(req.Msg.TtlSeconds, maxTTLSeconds)) * time.Second
+	if _, err := s.cfg.Manager.SetExpiry(ctx, req.Msg.Name, ttl); err != nil {
+		return nil, toConnect(err)
+	}
+	st, err := s.cfg.Manager.Get(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	return connect.NewResponse(&apiv1.SetVMExpiryResponse{Vm: toProto(st)}), nil
 }
 
 func (s *vmService) StartVM(ctx context.Context, req *connect.Request[apiv1.StartVMRequest]) (*connect.Response[apiv1.StartVMResponse], error) {
@@ -184,6 +230,18 @@ func toProto(st vm.Status) *apiv1.VM {
 	}
 	if st.Paused {
 		v.PausedAt = st.PausedAt.Format(time.RFC3339)
+	}
+	v.Labels = st.Labels
+	for _, kv := range st.Env {
+		k, _, _ := strings.Cut(kv, "=")
+		v.EnvNames = append(v.EnvNames, k)
+	}
+	if !st.ExpiresAt.IsZero() {
+		v.ExpiresAt = st.ExpiresAt.Format(time.RFC3339)
+		v.ExpiryAction = apiv1.ExpiryAction_EXPIRY_ACTION_DELETE
+		if st.ExpiryAction == registry.ExpireStop {
+			v.ExpiryAction = apiv1.ExpiryAction_EXPIRY_ACTION_STOP
+		}
 	}
 	if o := st.Origin; o != nil {
 		v.Origin = &apiv1.Origin{Vm: o.VM, Snapshot: o.Snapshot, Session: o.Session, Fork: o.Fork}

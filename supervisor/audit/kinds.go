@@ -15,6 +15,7 @@ import (
 const (
 	ActionExec    = "exec"
 	ActionForward = "port.forward"
+	ActionInput   = "exec.input"
 )
 
 // Lifecycle is the data of a "vm.lifecycle" record.
@@ -95,13 +96,20 @@ type Caller struct {
 	// Groups names a peer's primary and supplementary groups.
 	Groups  []string `json:"groups,omitempty"`
 	TokenID string   `json:"token_id,omitempty"`
-	VM      string   `json:"vm,omitempty"` // the VM a token is scoped to
+	VM      string   `json:"vm,omitempty"` // the VM a token (or a key's sandbox token) is scoped to
+	// An API key's id and name, the images its VMs may boot and the policy
+	// they get (CallerKey). Its VMs are those named "e2b-NAME-...".
+	KeyID  string   `json:"key_id,omitempty"`
+	Name   string   `json:"name,omitempty"`
+	Images []string `json:"images,omitempty"`
+	Policy string   `json:"policy,omitempty"`
 }
 
 // Caller types.
 const (
 	CallerPeer  = "peer"
 	CallerToken = "token"
+	CallerKey   = "key"
 )
 
 // MarshalJSON writes the fields of c's type only, all of them: a root
@@ -127,6 +135,19 @@ func (c Caller) MarshalJSON() ([]byte, error) {
 			TokenID string `json:"token_id"`
 			VM      string `json:"vm"`
 		}{c.Type, c.TokenID, c.VM})
+	case CallerKey:
+		images := c.Images
+		if images == nil {
+			images = []string{}
+		}
+		return json.Marshal(struct {
+			Type   string   `json:"type"`
+			KeyID  string   `json:"key_id"`
+			Name   string   `json:"name"`
+			Images []string `json:"images"`
+			Policy string   `json:"policy"`
+			VM     string   `json:"vm"`
+		}{c.Type, c.KeyID, c.Name, images, c.Policy, c.VM})
 	}
 	return json.Marshal(struct {
 		Type string `json:"type"`
@@ -305,6 +326,22 @@ type ForwardIntent struct {
 	Caller Caller `json:"caller"`
 	Host   string `json:"host"`
 	Port   uint32 `json:"port"`
+}
+
+// InputIntent is the data of the "action.intent" of input fed to a
+// running command by a unary call (AgentService.Input): Input is "stdin"
+// (the bytes are the record's blob), "close_stdin" or "resize".
+type InputIntent struct {
+	Action string `json:"action"` // ActionInput
+	Caller Caller `json:"caller"`
+	ExecID string `json:"exec_id"`
+	Input  string `json:"input"`
+	Bytes  int    `json:"bytes,omitempty"`
+}
+
+// InputOutcome is the data of an input's "action.outcome".
+type InputOutcome struct {
+	Error string `json:"error,omitempty"`
 }
 
 // ForwardOutcome is the data of a port-forward's "action.outcome".

@@ -161,6 +161,8 @@ func Run(ctx context.Context, cfg Config) error {
 		},
 	})
 	go faults.run(ctx, mgr)
+	// VMs created with a time to live are ended when it is up.
+	go mgr.ReapExpired(ctx)
 	if err := mgr.Reconcile(ctx); err != nil {
 		log.Error("reconcile", "err", err)
 	}

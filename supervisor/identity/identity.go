@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
 )
 
@@ -111,6 +112,8 @@ func PeerFrom(ctx context.Context) (Peer, bool) {
 
 // Authenticate returns the caller of a request: the token holder when the
 // request carries "Authorization: Bearer ...", otherwise the socket peer.
+// A key's sandbox token is checked against the VM the Carrel-Vm header
+// names, and scoped to it.
 // A token that is present but not valid is an error, never a fall back to
 // the peer's identity.
 func Authenticate(ctx context.Context, h http.Header, tokens *Tokens) (policy.Caller, error) {
@@ -122,9 +125,21 @@ func Authenticate(ctx context.Context, h http.Header, tokens *Tokens) (policy.Ca
 		if tokens == nil {
 			return policy.Caller{}, errors.Join(ErrUnauthenticated, errors.New("tokens are not enabled"))
 		}
-		t, err := tokens.Verify(strings.TrimSpace(secret))
+		secret = strings.TrimSpace(secret)
+		if strings.HasPrefix(secret, sandboxPrefix) {
+			vm := h.Get(protocol.VMHeader)
+			t, err := tokens.verifySandbox(secret, vm)
+			if err != nil {
+				return policy.Caller{}, err
+			}
+			return keyCaller(t, vm), nil
+		}
+		t, err := tokens.Verify(secret)
 		if err != nil {
 			return policy.Caller{}, err
+		}
+		if t.Key != nil {
+			return keyCaller(t, ""), nil
 		}
 		return policy.Caller{Type: policy.CallerToken, TokenID: t.ID, VM: t.VM}, nil
 	}

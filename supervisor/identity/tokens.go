@@ -23,25 +23,36 @@ var ErrNoSuchToken = errors.New("no such token")
 // maxTokens bounds the token file.
 const maxTokens = 10000
 
-// Token is one issued token. Only the sha256 of its secret is kept.
+// Token is one issued token, scoped to one VM, or an API key (Key set).
+// Only the sha256 of its secret is kept.
 type Token struct {
 	ID        string    `json:"id"`
 	VM        string    `json:"vm"`
 	Hash      string    `json:"sha256"`
 	CreatedAt time.Time `json:"created_at"`
 	ExpiresAt time.Time `json:"expires_at,omitzero"`
+	// Key is set for an API key: whose it is and what its VMs may be.
+	Key *Key `json:"key,omitempty"`
 }
 
-// Tokens is the token file: <state>/tokens.json, written atomically.
+// Tokens is the token file: <state>/tokens.json, written atomically, and
+// the secret sandbox tokens are made with, beside it.
 type Tokens struct {
-	path string
-	mu   sync.RWMutex
-	byID map[string]Token
+	path       string
+	sandboxKey []byte
+	mu         sync.RWMutex
+	byID       map[string]Token
 }
 
-// OpenTokens loads the token file, if there is one.
+// OpenTokens loads the token file, if there is one, and the sandbox
+// token secret (PATH.sandbox-key), made on first use.
 func OpenTokens(path string) (*Tokens, error) {
 	t := &Tokens{path: path, byID: map[string]Token{}}
+	key, err := loadSandboxKey(path + ".sandbox-key")
+	if err != nil {
+		return nil, err
+	}
+	t.sandboxKey = key
 	b, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return t, nil
@@ -71,26 +82,44 @@ func (t *Tokens) Create(vm string, ttl time.Duration) (Token, string, error) {
 	}
 	s := hex.EncodeToString(secret[:])
 	tok.Hash = hashSecret(s)
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if len(t.byID) >= maxTokens {
-		return Token{}, "", fmt.Errorf("%d tokens exist; revoke some first", len(t.byID))
-	}
-	t.byID[tok.ID] = tok
-	if err := t.saveLocked(); err != nil {
-		delete(t.byID, tok.ID)
+	if err := t.add(tok); err != nil {
 		return Token{}, "", err
 	}
 	return tok, "carrel_" + tok.ID + "_" + s, nil
 }
 
-// Verify returns the token a secret belongs to, if it is valid now.
+func (t *Tokens) add(tok Token) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if len(t.byID) >= maxTokens {
+		return fmt.Errorf("%d tokens exist; revoke some first", len(t.byID))
+	}
+	t.byID[tok.ID] = tok
+	if err := t.saveLocked(); err != nil {
+		delete(t.byID, tok.ID)
+		return err
+	}
+	return nil
+}
+
+// Verify returns the token a secret belongs to, if it is valid now: a VM
+// token ("carrel_<id>_<secret>") or an API key ("e2b_<id><secret>").
 func (t *Tokens) Verify(full string) (Token, error) {
+	if rest, ok := strings.CutPrefix(full, keyPrefix); ok {
+		if len(rest) != 48 || !isLowerHex(rest) {
+			return Token{}, errors.Join(ErrUnauthenticated, errors.New("malformed API key"))
+		}
+		return t.verify(rest[:16], rest[16:], true)
+	}
 	rest, ok := strings.CutPrefix(full, "carrel_")
 	id, secret, ok2 := strings.Cut(rest, "_")
 	if !ok || !ok2 || len(id) != 16 || len(secret) != 32 {
 		return Token{}, errors.Join(ErrUnauthenticated, errors.New("malformed token"))
 	}
+	return t.verify(id, secret, false)
+}
+
+func (t *Tokens) verify(id, secret string, key bool) (Token, error) {
 	t.mu.RLock()
 	tok, found := t.byID[id]
 	t.mu.RUnlock()
@@ -98,7 +127,7 @@ func (t *Tokens) Verify(full string) (Token, error) {
 	if !found {
 		want = strings.Repeat("0", 64) // compare anyway: no timing signal for unknown ids
 	}
-	if subtle.ConstantTimeCompare([]byte(hashSecret(secret)), []byte(want)) != 1 || !found {
+	if subtle.ConstantTimeCompare([]byte(hashSecret(secret)), []byte(want)) != 1 || !found || (tok.Key != nil) != key {
 		return Token{}, errors.Join(ErrUnauthenticated, errors.New("unknown or revoked token"))
 	}
 	if !tok.ExpiresAt.IsZero() && time.Now().After(tok.ExpiresAt) {

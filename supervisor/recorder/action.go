@@ -1,6 +1,7 @@
 package recorder
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -108,6 +109,44 @@ func (a *Action) EndForward(ctx context.Context, fromGuest int64, err error) {
 	}
 	data, _ := json.Marshal(out)
 	a.end(ctx, a.c.record(audit.KindOutcome, audit.Host, data), "forward")
+}
+
+// BeginInput makes the intent of input for a running command durable
+// before the guest gets it: stdin's bytes go into a blob with it.
+func (c *Call) BeginInput(ctx context.Context, execID, input string, stdin []byte) (*Action, error) {
+	if c == nil {
+		return nil, nil
+	}
+	data, err := json.Marshal(audit.InputIntent{Action: audit.ActionInput, Caller: c.caller, ExecID: execID, Input: input, Bytes: len(stdin)})
+	if err != nil {
+		return nil, err
+	}
+	rec := c.record("", audit.Host, data)
+	if len(stdin) > 0 {
+		digest, err := c.r.log.PutBlob(bytes.NewReader(stdin))
+		if err != nil {
+			return nil, &notRecorded{"input not forwarded: its audit record could not be written", err}
+		}
+		rec.Blobs = []string{digest}
+	}
+	p, err := c.r.log.BeginAfter(ctx, takeHeld(ctx), rec)
+	if err != nil {
+		return nil, &notRecorded{"input not forwarded: its audit record could not be written", err}
+	}
+	return &Action{c: c, p: p}, nil
+}
+
+// EndInput records an input's outcome.
+func (a *Action) EndInput(ctx context.Context, err error) {
+	if a == nil {
+		return
+	}
+	var out audit.InputOutcome
+	if err != nil {
+		out.Error = protocol.CleanText(err.Error(), 1024)
+	}
+	data, _ := json.Marshal(out)
+	a.end(ctx, a.c.record(audit.KindOutcome, audit.Host, data), "input")
 }
 
 // Content copies what a write sends into a blob as it is relayed, up to

@@ -86,7 +86,21 @@ type Record struct {
 	// Origin names the snapshot the VM's current run started from (a
 	// restore, or the fork that made it); nil for a run that booted.
 	Origin *Origin `json:"origin,omitempty"`
+	// Env are KEY=VALUE pairs every command started in the VM gets, under
+	// its own; Labels find the VM (ListVMs filters on them).
+	Env    []string          `json:"env,omitempty"`
+	Labels map[string]string `json:"labels,omitempty"`
+	// ExpiresAt, when set, is when carreld ends the VM on its own:
+	// ExpiryAction says how ("delete" or "stop"; "" is delete).
+	ExpiresAt    time.Time `json:"expires_at,omitzero"`
+	ExpiryAction string    `json:"expiry_action,omitempty"`
 }
+
+// What carreld does to a VM whose time is up (Record.ExpiryAction).
+const (
+	ExpireDelete = "delete"
+	ExpireStop   = "stop"
+)
 
 // Origin is where a run started from: a snapshot of a VM (this one, or
 // the one it was forked from), taken in that VM's session Session.

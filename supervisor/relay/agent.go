@@ -137,3 +137,40 @@ func (r agentRelay) Signal(ctx context.Context, req *connect.Request[agentv1.Sig
 	}
 	return connect.NewResponse(resp.Msg), nil
 }
+
+// Input feeds a running command by its id. The stdin it carries is
+// recorded, as on the Process stream, before the guest gets it.
+func (r agentRelay) Input(ctx context.Context, req *connect.Request[agentv1.InputRequest]) (*connect.Response[agentv1.InputResponse], error) {
+	id := req.Msg.GetExecId()
+	if id == "" || len(id) > protocol.MaxExecID {
+		return nil, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("input: an exec id of 1 to %d bytes is required", protocol.MaxExecID))
+	}
+	if req.Msg.GetInput() == nil {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("input: stdin, close_stdin or resize is required"))
+	}
+	c, done, err := r.agent(req.Header())
+	if err != nil {
+		return nil, err
+	}
+	vm, _ := vmOf(req.Header())
+	kind := "stdin"
+	switch req.Msg.GetInput().(type) {
+	case *agentv1.InputRequest_CloseStdin:
+		kind = "close_stdin"
+	case *agentv1.InputRequest_Resize:
+		kind = "resize"
+	}
+	act, err := r.call(ctx, vm).BeginInput(ctx, id, kind, req.Msg.GetStdin())
+	if err != nil {
+		return nil, err
+	}
+	resp, err := c.Input(ctx, connect.NewRequest(req.Msg))
+	if err != nil {
+		err = relayErr(ctx, done, err)
+	}
+	act.EndInput(ctx, err)
+	if err != nil {
+		return nil, err
+	}
+	return connect.NewResponse(resp.Msg), nil
+}

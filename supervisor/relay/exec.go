@@ -6,9 +6,11 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"slices"
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
@@ -30,6 +32,7 @@ func (r *Relay) Exec(ctx context.Context, vm string, req *agentv1.ExecRequest, t
 
 // exec runs a command without stdin: the guest's Exec.
 func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecRequest, timeout time.Duration, send func(*agentv1.ExecResponse) error) error {
+	req = r.withVMEnv(h, req)
 	return r.run(ctx, h, req, false, timeout, func(ctx context.Context, c agentv1connect.AgentServiceClient, _ *recorder.Exec) (guestEvents, error) {
 		s, err := c.Exec(ctx, connect.NewRequest(req))
 		if err != nil {
@@ -45,6 +48,10 @@ func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecReques
 func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.ProcessInput,
 	recv func() (*agentv1.ProcessInput, error), send func(*agentv1.ExecResponse) error) error {
 	start := first.GetStart()
+	if start != nil {
+		start = r.withVMEnv(h, start)
+		first = &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: start}}
+	}
 	return r.run(ctx, h, start, start.GetDetach(), 0, func(ctx context.Context, c agentv1connect.AgentServiceClient, rec *recorder.Exec) (guestEvents, error) {
 		ctx, cancel := context.WithCancel(ctx)
 		g := c.Process(ctx)
@@ -75,6 +82,23 @@ func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.Proce
 		}()
 		return bidiEvents{g, func() { stop(); cancel() }}, nil
 	}, send)
+}
+
+// withVMEnv returns start with the VM's own environment under the
+// command's (whose entries win, coming later). Policy decides, the log
+// records and the guest gets the whole of it.
+func (r *Relay) withVMEnv(h http.Header, start *agentv1.ExecRequest) *agentv1.ExecRequest {
+	vm := h.Get(protocol.VMHeader)
+	if r.cfg.VMs == nil || vm == "" {
+		return start
+	}
+	env := r.cfg.VMs.EnvOf(vm)
+	if len(env) == 0 {
+		return start
+	}
+	out := proto.CloneOf(start)
+	out.Env = append(slices.Clip(env), start.Env...)
+	return out
 }
 
 // guestEvents is a command's stream of events from the guest.

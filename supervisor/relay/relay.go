@@ -31,6 +31,9 @@ import (
 type VMs interface {
 	Link(name string) (*agentlink.Link, error)
 	SessionOf(name string) string
+	// EnvOf is the environment every command in the VM gets, under the
+	// command's own (vm.CreateParams.Env).
+	EnvOf(name string) []string
 }
 
 // Config wires the relays.

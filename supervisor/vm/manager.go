@@ -215,6 +215,14 @@ type CreateParams struct {
 	// otherwise (0: DefaultStateBytes).
 	Ephemeral bool
 	DiskBytes uint64
+	// Env are KEY=VALUE pairs every command in the VM gets (under its
+	// own), Labels find it, and TTL, when set, is how long it may live
+	// from its creation before carreld ends it as ExpiryAction says
+	// (registry.ExpireDelete, the default, or ExpireStop).
+	Env          []string
+	Labels       map[string]string
+	TTL          time.Duration
+	ExpiryAction string
 }
 
 func (p *CreateParams) validate() error {
@@ -259,7 +267,13 @@ func (p *CreateParams) validate() error {
 		return fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
 	p.GPUs = gpus
-	return nil
+	if err := validEnv(p.Env); err != nil {
+		return err
+	}
+	if err := validLabels(p.Labels); err != nil {
+		return err
+	}
+	return validExpiry(p.TTL, &p.ExpiryAction)
 }
 
 // Create defines a VM and boots it. It returns once the guest agent is
@@ -303,7 +317,13 @@ func (m *Manager) Create(ctx context.Context, p CreateParams) (registry.Record, 
 		GPUs:           p.GPUs,
 		Ephemeral:      p.Ephemeral,
 		DiskBytes:      p.DiskBytes,
+		Env:            p.Env,
+		Labels:         p.Labels,
+		ExpiryAction:   p.ExpiryAction,
 	})
+	if p.TTL > 0 {
+		mc.rec.ExpiresAt = mc.rec.CreatedAt.Add(p.TTL)
+	}
 	mc.op <- struct{}{} // new, so free
 	defer mc.unlock()
 	m.mu.Lock()

@@ -273,29 +273,31 @@ func (m *Manager) Reset(ctx context.Context, name string, workspace bool) (regis
 // Delete removes a VM and all its state. A running VM must be stopped
 // first, unless force is set.
 func (m *Manager) Delete(ctx context.Context, name string, force bool) error {
-	return m.locked(ctx, name, func(mc *machine) error {
-		if deps := m.dependents(name); len(deps) > 0 {
-			return fmt.Errorf("%w: %s stand on %q's disk layers (forked from its snapshots): delete them first", ErrRunning, strings.Join(deps, ", "), name)
+	return m.locked(ctx, name, func(mc *machine) error { return m.deleteLocked(ctx, mc, name, force) })
+}
+
+func (m *Manager) deleteLocked(ctx context.Context, mc *machine, name string, force bool) error {
+	if deps := m.dependents(name); len(deps) > 0 {
+		return fmt.Errorf("%w: %s stand on %q's disk layers (forked from its snapshots): delete them first", ErrRunning, strings.Join(deps, ", "), name)
+	}
+	if st := mc.snapshot().State; st != registry.StateStopped {
+		if !force {
+			return fmt.Errorf("%w: stop %q first, or delete with --force", ErrRunning, name)
 		}
-		if st := mc.snapshot().State; st != registry.StateStopped {
-			if !force {
-				return fmt.Errorf("%w: stop %q first, or delete with --force", ErrRunning, name)
-			}
-			if err := m.stopLocked(ctx, mc, true); err != nil {
-				return err
-			}
-		}
-		if err := m.cfg.Registry.Delete(name); err != nil {
+		if err := m.stopLocked(ctx, mc, true); err != nil {
 			return err
 		}
-		mc.mu.Lock()
-		mc.removed = true
-		mc.mu.Unlock()
-		m.forget(name)
-		_ = m.event(ctx, mc, EventRemoved, "")
-		m.log.Info("vm deleted", "vm", name)
-		return nil
-	})
+	}
+	if err := m.cfg.Registry.Delete(name); err != nil {
+		return err
+	}
+	mc.mu.Lock()
+	mc.removed = true
+	mc.mu.Unlock()
+	m.forget(name)
+	_ = m.event(ctx, mc, EventRemoved, "")
+	m.log.Info("vm deleted", "vm", name)
+	return nil
 }
 
 // SetPolicy binds a VM to another policy. The record is written first and

@@ -895,6 +895,149 @@ func (*SignalResponse) Descriptor() ([]byte, []int) {
 	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{11}
 }
 
+type InputRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The command's id (Started.id).
+	ExecId string `protobuf:"bytes,1,opt,name=exec_id,json=execId,proto3" json:"exec_id,omitempty"`
+	// Types that are valid to be assigned to Input:
+	//
+	//	*InputRequest_Stdin
+	//	*InputRequest_CloseStdin
+	//	*InputRequest_Resize
+	Input         isInputRequest_Input `protobuf_oneof:"input"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InputRequest) Reset() {
+	*x = InputRequest{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InputRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InputRequest) ProtoMessage() {}
+
+func (x *InputRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InputRequest.ProtoReflect.Descriptor instead.
+func (*InputRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *InputRequest) GetExecId() string {
+	if x != nil {
+		return x.ExecId
+	}
+	return ""
+}
+
+func (x *InputRequest) GetInput() isInputRequest_Input {
+	if x != nil {
+		return x.Input
+	}
+	return nil
+}
+
+func (x *InputRequest) GetStdin() []byte {
+	if x != nil {
+		if x, ok := x.Input.(*InputRequest_Stdin); ok {
+			return x.Stdin
+		}
+	}
+	return nil
+}
+
+func (x *InputRequest) GetCloseStdin() *CloseStdin {
+	if x != nil {
+		if x, ok := x.Input.(*InputRequest_CloseStdin); ok {
+			return x.CloseStdin
+		}
+	}
+	return nil
+}
+
+func (x *InputRequest) GetResize() *Resize {
+	if x != nil {
+		if x, ok := x.Input.(*InputRequest_Resize); ok {
+			return x.Resize
+		}
+	}
+	return nil
+}
+
+type isInputRequest_Input interface {
+	isInputRequest_Input()
+}
+
+type InputRequest_Stdin struct {
+	Stdin []byte `protobuf:"bytes,2,opt,name=stdin,proto3,oneof"`
+}
+
+type InputRequest_CloseStdin struct {
+	CloseStdin *CloseStdin `protobuf:"bytes,3,opt,name=close_stdin,json=closeStdin,proto3,oneof"`
+}
+
+type InputRequest_Resize struct {
+	Resize *Resize `protobuf:"bytes,4,opt,name=resize,proto3,oneof"`
+}
+
+func (*InputRequest_Stdin) isInputRequest_Input() {}
+
+func (*InputRequest_CloseStdin) isInputRequest_Input() {}
+
+func (*InputRequest_Resize) isInputRequest_Input() {}
+
+type InputResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *InputResponse) Reset() {
+	*x = InputResponse{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *InputResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*InputResponse) ProtoMessage() {}
+
+func (x *InputResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use InputResponse.ProtoReflect.Descriptor instead.
+func (*InputResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{13}
+}
+
 type ExecResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Event:
@@ -910,7 +1053,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -922,7 +1065,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -935,7 +1078,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ExecResponse) GetEvent() isExecResponse_Event {
@@ -1024,7 +1167,7 @@ type Started struct {
 
 func (x *Started) Reset() {
 	*x = Started{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1036,7 +1179,7 @@ func (x *Started) String() string {
 func (*Started) ProtoMessage() {}
 
 func (x *Started) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1049,7 +1192,7 @@ func (x *Started) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Started.ProtoReflect.Descriptor instead.
 func (*Started) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Started) GetPid() int32 {
@@ -1078,7 +1221,7 @@ type ExitStatus struct {
 
 func (x *ExitStatus) Reset() {
 	*x = ExitStatus{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1090,7 +1233,7 @@ func (x *ExitStatus) String() string {
 func (*ExitStatus) ProtoMessage() {}
 
 func (x *ExitStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1103,7 +1246,7 @@ func (x *ExitStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExitStatus.ProtoReflect.Descriptor instead.
 func (*ExitStatus) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{14}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ExitStatus) GetCode() int32 {
@@ -1130,7 +1273,7 @@ type ShutdownRequest struct {
 
 func (x *ShutdownRequest) Reset() {
 	*x = ShutdownRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1142,7 +1285,7 @@ func (x *ShutdownRequest) String() string {
 func (*ShutdownRequest) ProtoMessage() {}
 
 func (x *ShutdownRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1155,7 +1298,7 @@ func (x *ShutdownRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShutdownRequest.ProtoReflect.Descriptor instead.
 func (*ShutdownRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{15}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ShutdownRequest) GetReboot() bool {
@@ -1173,7 +1316,7 @@ type ShutdownResponse struct {
 
 func (x *ShutdownResponse) Reset() {
 	*x = ShutdownResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1185,7 +1328,7 @@ func (x *ShutdownResponse) String() string {
 func (*ShutdownResponse) ProtoMessage() {}
 
 func (x *ShutdownResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1198,7 +1341,7 @@ func (x *ShutdownResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShutdownResponse.ProtoReflect.Descriptor instead.
 func (*ShutdownResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{16}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{18}
 }
 
 // SetSandboxRequest lists the roots commands and file operations may use.
@@ -1226,7 +1369,7 @@ type SetSandboxRequest struct {
 
 func (x *SetSandboxRequest) Reset() {
 	*x = SetSandboxRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1238,7 +1381,7 @@ func (x *SetSandboxRequest) String() string {
 func (*SetSandboxRequest) ProtoMessage() {}
 
 func (x *SetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1251,7 +1394,7 @@ func (x *SetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*SetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{17}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *SetSandboxRequest) GetReadWrite() []string {
@@ -1297,7 +1440,7 @@ type SetSandboxResponse struct {
 
 func (x *SetSandboxResponse) Reset() {
 	*x = SetSandboxResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1309,7 +1452,7 @@ func (x *SetSandboxResponse) String() string {
 func (*SetSandboxResponse) ProtoMessage() {}
 
 func (x *SetSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1322,7 +1465,7 @@ func (x *SetSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetSandboxResponse.ProtoReflect.Descriptor instead.
 func (*SetSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{18}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *SetSandboxResponse) GetLandlock() bool {
@@ -1361,7 +1504,7 @@ type RestoredRequest struct {
 
 func (x *RestoredRequest) Reset() {
 	*x = RestoredRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1373,7 +1516,7 @@ func (x *RestoredRequest) String() string {
 func (*RestoredRequest) ProtoMessage() {}
 
 func (x *RestoredRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1386,7 +1529,7 @@ func (x *RestoredRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoredRequest.ProtoReflect.Descriptor instead.
 func (*RestoredRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{19}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RestoredRequest) GetSeed() []byte {
@@ -1424,7 +1567,7 @@ type RestoredResponse struct {
 
 func (x *RestoredResponse) Reset() {
 	*x = RestoredResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1436,7 +1579,7 @@ func (x *RestoredResponse) String() string {
 func (*RestoredResponse) ProtoMessage() {}
 
 func (x *RestoredResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1449,7 +1592,7 @@ func (x *RestoredResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoredResponse.ProtoReflect.Descriptor instead.
 func (*RestoredResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{20}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *RestoredResponse) GetReseeded() bool {
@@ -1488,7 +1631,7 @@ type GuestRequestsRequest struct {
 
 func (x *GuestRequestsRequest) Reset() {
 	*x = GuestRequestsRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1500,7 +1643,7 @@ func (x *GuestRequestsRequest) String() string {
 func (*GuestRequestsRequest) ProtoMessage() {}
 
 func (x *GuestRequestsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1513,7 +1656,7 @@ func (x *GuestRequestsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestRequestsRequest.ProtoReflect.Descriptor instead.
 func (*GuestRequestsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{23}
 }
 
 // GuestRequest is one thing a program in the guest asked for.
@@ -1535,7 +1678,7 @@ type GuestRequest struct {
 
 func (x *GuestRequest) Reset() {
 	*x = GuestRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1547,7 +1690,7 @@ func (x *GuestRequest) String() string {
 func (*GuestRequest) ProtoMessage() {}
 
 func (x *GuestRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1560,7 +1703,7 @@ func (x *GuestRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestRequest.ProtoReflect.Descriptor instead.
 func (*GuestRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{22}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *GuestRequest) GetId() uint64 {
@@ -1618,7 +1761,7 @@ type GuestAnswer struct {
 
 func (x *GuestAnswer) Reset() {
 	*x = GuestAnswer{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1630,7 +1773,7 @@ func (x *GuestAnswer) String() string {
 func (*GuestAnswer) ProtoMessage() {}
 
 func (x *GuestAnswer) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1643,7 +1786,7 @@ func (x *GuestAnswer) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestAnswer.ProtoReflect.Descriptor instead.
 func (*GuestAnswer) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{23}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *GuestAnswer) GetId() uint64 {
@@ -1682,7 +1825,7 @@ type GuestAnswerResponse struct {
 
 func (x *GuestAnswerResponse) Reset() {
 	*x = GuestAnswerResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1694,7 +1837,7 @@ func (x *GuestAnswerResponse) String() string {
 func (*GuestAnswerResponse) ProtoMessage() {}
 
 func (x *GuestAnswerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1707,7 +1850,7 @@ func (x *GuestAnswerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestAnswerResponse.ProtoReflect.Descriptor instead.
 func (*GuestAnswerResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{24}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{26}
 }
 
 type ActivityRequest struct {
@@ -1718,7 +1861,7 @@ type ActivityRequest struct {
 
 func (x *ActivityRequest) Reset() {
 	*x = ActivityRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1730,7 +1873,7 @@ func (x *ActivityRequest) String() string {
 func (*ActivityRequest) ProtoMessage() {}
 
 func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1743,7 +1886,7 @@ func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityRequest.ProtoReflect.Descriptor instead.
 func (*ActivityRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{25}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{27}
 }
 
 type ActivityEvent struct {
@@ -1767,7 +1910,7 @@ type ActivityEvent struct {
 
 func (x *ActivityEvent) Reset() {
 	*x = ActivityEvent{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1779,7 +1922,7 @@ func (x *ActivityEvent) String() string {
 func (*ActivityEvent) ProtoMessage() {}
 
 func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1792,7 +1935,7 @@ func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityEvent.ProtoReflect.Descriptor instead.
 func (*ActivityEvent) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{26}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *ActivityEvent) GetOp() ActivityOp {
@@ -1842,7 +1985,7 @@ type ActivityResponse struct {
 
 func (x *ActivityResponse) Reset() {
 	*x = ActivityResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1854,7 +1997,7 @@ func (x *ActivityResponse) String() string {
 func (*ActivityResponse) ProtoMessage() {}
 
 func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1867,7 +2010,7 @@ func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityResponse.ProtoReflect.Descriptor instead.
 func (*ActivityResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{27}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *ActivityResponse) GetEvents() []*ActivityEvent {
@@ -1936,7 +2079,15 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\aexec_id\x18\x02 \x01(\tH\x00R\x06execId\x12\x16\n" +
 	"\x06signal\x18\x03 \x01(\x05R\x06signalB\b\n" +
 	"\x06target\"\x10\n" +
-	"\x0eSignalResponse\"\xb4\x01\n" +
+	"\x0eSignalResponse\"\xbb\x01\n" +
+	"\fInputRequest\x12\x17\n" +
+	"\aexec_id\x18\x01 \x01(\tR\x06execId\x12\x16\n" +
+	"\x05stdin\x18\x02 \x01(\fH\x00R\x05stdin\x12>\n" +
+	"\vclose_stdin\x18\x03 \x01(\v2\x1b.carrel.agent.v1.CloseStdinH\x00R\n" +
+	"closeStdin\x121\n" +
+	"\x06resize\x18\x04 \x01(\v2\x17.carrel.agent.v1.ResizeH\x00R\x06resizeB\a\n" +
+	"\x05input\"\x0f\n" +
+	"\rInputResponse\"\xb4\x01\n" +
 	"\fExecResponse\x124\n" +
 	"\astarted\x18\x01 \x01(\v2\x18.carrel.agent.v1.StartedH\x00R\astarted\x12\x18\n" +
 	"\x06stdout\x18\x02 \x01(\fH\x00R\x06stdout\x12\x18\n" +
@@ -2006,13 +2157,14 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x12ACTIVITY_OP_CREATE\x10\x03\x12\x16\n" +
 	"\x12ACTIVITY_OP_DELETE\x10\x04\x12\x19\n" +
 	"\x15ACTIVITY_OP_MOVE_FROM\x10\x05\x12\x17\n" +
-	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\x97\a\n" +
+	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\xdf\a\n" +
 	"\fAgentService\x12I\n" +
 	"\x06Health\x12\x1e.carrel.agent.v1.HealthRequest\x1a\x1f.carrel.agent.v1.HealthResponse\x12E\n" +
 	"\x04Exec\x12\x1c.carrel.agent.v1.ExecRequest\x1a\x1d.carrel.agent.v1.ExecResponse0\x01\x12K\n" +
 	"\aProcess\x12\x1d.carrel.agent.v1.ProcessInput\x1a\x1d.carrel.agent.v1.ExecResponse(\x010\x01\x12^\n" +
 	"\rListProcesses\x12%.carrel.agent.v1.ListProcessesRequest\x1a&.carrel.agent.v1.ListProcessesResponse\x12I\n" +
-	"\x06Signal\x12\x1e.carrel.agent.v1.SignalRequest\x1a\x1f.carrel.agent.v1.SignalResponse\x12O\n" +
+	"\x06Signal\x12\x1e.carrel.agent.v1.SignalRequest\x1a\x1f.carrel.agent.v1.SignalResponse\x12F\n" +
+	"\x05Input\x12\x1d.carrel.agent.v1.InputRequest\x1a\x1e.carrel.agent.v1.InputResponse\x12O\n" +
 	"\bShutdown\x12 .carrel.agent.v1.ShutdownRequest\x1a!.carrel.agent.v1.ShutdownResponse\x12U\n" +
 	"\n" +
 	"SetSandbox\x12\".carrel.agent.v1.SetSandboxRequest\x1a#.carrel.agent.v1.SetSandboxResponse\x12Q\n" +
@@ -2034,7 +2186,7 @@ func file_carrel_agent_v1_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_agent_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
+var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
 var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(ActivityOp)(0),               // 0: carrel.agent.v1.ActivityOp
 	(*HealthRequest)(nil),         // 1: carrel.agent.v1.HealthRequest
@@ -2049,22 +2201,24 @@ var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(*ProcessInfo)(nil),           // 10: carrel.agent.v1.ProcessInfo
 	(*SignalRequest)(nil),         // 11: carrel.agent.v1.SignalRequest
 	(*SignalResponse)(nil),        // 12: carrel.agent.v1.SignalResponse
-	(*ExecResponse)(nil),          // 13: carrel.agent.v1.ExecResponse
-	(*Started)(nil),               // 14: carrel.agent.v1.Started
-	(*ExitStatus)(nil),            // 15: carrel.agent.v1.ExitStatus
-	(*ShutdownRequest)(nil),       // 16: carrel.agent.v1.ShutdownRequest
-	(*ShutdownResponse)(nil),      // 17: carrel.agent.v1.ShutdownResponse
-	(*SetSandboxRequest)(nil),     // 18: carrel.agent.v1.SetSandboxRequest
-	(*SetSandboxResponse)(nil),    // 19: carrel.agent.v1.SetSandboxResponse
-	(*RestoredRequest)(nil),       // 20: carrel.agent.v1.RestoredRequest
-	(*RestoredResponse)(nil),      // 21: carrel.agent.v1.RestoredResponse
-	(*GuestRequestsRequest)(nil),  // 22: carrel.agent.v1.GuestRequestsRequest
-	(*GuestRequest)(nil),          // 23: carrel.agent.v1.GuestRequest
-	(*GuestAnswer)(nil),           // 24: carrel.agent.v1.GuestAnswer
-	(*GuestAnswerResponse)(nil),   // 25: carrel.agent.v1.GuestAnswerResponse
-	(*ActivityRequest)(nil),       // 26: carrel.agent.v1.ActivityRequest
-	(*ActivityEvent)(nil),         // 27: carrel.agent.v1.ActivityEvent
-	(*ActivityResponse)(nil),      // 28: carrel.agent.v1.ActivityResponse
+	(*InputRequest)(nil),          // 13: carrel.agent.v1.InputRequest
+	(*InputResponse)(nil),         // 14: carrel.agent.v1.InputResponse
+	(*ExecResponse)(nil),          // 15: carrel.agent.v1.ExecResponse
+	(*Started)(nil),               // 16: carrel.agent.v1.Started
+	(*ExitStatus)(nil),            // 17: carrel.agent.v1.ExitStatus
+	(*ShutdownRequest)(nil),       // 18: carrel.agent.v1.ShutdownRequest
+	(*ShutdownResponse)(nil),      // 19: carrel.agent.v1.ShutdownResponse
+	(*SetSandboxRequest)(nil),     // 20: carrel.agent.v1.SetSandboxRequest
+	(*SetSandboxResponse)(nil),    // 21: carrel.agent.v1.SetSandboxResponse
+	(*RestoredRequest)(nil),       // 22: carrel.agent.v1.RestoredRequest
+	(*RestoredResponse)(nil),      // 23: carrel.agent.v1.RestoredResponse
+	(*GuestRequestsRequest)(nil),  // 24: carrel.agent.v1.GuestRequestsRequest
+	(*GuestRequest)(nil),          // 25: carrel.agent.v1.GuestRequest
+	(*GuestAnswer)(nil),           // 26: carrel.agent.v1.GuestAnswer
+	(*GuestAnswerResponse)(nil),   // 27: carrel.agent.v1.GuestAnswerResponse
+	(*ActivityRequest)(nil),       // 28: carrel.agent.v1.ActivityRequest
+	(*ActivityEvent)(nil),         // 29: carrel.agent.v1.ActivityEvent
+	(*ActivityResponse)(nil),      // 30: carrel.agent.v1.ActivityResponse
 }
 var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	3,  // 0: carrel.agent.v1.ProcessInput.start:type_name -> carrel.agent.v1.ExecRequest
@@ -2072,37 +2226,41 @@ var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	6,  // 2: carrel.agent.v1.ProcessInput.close_stdin:type_name -> carrel.agent.v1.CloseStdin
 	7,  // 3: carrel.agent.v1.ProcessInput.resize:type_name -> carrel.agent.v1.Resize
 	10, // 4: carrel.agent.v1.ListProcessesResponse.processes:type_name -> carrel.agent.v1.ProcessInfo
-	14, // 5: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
-	15, // 6: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
-	0,  // 7: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
-	27, // 8: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
-	1,  // 9: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
-	3,  // 10: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
-	4,  // 11: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
-	8,  // 12: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
-	11, // 13: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
-	16, // 14: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
-	18, // 15: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
-	26, // 16: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
-	20, // 17: carrel.agent.v1.AgentService.Restored:input_type -> carrel.agent.v1.RestoredRequest
-	22, // 18: carrel.agent.v1.AgentService.GuestRequests:input_type -> carrel.agent.v1.GuestRequestsRequest
-	24, // 19: carrel.agent.v1.AgentService.AnswerGuestRequest:input_type -> carrel.agent.v1.GuestAnswer
-	2,  // 20: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
-	13, // 21: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
-	13, // 22: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
-	9,  // 23: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
-	12, // 24: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
-	17, // 25: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
-	19, // 26: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
-	28, // 27: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
-	21, // 28: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
-	23, // 29: carrel.agent.v1.AgentService.GuestRequests:output_type -> carrel.agent.v1.GuestRequest
-	25, // 30: carrel.agent.v1.AgentService.AnswerGuestRequest:output_type -> carrel.agent.v1.GuestAnswerResponse
-	20, // [20:31] is the sub-list for method output_type
-	9,  // [9:20] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	6,  // 5: carrel.agent.v1.InputRequest.close_stdin:type_name -> carrel.agent.v1.CloseStdin
+	7,  // 6: carrel.agent.v1.InputRequest.resize:type_name -> carrel.agent.v1.Resize
+	16, // 7: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
+	17, // 8: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
+	0,  // 9: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
+	29, // 10: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
+	1,  // 11: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
+	3,  // 12: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
+	4,  // 13: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
+	8,  // 14: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
+	11, // 15: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
+	13, // 16: carrel.agent.v1.AgentService.Input:input_type -> carrel.agent.v1.InputRequest
+	18, // 17: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
+	20, // 18: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
+	28, // 19: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
+	22, // 20: carrel.agent.v1.AgentService.Restored:input_type -> carrel.agent.v1.RestoredRequest
+	24, // 21: carrel.agent.v1.AgentService.GuestRequests:input_type -> carrel.agent.v1.GuestRequestsRequest
+	26, // 22: carrel.agent.v1.AgentService.AnswerGuestRequest:input_type -> carrel.agent.v1.GuestAnswer
+	2,  // 23: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
+	15, // 24: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
+	15, // 25: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
+	9,  // 26: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
+	12, // 27: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
+	14, // 28: carrel.agent.v1.AgentService.Input:output_type -> carrel.agent.v1.InputResponse
+	19, // 29: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
+	21, // 30: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
+	30, // 31: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
+	23, // 32: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
+	25, // 33: carrel.agent.v1.AgentService.GuestRequests:output_type -> carrel.agent.v1.GuestRequest
+	27, // 34: carrel.agent.v1.AgentService.AnswerGuestRequest:output_type -> carrel.agent.v1.GuestAnswerResponse
+	23, // [23:35] is the sub-list for method output_type
+	11, // [11:23] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_carrel_agent_v1_agent_proto_init() }
@@ -2123,6 +2281,11 @@ func file_carrel_agent_v1_agent_proto_init() {
 		(*SignalRequest_ExecId)(nil),
 	}
 	file_carrel_agent_v1_agent_proto_msgTypes[12].OneofWrappers = []any{
+		(*InputRequest_Stdin)(nil),
+		(*InputRequest_CloseStdin)(nil),
+		(*InputRequest_Resize)(nil),
+	}
+	file_carrel_agent_v1_agent_proto_msgTypes[14].OneofWrappers = []any{
 		(*ExecResponse_Started)(nil),
 		(*ExecResponse_Stdout)(nil),
 		(*ExecResponse_Stderr)(nil),
@@ -2134,7 +2297,7 @@ func file_carrel_agent_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_agent_proto_rawDesc), len(file_carrel_agent_v1_agent_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   28,
+			NumMessages:   30,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -141,6 +141,58 @@ func (AgentState) EnumDescriptor() ([]byte, []int) {
 	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{1}
 }
 
+// ExpiryAction is what carreld does to a VM whose time is up.
+type ExpiryAction int32
+
+const (
+	ExpiryAction_EXPIRY_ACTION_UNSPECIFIED ExpiryAction = 0
+	// Delete the VM, as DeleteVM with force.
+	ExpiryAction_EXPIRY_ACTION_DELETE ExpiryAction = 1
+	// Stop it, keeping its disks and workspace for a later start.
+	ExpiryAction_EXPIRY_ACTION_STOP ExpiryAction = 2
+)
+
+// Enum value maps for ExpiryAction.
+var (
+	ExpiryAction_name = map[int32]string{
+		0: "EXPIRY_ACTION_UNSPECIFIED",
+		1: "EXPIRY_ACTION_DELETE",
+		2: "EXPIRY_ACTION_STOP",
+	}
+	ExpiryAction_value = map[string]int32{
+		"EXPIRY_ACTION_UNSPECIFIED": 0,
+		"EXPIRY_ACTION_DELETE":      1,
+		"EXPIRY_ACTION_STOP":        2,
+	}
+)
+
+func (x ExpiryAction) Enum() *ExpiryAction {
+	p := new(ExpiryAction)
+	*p = x
+	return p
+}
+
+func (x ExpiryAction) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ExpiryAction) Descriptor() protoreflect.EnumDescriptor {
+	return file_carrel_api_v1_api_proto_enumTypes[2].Descriptor()
+}
+
+func (ExpiryAction) Type() protoreflect.EnumType {
+	return &file_carrel_api_v1_api_proto_enumTypes[2]
+}
+
+func (x ExpiryAction) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ExpiryAction.Descriptor instead.
+func (ExpiryAction) EnumDescriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{2}
+}
+
 type VM struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	Name       string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
@@ -190,7 +242,16 @@ type VM struct {
 	PausedAt string `protobuf:"bytes,25,opt,name=paused_at,json=pausedAt,proto3" json:"paused_at,omitempty"`
 	// The snapshot the VM's current run started from (a restore, or the
 	// fork that made it); unset for a run that booted.
-	Origin        *Origin `protobuf:"bytes,26,opt,name=origin,proto3" json:"origin,omitempty"`
+	Origin *Origin `protobuf:"bytes,26,opt,name=origin,proto3" json:"origin,omitempty"`
+	// The labels the VM was created with.
+	Labels map[string]string `protobuf:"bytes,27,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// When carreld ends the VM on its own (RFC 3339), and how; empty when
+	// never.
+	ExpiresAt    string       `protobuf:"bytes,28,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	ExpiryAction ExpiryAction `protobuf:"varint,29,opt,name=expiry_action,json=expiryAction,proto3,enum=carrel.api.v1.ExpiryAction" json:"expiry_action,omitempty"`
+	// The names of the variables every command in the VM gets (CreateVM
+	// env); their values are not shown.
+	EnvNames      []string `protobuf:"bytes,30,rep,name=env_names,json=envNames,proto3" json:"env_names,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -407,6 +468,34 @@ func (x *VM) GetOrigin() *Origin {
 	return nil
 }
 
+func (x *VM) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
+func (x *VM) GetExpiresAt() string {
+	if x != nil {
+		return x.ExpiresAt
+	}
+	return ""
+}
+
+func (x *VM) GetExpiryAction() ExpiryAction {
+	if x != nil {
+		return x.ExpiryAction
+	}
+	return ExpiryAction_EXPIRY_ACTION_UNSPECIFIED
+}
+
+func (x *VM) GetEnvNames() []string {
+	if x != nil {
+		return x.EnvNames
+	}
+	return nil
+}
+
 // Origin is a snapshot a run started from.
 type Origin struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
@@ -503,7 +592,18 @@ type CreateVMRequest struct {
 	// memory: lost at every stop.
 	Ephemeral bool `protobuf:"varint,9,opt,name=ephemeral,proto3" json:"ephemeral,omitempty"`
 	// Size of the disk that holds the writable layer; 0 means 8 GiB.
-	DiskBytes     uint64 `protobuf:"varint,10,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	DiskBytes uint64 `protobuf:"varint,10,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	// KEY=VALUE pairs every command started in the VM gets, under those its
+	// own request sets (which win). At most 256, each at most 4 KiB.
+	Env []string `protobuf:"bytes,11,rep,name=env,proto3" json:"env,omitempty"`
+	// Labels to find the VM by (ListVMs filters on them): at most 64 keys
+	// of at most 64 bytes and values of at most 512.
+	Labels map[string]string `protobuf:"bytes,12,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// Seconds until carreld ends the VM on its own (see expiry); 0 means
+	// never. SetVMExpiry moves it.
+	TtlSeconds uint64 `protobuf:"varint,13,opt,name=ttl_seconds,json=ttlSeconds,proto3" json:"ttl_seconds,omitempty"`
+	// What carreld does at expiry; unset means delete.
+	ExpiryAction  ExpiryAction `protobuf:"varint,14,opt,name=expiry_action,json=expiryAction,proto3,enum=carrel.api.v1.ExpiryAction" json:"expiry_action,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -608,6 +708,131 @@ func (x *CreateVMRequest) GetDiskBytes() uint64 {
 	return 0
 }
 
+func (x *CreateVMRequest) GetEnv() []string {
+	if x != nil {
+		return x.Env
+	}
+	return nil
+}
+
+func (x *CreateVMRequest) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
+}
+
+func (x *CreateVMRequest) GetTtlSeconds() uint64 {
+	if x != nil {
+		return x.TtlSeconds
+	}
+	return 0
+}
+
+func (x *CreateVMRequest) GetExpiryAction() ExpiryAction {
+	if x != nil {
+		return x.ExpiryAction
+	}
+	return ExpiryAction_EXPIRY_ACTION_UNSPECIFIED
+}
+
+type SetVMExpiryRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Seconds from now; 0 clears the expiry.
+	TtlSeconds    uint64 `protobuf:"varint,2,opt,name=ttl_seconds,json=ttlSeconds,proto3" json:"ttl_seconds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetVMExpiryRequest) Reset() {
+	*x = SetVMExpiryRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetVMExpiryRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetVMExpiryRequest) ProtoMessage() {}
+
+func (x *SetVMExpiryRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetVMExpiryRequest.ProtoReflect.Descriptor instead.
+func (*SetVMExpiryRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *SetVMExpiryRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *SetVMExpiryRequest) GetTtlSeconds() uint64 {
+	if x != nil {
+		return x.TtlSeconds
+	}
+	return 0
+}
+
+type SetVMExpiryResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SetVMExpiryResponse) Reset() {
+	*x = SetVMExpiryResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetVMExpiryResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetVMExpiryResponse) ProtoMessage() {}
+
+func (x *SetVMExpiryResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetVMExpiryResponse.ProtoReflect.Descriptor instead.
+func (*SetVMExpiryResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *SetVMExpiryResponse) GetVm() *VM {
+	if x != nil {
+		return x.Vm
+	}
+	return nil
+}
+
 type CreateVMResponse struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Vm            *VM                    `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
@@ -617,7 +842,7 @@ type CreateVMResponse struct {
 
 func (x *CreateVMResponse) Reset() {
 	*x = CreateVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[3]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -629,7 +854,7 @@ func (x *CreateVMResponse) String() string {
 func (*CreateVMResponse) ProtoMessage() {}
 
 func (x *CreateVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[3]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -642,7 +867,7 @@ func (x *CreateVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateVMResponse.ProtoReflect.Descriptor instead.
 func (*CreateVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{3}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *CreateVMResponse) GetVm() *VM {
@@ -661,7 +886,7 @@ type GetVMRequest struct {
 
 func (x *GetVMRequest) Reset() {
 	*x = GetVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[4]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -673,7 +898,7 @@ func (x *GetVMRequest) String() string {
 func (*GetVMRequest) ProtoMessage() {}
 
 func (x *GetVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[4]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -686,7 +911,7 @@ func (x *GetVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVMRequest.ProtoReflect.Descriptor instead.
 func (*GetVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{4}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *GetVMRequest) GetName() string {
@@ -705,7 +930,7 @@ type GetVMResponse struct {
 
 func (x *GetVMResponse) Reset() {
 	*x = GetVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[5]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -717,7 +942,7 @@ func (x *GetVMResponse) String() string {
 func (*GetVMResponse) ProtoMessage() {}
 
 func (x *GetVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[5]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -730,7 +955,7 @@ func (x *GetVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetVMResponse.ProtoReflect.Descriptor instead.
 func (*GetVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{5}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GetVMResponse) GetVm() *VM {
@@ -741,14 +966,16 @@ func (x *GetVMResponse) GetVm() *VM {
 }
 
 type ListVMsRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only VMs that carry every one of these labels.
+	Labels        map[string]string `protobuf:"bytes,1,rep,name=labels,proto3" json:"labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ListVMsRequest) Reset() {
 	*x = ListVMsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[6]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -760,7 +987,7 @@ func (x *ListVMsRequest) String() string {
 func (*ListVMsRequest) ProtoMessage() {}
 
 func (x *ListVMsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[6]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -773,7 +1000,14 @@ func (x *ListVMsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMsRequest.ProtoReflect.Descriptor instead.
 func (*ListVMsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{6}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ListVMsRequest) GetLabels() map[string]string {
+	if x != nil {
+		return x.Labels
+	}
+	return nil
 }
 
 type ListVMsResponse struct {
@@ -785,7 +1019,7 @@ type ListVMsResponse struct {
 
 func (x *ListVMsResponse) Reset() {
 	*x = ListVMsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[7]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -797,7 +1031,7 @@ func (x *ListVMsResponse) String() string {
 func (*ListVMsResponse) ProtoMessage() {}
 
 func (x *ListVMsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[7]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -810,7 +1044,7 @@ func (x *ListVMsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListVMsResponse.ProtoReflect.Descriptor instead.
 func (*ListVMsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{7}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ListVMsResponse) GetVms() []*VM {
@@ -829,7 +1063,7 @@ type StartVMRequest struct {
 
 func (x *StartVMRequest) Reset() {
 	*x = StartVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[8]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -841,7 +1075,7 @@ func (x *StartVMRequest) String() string {
 func (*StartVMRequest) ProtoMessage() {}
 
 func (x *StartVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[8]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -854,7 +1088,7 @@ func (x *StartVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartVMRequest.ProtoReflect.Descriptor instead.
 func (*StartVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{8}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *StartVMRequest) GetName() string {
@@ -873,7 +1107,7 @@ type StartVMResponse struct {
 
 func (x *StartVMResponse) Reset() {
 	*x = StartVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[9]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -885,7 +1119,7 @@ func (x *StartVMResponse) String() string {
 func (*StartVMResponse) ProtoMessage() {}
 
 func (x *StartVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[9]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -898,7 +1132,7 @@ func (x *StartVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartVMResponse.ProtoReflect.Descriptor instead.
 func (*StartVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{9}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *StartVMResponse) GetVm() *VM {
@@ -919,7 +1153,7 @@ type StopVMRequest struct {
 
 func (x *StopVMRequest) Reset() {
 	*x = StopVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[10]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -931,7 +1165,7 @@ func (x *StopVMRequest) String() string {
 func (*StopVMRequest) ProtoMessage() {}
 
 func (x *StopVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[10]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -944,7 +1178,7 @@ func (x *StopVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopVMRequest.ProtoReflect.Descriptor instead.
 func (*StopVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{10}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *StopVMRequest) GetName() string {
@@ -970,7 +1204,7 @@ type StopVMResponse struct {
 
 func (x *StopVMResponse) Reset() {
 	*x = StopVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[11]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -982,7 +1216,7 @@ func (x *StopVMResponse) String() string {
 func (*StopVMResponse) ProtoMessage() {}
 
 func (x *StopVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[11]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -995,7 +1229,7 @@ func (x *StopVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StopVMResponse.ProtoReflect.Descriptor instead.
 func (*StopVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{11}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *StopVMResponse) GetVm() *VM {
@@ -1016,7 +1250,7 @@ type DeleteVMRequest struct {
 
 func (x *DeleteVMRequest) Reset() {
 	*x = DeleteVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[12]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1028,7 +1262,7 @@ func (x *DeleteVMRequest) String() string {
 func (*DeleteVMRequest) ProtoMessage() {}
 
 func (x *DeleteVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[12]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1041,7 +1275,7 @@ func (x *DeleteVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVMRequest.ProtoReflect.Descriptor instead.
 func (*DeleteVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{12}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *DeleteVMRequest) GetName() string {
@@ -1066,7 +1300,7 @@ type DeleteVMResponse struct {
 
 func (x *DeleteVMResponse) Reset() {
 	*x = DeleteVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1078,7 +1312,7 @@ func (x *DeleteVMResponse) String() string {
 func (*DeleteVMResponse) ProtoMessage() {}
 
 func (x *DeleteVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[13]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1091,7 +1325,7 @@ func (x *DeleteVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteVMResponse.ProtoReflect.Descriptor instead.
 func (*DeleteVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{13}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{15}
 }
 
 type ResetVMRequest struct {
@@ -1105,7 +1339,7 @@ type ResetVMRequest struct {
 
 func (x *ResetVMRequest) Reset() {
 	*x = ResetVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1117,7 +1351,7 @@ func (x *ResetVMRequest) String() string {
 func (*ResetVMRequest) ProtoMessage() {}
 
 func (x *ResetVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[14]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1130,7 +1364,7 @@ func (x *ResetVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResetVMRequest.ProtoReflect.Descriptor instead.
 func (*ResetVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{14}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ResetVMRequest) GetName() string {
@@ -1156,7 +1390,7 @@ type ResetVMResponse struct {
 
 func (x *ResetVMResponse) Reset() {
 	*x = ResetVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1168,7 +1402,7 @@ func (x *ResetVMResponse) String() string {
 func (*ResetVMResponse) ProtoMessage() {}
 
 func (x *ResetVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[15]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1181,7 +1415,7 @@ func (x *ResetVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResetVMResponse.ProtoReflect.Descriptor instead.
 func (*ResetVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{15}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ResetVMResponse) GetVm() *VM {
@@ -1200,7 +1434,7 @@ type PauseVMRequest struct {
 
 func (x *PauseVMRequest) Reset() {
 	*x = PauseVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1212,7 +1446,7 @@ func (x *PauseVMRequest) String() string {
 func (*PauseVMRequest) ProtoMessage() {}
 
 func (x *PauseVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1225,7 +1459,7 @@ func (x *PauseVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseVMRequest.ProtoReflect.Descriptor instead.
 func (*PauseVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{16}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *PauseVMRequest) GetName() string {
@@ -1244,7 +1478,7 @@ type PauseVMResponse struct {
 
 func (x *PauseVMResponse) Reset() {
 	*x = PauseVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1256,7 +1490,7 @@ func (x *PauseVMResponse) String() string {
 func (*PauseVMResponse) ProtoMessage() {}
 
 func (x *PauseVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1269,7 +1503,7 @@ func (x *PauseVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PauseVMResponse.ProtoReflect.Descriptor instead.
 func (*PauseVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{17}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *PauseVMResponse) GetVm() *VM {
@@ -1288,7 +1522,7 @@ type ResumeVMRequest struct {
 
 func (x *ResumeVMRequest) Reset() {
 	*x = ResumeVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1300,7 +1534,7 @@ func (x *ResumeVMRequest) String() string {
 func (*ResumeVMRequest) ProtoMessage() {}
 
 func (x *ResumeVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1313,7 +1547,7 @@ func (x *ResumeVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeVMRequest.ProtoReflect.Descriptor instead.
 func (*ResumeVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{18}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ResumeVMRequest) GetName() string {
@@ -1332,7 +1566,7 @@ type ResumeVMResponse struct {
 
 func (x *ResumeVMResponse) Reset() {
 	*x = ResumeVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1344,7 +1578,7 @@ func (x *ResumeVMResponse) String() string {
 func (*ResumeVMResponse) ProtoMessage() {}
 
 func (x *ResumeVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1357,7 +1591,7 @@ func (x *ResumeVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResumeVMResponse.ProtoReflect.Descriptor instead.
 func (*ResumeVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{19}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ResumeVMResponse) GetVm() *VM {
@@ -1395,7 +1629,7 @@ type Snapshot struct {
 
 func (x *Snapshot) Reset() {
 	*x = Snapshot{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1407,7 +1641,7 @@ func (x *Snapshot) String() string {
 func (*Snapshot) ProtoMessage() {}
 
 func (x *Snapshot) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1420,7 +1654,7 @@ func (x *Snapshot) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Snapshot.ProtoReflect.Descriptor instead.
 func (*Snapshot) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{20}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *Snapshot) GetName() string {
@@ -1512,7 +1746,7 @@ type SnapshotVMRequest struct {
 
 func (x *SnapshotVMRequest) Reset() {
 	*x = SnapshotVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1524,7 +1758,7 @@ func (x *SnapshotVMRequest) String() string {
 func (*SnapshotVMRequest) ProtoMessage() {}
 
 func (x *SnapshotVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1537,7 +1771,7 @@ func (x *SnapshotVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotVMRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{21}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *SnapshotVMRequest) GetName() string {
@@ -1570,7 +1804,7 @@ type SnapshotVMResponse struct {
 
 func (x *SnapshotVMResponse) Reset() {
 	*x = SnapshotVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1582,7 +1816,7 @@ func (x *SnapshotVMResponse) String() string {
 func (*SnapshotVMResponse) ProtoMessage() {}
 
 func (x *SnapshotVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[22]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1595,7 +1829,7 @@ func (x *SnapshotVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotVMResponse.ProtoReflect.Descriptor instead.
 func (*SnapshotVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{22}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SnapshotVMResponse) GetSnapshot() *Snapshot {
@@ -1614,7 +1848,7 @@ type ListSnapshotsRequest struct {
 
 func (x *ListSnapshotsRequest) Reset() {
 	*x = ListSnapshotsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1626,7 +1860,7 @@ func (x *ListSnapshotsRequest) String() string {
 func (*ListSnapshotsRequest) ProtoMessage() {}
 
 func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[23]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1639,7 +1873,7 @@ func (x *ListSnapshotsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsRequest.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{23}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListSnapshotsRequest) GetName() string {
@@ -1658,7 +1892,7 @@ type ListSnapshotsResponse struct {
 
 func (x *ListSnapshotsResponse) Reset() {
 	*x = ListSnapshotsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1670,7 +1904,7 @@ func (x *ListSnapshotsResponse) String() string {
 func (*ListSnapshotsResponse) ProtoMessage() {}
 
 func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[24]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1683,7 +1917,7 @@ func (x *ListSnapshotsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListSnapshotsResponse.ProtoReflect.Descriptor instead.
 func (*ListSnapshotsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{24}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *ListSnapshotsResponse) GetSnapshots() []*Snapshot {
@@ -1703,7 +1937,7 @@ type RestoreVMRequest struct {
 
 func (x *RestoreVMRequest) Reset() {
 	*x = RestoreVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1715,7 +1949,7 @@ func (x *RestoreVMRequest) String() string {
 func (*RestoreVMRequest) ProtoMessage() {}
 
 func (x *RestoreVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[25]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1728,7 +1962,7 @@ func (x *RestoreVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreVMRequest.ProtoReflect.Descriptor instead.
 func (*RestoreVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{25}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *RestoreVMRequest) GetName() string {
@@ -1754,7 +1988,7 @@ type RestoreVMResponse struct {
 
 func (x *RestoreVMResponse) Reset() {
 	*x = RestoreVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1766,7 +2000,7 @@ func (x *RestoreVMResponse) String() string {
 func (*RestoreVMResponse) ProtoMessage() {}
 
 func (x *RestoreVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[26]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1779,7 +2013,7 @@ func (x *RestoreVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoreVMResponse.ProtoReflect.Descriptor instead.
 func (*RestoreVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{26}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *RestoreVMResponse) GetVm() *VM {
@@ -1799,7 +2033,7 @@ type DeleteSnapshotRequest struct {
 
 func (x *DeleteSnapshotRequest) Reset() {
 	*x = DeleteSnapshotRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1811,7 +2045,7 @@ func (x *DeleteSnapshotRequest) String() string {
 func (*DeleteSnapshotRequest) ProtoMessage() {}
 
 func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[27]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1824,7 +2058,7 @@ func (x *DeleteSnapshotRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotRequest.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{27}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *DeleteSnapshotRequest) GetName() string {
@@ -1849,7 +2083,7 @@ type DeleteSnapshotResponse struct {
 
 func (x *DeleteSnapshotResponse) Reset() {
 	*x = DeleteSnapshotResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1861,7 +2095,7 @@ func (x *DeleteSnapshotResponse) String() string {
 func (*DeleteSnapshotResponse) ProtoMessage() {}
 
 func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[28]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1874,7 +2108,7 @@ func (x *DeleteSnapshotResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DeleteSnapshotResponse.ProtoReflect.Descriptor instead.
 func (*DeleteSnapshotResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{28}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{30}
 }
 
 type ForkVMRequest struct {
@@ -1892,7 +2126,7 @@ type ForkVMRequest struct {
 
 func (x *ForkVMRequest) Reset() {
 	*x = ForkVMRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1904,7 +2138,7 @@ func (x *ForkVMRequest) String() string {
 func (*ForkVMRequest) ProtoMessage() {}
 
 func (x *ForkVMRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[29]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1917,7 +2151,7 @@ func (x *ForkVMRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkVMRequest.ProtoReflect.Descriptor instead.
 func (*ForkVMRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{29}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ForkVMRequest) GetName() string {
@@ -1950,7 +2184,7 @@ type ForkVMResponse struct {
 
 func (x *ForkVMResponse) Reset() {
 	*x = ForkVMResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1962,7 +2196,7 @@ func (x *ForkVMResponse) String() string {
 func (*ForkVMResponse) ProtoMessage() {}
 
 func (x *ForkVMResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[30]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1975,7 +2209,7 @@ func (x *ForkVMResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ForkVMResponse.ProtoReflect.Descriptor instead.
 func (*ForkVMResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{30}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ForkVMResponse) GetVm() *VM {
@@ -2001,7 +2235,7 @@ type ExecRequest struct {
 
 func (x *ExecRequest) Reset() {
 	*x = ExecRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2013,7 +2247,7 @@ func (x *ExecRequest) String() string {
 func (*ExecRequest) ProtoMessage() {}
 
 func (x *ExecRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[31]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2026,7 +2260,7 @@ func (x *ExecRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecRequest.ProtoReflect.Descriptor instead.
 func (*ExecRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{31}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ExecRequest) GetVm() string {
@@ -2079,7 +2313,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2091,7 +2325,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[32]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2104,7 +2338,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{32}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *ExecResponse) GetEvent() isExecResponse_Event {
@@ -2188,7 +2422,7 @@ type ExitStatus struct {
 
 func (x *ExitStatus) Reset() {
 	*x = ExitStatus{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2200,7 +2434,7 @@ func (x *ExitStatus) String() string {
 func (*ExitStatus) ProtoMessage() {}
 
 func (x *ExitStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[33]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2213,7 +2447,7 @@ func (x *ExitStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExitStatus.ProtoReflect.Descriptor instead.
 func (*ExitStatus) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{33}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *ExitStatus) GetCode() int32 {
@@ -2250,7 +2484,7 @@ type BuildImageRequest struct {
 
 func (x *BuildImageRequest) Reset() {
 	*x = BuildImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2262,7 +2496,7 @@ func (x *BuildImageRequest) String() string {
 func (*BuildImageRequest) ProtoMessage() {}
 
 func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[34]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2275,7 +2509,7 @@ func (x *BuildImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageRequest.ProtoReflect.Descriptor instead.
 func (*BuildImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{34}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *BuildImageRequest) GetDev() bool {
@@ -2325,7 +2559,7 @@ type BuildImageResponse struct {
 
 func (x *BuildImageResponse) Reset() {
 	*x = BuildImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2337,7 +2571,7 @@ func (x *BuildImageResponse) String() string {
 func (*BuildImageResponse) ProtoMessage() {}
 
 func (x *BuildImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[35]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2350,7 +2584,7 @@ func (x *BuildImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BuildImageResponse.ProtoReflect.Descriptor instead.
 func (*BuildImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{35}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *BuildImageResponse) GetImage() *Image {
@@ -2375,7 +2609,7 @@ type ListImagesRequest struct {
 
 func (x *ListImagesRequest) Reset() {
 	*x = ListImagesRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2387,7 +2621,7 @@ func (x *ListImagesRequest) String() string {
 func (*ListImagesRequest) ProtoMessage() {}
 
 func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[36]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2400,7 +2634,7 @@ func (x *ListImagesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesRequest.ProtoReflect.Descriptor instead.
 func (*ListImagesRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{36}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{38}
 }
 
 type ListImagesResponse struct {
@@ -2412,7 +2646,7 @@ type ListImagesResponse struct {
 
 func (x *ListImagesResponse) Reset() {
 	*x = ListImagesResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[37]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2424,7 +2658,7 @@ func (x *ListImagesResponse) String() string {
 func (*ListImagesResponse) ProtoMessage() {}
 
 func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[37]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2437,7 +2671,7 @@ func (x *ListImagesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListImagesResponse.ProtoReflect.Descriptor instead.
 func (*ListImagesResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{37}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *ListImagesResponse) GetImages() []*Image {
@@ -2471,7 +2705,7 @@ type Image struct {
 
 func (x *Image) Reset() {
 	*x = Image{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[38]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2483,7 +2717,7 @@ func (x *Image) String() string {
 func (*Image) ProtoMessage() {}
 
 func (x *Image) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[38]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2496,7 +2730,7 @@ func (x *Image) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Image.ProtoReflect.Descriptor instead.
 func (*Image) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{38}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *Image) GetDigest() string {
@@ -2572,7 +2806,7 @@ type InspectImageRequest struct {
 
 func (x *InspectImageRequest) Reset() {
 	*x = InspectImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[39]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2584,7 +2818,7 @@ func (x *InspectImageRequest) String() string {
 func (*InspectImageRequest) ProtoMessage() {}
 
 func (x *InspectImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[39]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2597,7 +2831,7 @@ func (x *InspectImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InspectImageRequest.ProtoReflect.Descriptor instead.
 func (*InspectImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{39}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *InspectImageRequest) GetRef() string {
@@ -2618,7 +2852,7 @@ type InspectImageResponse struct {
 
 func (x *InspectImageResponse) Reset() {
 	*x = InspectImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[40]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2630,7 +2864,7 @@ func (x *InspectImageResponse) String() string {
 func (*InspectImageResponse) ProtoMessage() {}
 
 func (x *InspectImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[40]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2643,7 +2877,7 @@ func (x *InspectImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InspectImageResponse.ProtoReflect.Descriptor instead.
 func (*InspectImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{40}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *InspectImageResponse) GetImage() *Image {
@@ -2672,7 +2906,7 @@ type ImportImageRequest struct {
 
 func (x *ImportImageRequest) Reset() {
 	*x = ImportImageRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[41]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2684,7 +2918,7 @@ func (x *ImportImageRequest) String() string {
 func (*ImportImageRequest) ProtoMessage() {}
 
 func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[41]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2697,7 +2931,7 @@ func (x *ImportImageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageRequest.ProtoReflect.Descriptor instead.
 func (*ImportImageRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{41}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ImportImageRequest) GetPath() string {
@@ -2726,7 +2960,7 @@ type ImportImageResponse struct {
 
 func (x *ImportImageResponse) Reset() {
 	*x = ImportImageResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[42]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2738,7 +2972,7 @@ func (x *ImportImageResponse) String() string {
 func (*ImportImageResponse) ProtoMessage() {}
 
 func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[42]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2751,7 +2985,7 @@ func (x *ImportImageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ImportImageResponse.ProtoReflect.Descriptor instead.
 func (*ImportImageResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{42}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ImportImageResponse) GetImage() *Image {
@@ -2776,7 +3010,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2788,7 +3022,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2801,7 +3035,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{43}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{45}
 }
 
 type GetInfoResponse struct {
@@ -2817,7 +3051,7 @@ type GetInfoResponse struct {
 
 func (x *GetInfoResponse) Reset() {
 	*x = GetInfoResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2829,7 +3063,7 @@ func (x *GetInfoResponse) String() string {
 func (*GetInfoResponse) ProtoMessage() {}
 
 func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2842,7 +3076,7 @@ func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetInfoResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{44}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *GetInfoResponse) GetVersion() string {
@@ -2888,7 +3122,7 @@ type ListGPUsRequest struct {
 
 func (x *ListGPUsRequest) Reset() {
 	*x = ListGPUsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2900,7 +3134,7 @@ func (x *ListGPUsRequest) String() string {
 func (*ListGPUsRequest) ProtoMessage() {}
 
 func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2913,7 +3147,7 @@ func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsRequest.ProtoReflect.Descriptor instead.
 func (*ListGPUsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{45}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{47}
 }
 
 type ListGPUsResponse struct {
@@ -2927,7 +3161,7 @@ type ListGPUsResponse struct {
 
 func (x *ListGPUsResponse) Reset() {
 	*x = ListGPUsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2939,7 +3173,7 @@ func (x *ListGPUsResponse) String() string {
 func (*ListGPUsResponse) ProtoMessage() {}
 
 func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2952,7 +3186,7 @@ func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsResponse.ProtoReflect.Descriptor instead.
 func (*ListGPUsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{46}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ListGPUsResponse) GetIommu() bool {
@@ -3003,7 +3237,7 @@ type GPU struct {
 
 func (x *GPU) Reset() {
 	*x = GPU{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3015,7 +3249,7 @@ func (x *GPU) String() string {
 func (*GPU) ProtoMessage() {}
 
 func (x *GPU) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3028,7 +3262,7 @@ func (x *GPU) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GPU.ProtoReflect.Descriptor instead.
 func (*GPU) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{47}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *GPU) GetAddress() string {
@@ -3132,7 +3366,7 @@ type PCIDevice struct {
 
 func (x *PCIDevice) Reset() {
 	*x = PCIDevice{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3144,7 +3378,7 @@ func (x *PCIDevice) String() string {
 func (*PCIDevice) ProtoMessage() {}
 
 func (x *PCIDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3157,7 +3391,7 @@ func (x *PCIDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PCIDevice.ProtoReflect.Descriptor instead.
 func (*PCIDevice) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{48}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *PCIDevice) GetAddress() string {
@@ -3199,7 +3433,7 @@ var File_carrel_api_v1_api_proto protoreflect.FileDescriptor
 
 const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
-	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xa3\x06\n" +
+	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\x93\b\n" +
 	"\x02VM\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12,\n" +
@@ -3231,12 +3465,20 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\troot_hash\x18\x17 \x01(\tR\brootHash\x12\x12\n" +
 	"\x04held\x18\x18 \x01(\bR\x04held\x12\x1b\n" +
 	"\tpaused_at\x18\x19 \x01(\tR\bpausedAt\x12-\n" +
-	"\x06origin\x18\x1a \x01(\v2\x15.carrel.api.v1.OriginR\x06origin\"b\n" +
+	"\x06origin\x18\x1a \x01(\v2\x15.carrel.api.v1.OriginR\x06origin\x125\n" +
+	"\x06labels\x18\x1b \x03(\v2\x1d.carrel.api.v1.VM.LabelsEntryR\x06labels\x12\x1d\n" +
+	"\n" +
+	"expires_at\x18\x1c \x01(\tR\texpiresAt\x12@\n" +
+	"\rexpiry_action\x18\x1d \x01(\x0e2\x1b.carrel.api.v1.ExpiryActionR\fexpiryAction\x12\x1b\n" +
+	"\tenv_names\x18\x1e \x03(\tR\benvNames\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"b\n" +
 	"\x06Origin\x12\x0e\n" +
 	"\x02vm\x18\x01 \x01(\tR\x02vm\x12\x1a\n" +
 	"\bsnapshot\x18\x02 \x01(\tR\bsnapshot\x12\x18\n" +
 	"\asession\x18\x03 \x01(\tR\asession\x12\x12\n" +
-	"\x04fork\x18\x04 \x01(\bR\x04fork\"\xa9\x02\n" +
+	"\x04fork\x18\x04 \x01(\bR\x04fork\"\x9d\x04\n" +
 	"\x0fCreateVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
 	"\x05image\x18\x02 \x01(\tR\x05image\x12!\n" +
@@ -3249,14 +3491,32 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\tephemeral\x18\t \x01(\bR\tephemeral\x12\x1d\n" +
 	"\n" +
 	"disk_bytes\x18\n" +
-	" \x01(\x04R\tdiskBytes\"5\n" +
+	" \x01(\x04R\tdiskBytes\x12\x10\n" +
+	"\x03env\x18\v \x03(\tR\x03env\x12B\n" +
+	"\x06labels\x18\f \x03(\v2*.carrel.api.v1.CreateVMRequest.LabelsEntryR\x06labels\x12\x1f\n" +
+	"\vttl_seconds\x18\r \x01(\x04R\n" +
+	"ttlSeconds\x12@\n" +
+	"\rexpiry_action\x18\x0e \x01(\x0e2\x1b.carrel.api.v1.ExpiryActionR\fexpiryAction\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"I\n" +
+	"\x12SetVMExpiryRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
+	"\vttl_seconds\x18\x02 \x01(\x04R\n" +
+	"ttlSeconds\"8\n" +
+	"\x13SetVMExpiryResponse\x12!\n" +
+	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"5\n" +
 	"\x10CreateVMResponse\x12!\n" +
 	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"\"\n" +
 	"\fGetVMRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\"2\n" +
 	"\rGetVMResponse\x12!\n" +
-	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"\x10\n" +
-	"\x0eListVMsRequest\"6\n" +
+	"\x02vm\x18\x01 \x01(\v2\x11.carrel.api.v1.VMR\x02vm\"\x8e\x01\n" +
+	"\x0eListVMsRequest\x12A\n" +
+	"\x06labels\x18\x01 \x03(\v2).carrel.api.v1.ListVMsRequest.LabelsEntryR\x06labels\x1a9\n" +
+	"\vLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"6\n" +
 	"\x0fListVMsResponse\x12#\n" +
 	"\x03vms\x18\x01 \x03(\v2\x11.carrel.api.v1.VMR\x03vms\"$\n" +
 	"\x0eStartVMRequest\x12\x12\n" +
@@ -3421,7 +3681,11 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x17AGENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13AGENT_STATE_UNKNOWN\x10\x01\x12\x15\n" +
 	"\x11AGENT_STATE_READY\x10\x02\x12\x19\n" +
-	"\x15AGENT_STATE_UNHEALTHY\x10\x032\x8d\t\n" +
+	"\x15AGENT_STATE_UNHEALTHY\x10\x03*_\n" +
+	"\fExpiryAction\x12\x1d\n" +
+	"\x19EXPIRY_ACTION_UNSPECIFIED\x10\x00\x12\x18\n" +
+	"\x14EXPIRY_ACTION_DELETE\x10\x01\x12\x16\n" +
+	"\x12EXPIRY_ACTION_STOP\x10\x022\xe3\t\n" +
 	"\tVMService\x12K\n" +
 	"\bCreateVM\x12\x1e.carrel.api.v1.CreateVMRequest\x1a\x1f.carrel.api.v1.CreateVMResponse\x12B\n" +
 	"\x05GetVM\x12\x1b.carrel.api.v1.GetVMRequest\x1a\x1c.carrel.api.v1.GetVMResponse\x12H\n" +
@@ -3437,7 +3701,8 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\rListSnapshots\x12#.carrel.api.v1.ListSnapshotsRequest\x1a$.carrel.api.v1.ListSnapshotsResponse\x12N\n" +
 	"\tRestoreVM\x12\x1f.carrel.api.v1.RestoreVMRequest\x1a .carrel.api.v1.RestoreVMResponse\x12]\n" +
 	"\x0eDeleteSnapshot\x12$.carrel.api.v1.DeleteSnapshotRequest\x1a%.carrel.api.v1.DeleteSnapshotResponse\x12E\n" +
-	"\x06ForkVM\x12\x1c.carrel.api.v1.ForkVMRequest\x1a\x1d.carrel.api.v1.ForkVMResponse\x12A\n" +
+	"\x06ForkVM\x12\x1c.carrel.api.v1.ForkVMRequest\x1a\x1d.carrel.api.v1.ForkVMResponse\x12T\n" +
+	"\vSetVMExpiry\x12!.carrel.api.v1.SetVMExpiryRequest\x1a\".carrel.api.v1.SetVMExpiryResponse\x12A\n" +
 	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x012\xe3\x02\n" +
 	"\fImageService\x12Q\n" +
 	"\n" +
@@ -3464,131 +3729,145 @@ func file_carrel_api_v1_api_proto_rawDescGZIP() []byte {
 	return file_carrel_api_v1_api_proto_rawDescData
 }
 
-var file_carrel_api_v1_api_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 49)
+var file_carrel_api_v1_api_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 54)
 var file_carrel_api_v1_api_proto_goTypes = []any{
 	(VMState)(0),                   // 0: carrel.api.v1.VMState
 	(AgentState)(0),                // 1: carrel.api.v1.AgentState
-	(*VM)(nil),                     // 2: carrel.api.v1.VM
-	(*Origin)(nil),                 // 3: carrel.api.v1.Origin
-	(*CreateVMRequest)(nil),        // 4: carrel.api.v1.CreateVMRequest
-	(*CreateVMResponse)(nil),       // 5: carrel.api.v1.CreateVMResponse
-	(*GetVMRequest)(nil),           // 6: carrel.api.v1.GetVMRequest
-	(*GetVMResponse)(nil),          // 7: carrel.api.v1.GetVMResponse
-	(*ListVMsRequest)(nil),         // 8: carrel.api.v1.ListVMsRequest
-	(*ListVMsResponse)(nil),        // 9: carrel.api.v1.ListVMsResponse
-	(*StartVMRequest)(nil),         // 10: carrel.api.v1.StartVMRequest
-	(*StartVMResponse)(nil),        // 11: carrel.api.v1.StartVMResponse
-	(*StopVMRequest)(nil),          // 12: carrel.api.v1.StopVMRequest
-	(*StopVMResponse)(nil),         // 13: carrel.api.v1.StopVMResponse
-	(*DeleteVMRequest)(nil),        // 14: carrel.api.v1.DeleteVMRequest
-	(*DeleteVMResponse)(nil),       // 15: carrel.api.v1.DeleteVMResponse
-	(*ResetVMRequest)(nil),         // 16: carrel.api.v1.ResetVMRequest
-	(*ResetVMResponse)(nil),        // 17: carrel.api.v1.ResetVMResponse
-	(*PauseVMRequest)(nil),         // 18: carrel.api.v1.PauseVMRequest
-	(*PauseVMResponse)(nil),        // 19: carrel.api.v1.PauseVMResponse
-	(*ResumeVMRequest)(nil),        // 20: carrel.api.v1.ResumeVMRequest
-	(*ResumeVMResponse)(nil),       // 21: carrel.api.v1.ResumeVMResponse
-	(*Snapshot)(nil),               // 22: carrel.api.v1.Snapshot
-	(*SnapshotVMRequest)(nil),      // 23: carrel.api.v1.SnapshotVMRequest
-	(*SnapshotVMResponse)(nil),     // 24: carrel.api.v1.SnapshotVMResponse
-	(*ListSnapshotsRequest)(nil),   // 25: carrel.api.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),  // 26: carrel.api.v1.ListSnapshotsResponse
-	(*RestoreVMRequest)(nil),       // 27: carrel.api.v1.RestoreVMRequest
-	(*RestoreVMResponse)(nil),      // 28: carrel.api.v1.RestoreVMResponse
-	(*DeleteSnapshotRequest)(nil),  // 29: carrel.api.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil), // 30: carrel.api.v1.DeleteSnapshotResponse
-	(*ForkVMRequest)(nil),          // 31: carrel.api.v1.ForkVMRequest
-	(*ForkVMResponse)(nil),         // 32: carrel.api.v1.ForkVMResponse
-	(*ExecRequest)(nil),            // 33: carrel.api.v1.ExecRequest
-	(*ExecResponse)(nil),           // 34: carrel.api.v1.ExecResponse
-	(*ExitStatus)(nil),             // 35: carrel.api.v1.ExitStatus
-	(*BuildImageRequest)(nil),      // 36: carrel.api.v1.BuildImageRequest
-	(*BuildImageResponse)(nil),     // 37: carrel.api.v1.BuildImageResponse
-	(*ListImagesRequest)(nil),      // 38: carrel.api.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),     // 39: carrel.api.v1.ListImagesResponse
-	(*Image)(nil),                  // 40: carrel.api.v1.Image
-	(*InspectImageRequest)(nil),    // 41: carrel.api.v1.InspectImageRequest
-	(*InspectImageResponse)(nil),   // 42: carrel.api.v1.InspectImageResponse
-	(*ImportImageRequest)(nil),     // 43: carrel.api.v1.ImportImageRequest
-	(*ImportImageResponse)(nil),    // 44: carrel.api.v1.ImportImageResponse
-	(*GetInfoRequest)(nil),         // 45: carrel.api.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),        // 46: carrel.api.v1.GetInfoResponse
-	(*ListGPUsRequest)(nil),        // 47: carrel.api.v1.ListGPUsRequest
-	(*ListGPUsResponse)(nil),       // 48: carrel.api.v1.ListGPUsResponse
-	(*GPU)(nil),                    // 49: carrel.api.v1.GPU
-	(*PCIDevice)(nil),              // 50: carrel.api.v1.PCIDevice
+	(ExpiryAction)(0),              // 2: carrel.api.v1.ExpiryAction
+	(*VM)(nil),                     // 3: carrel.api.v1.VM
+	(*Origin)(nil),                 // 4: carrel.api.v1.Origin
+	(*CreateVMRequest)(nil),        // 5: carrel.api.v1.CreateVMRequest
+	(*SetVMExpiryRequest)(nil),     // 6: carrel.api.v1.SetVMExpiryRequest
+	(*SetVMExpiryResponse)(nil),    // 7: carrel.api.v1.SetVMExpiryResponse
+	(*CreateVMResponse)(nil),       // 8: carrel.api.v1.CreateVMResponse
+	(*GetVMRequest)(nil),           // 9: carrel.api.v1.GetVMRequest
+	(*GetVMResponse)(nil),          // 10: carrel.api.v1.GetVMResponse
+	(*ListVMsRequest)(nil),         // 11: carrel.api.v1.ListVMsRequest
+	(*ListVMsResponse)(nil),        // 12: carrel.api.v1.ListVMsResponse
+	(*StartVMRequest)(nil),         // 13: carrel.api.v1.StartVMRequest
+	(*StartVMResponse)(nil),        // 14: carrel.api.v1.StartVMResponse
+	(*StopVMRequest)(nil),          // 15: carrel.api.v1.StopVMRequest
+	(*StopVMResponse)(nil),         // 16: carrel.api.v1.StopVMResponse
+	(*DeleteVMRequest)(nil),        // 17: carrel.api.v1.DeleteVMRequest
+	(*DeleteVMResponse)(nil),       // 18: carrel.api.v1.DeleteVMResponse
+	(*ResetVMRequest)(nil),         // 19: carrel.api.v1.ResetVMRequest
+	(*ResetVMResponse)(nil),        // 20: carrel.api.v1.ResetVMResponse
+	(*PauseVMRequest)(nil),         // 21: carrel.api.v1.PauseVMRequest
+	(*PauseVMResponse)(nil),        // 22: carrel.api.v1.PauseVMResponse
+	(*ResumeVMRequest)(nil),        // 23: carrel.api.v1.ResumeVMRequest
+	(*ResumeVMResponse)(nil),       // 24: carrel.api.v1.ResumeVMResponse
+	(*Snapshot)(nil),               // 25: carrel.api.v1.Snapshot
+	(*SnapshotVMRequest)(nil),      // 26: carrel.api.v1.SnapshotVMRequest
+	(*SnapshotVMResponse)(nil),     // 27: carrel.api.v1.SnapshotVMResponse
+	(*ListSnapshotsRequest)(nil),   // 28: carrel.api.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),  // 29: carrel.api.v1.ListSnapshotsResponse
+	(*RestoreVMRequest)(nil),       // 30: carrel.api.v1.RestoreVMRequest
+	(*RestoreVMResponse)(nil),      // 31: carrel.api.v1.RestoreVMResponse
+	(*DeleteSnapshotRequest)(nil),  // 32: carrel.api.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil), // 33: carrel.api.v1.DeleteSnapshotResponse
+	(*ForkVMRequest)(nil),          // 34: carrel.api.v1.ForkVMRequest
+	(*ForkVMResponse)(nil),         // 35: carrel.api.v1.ForkVMResponse
+	(*ExecRequest)(nil),            // 36: carrel.api.v1.ExecRequest
+	(*ExecResponse)(nil),           // 37: carrel.api.v1.ExecResponse
+	(*ExitStatus)(nil),             // 38: carrel.api.v1.ExitStatus
+	(*BuildImageRequest)(nil),      // 39: carrel.api.v1.BuildImageRequest
+	(*BuildImageResponse)(nil),     // 40: carrel.api.v1.BuildImageResponse
+	(*ListImagesRequest)(nil),      // 41: carrel.api.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),     // 42: carrel.api.v1.ListImagesResponse
+	(*Image)(nil),                  // 43: carrel.api.v1.Image
+	(*InspectImageRequest)(nil),    // 44: carrel.api.v1.InspectImageRequest
+	(*InspectImageResponse)(nil),   // 45: carrel.api.v1.InspectImageResponse
+	(*ImportImageRequest)(nil),     // 46: carrel.api.v1.ImportImageRequest
+	(*ImportImageResponse)(nil),    // 47: carrel.api.v1.ImportImageResponse
+	(*GetInfoRequest)(nil),         // 48: carrel.api.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),        // 49: carrel.api.v1.GetInfoResponse
+	(*ListGPUsRequest)(nil),        // 50: carrel.api.v1.ListGPUsRequest
+	(*ListGPUsResponse)(nil),       // 51: carrel.api.v1.ListGPUsResponse
+	(*GPU)(nil),                    // 52: carrel.api.v1.GPU
+	(*PCIDevice)(nil),              // 53: carrel.api.v1.PCIDevice
+	nil,                            // 54: carrel.api.v1.VM.LabelsEntry
+	nil,                            // 55: carrel.api.v1.CreateVMRequest.LabelsEntry
+	nil,                            // 56: carrel.api.v1.ListVMsRequest.LabelsEntry
 }
 var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	0,  // 0: carrel.api.v1.VM.state:type_name -> carrel.api.v1.VMState
 	1,  // 1: carrel.api.v1.VM.agent_state:type_name -> carrel.api.v1.AgentState
-	3,  // 2: carrel.api.v1.VM.origin:type_name -> carrel.api.v1.Origin
-	2,  // 3: carrel.api.v1.CreateVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 4: carrel.api.v1.GetVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 5: carrel.api.v1.ListVMsResponse.vms:type_name -> carrel.api.v1.VM
-	2,  // 6: carrel.api.v1.StartVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 7: carrel.api.v1.StopVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 8: carrel.api.v1.ResetVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 9: carrel.api.v1.PauseVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 10: carrel.api.v1.ResumeVMResponse.vm:type_name -> carrel.api.v1.VM
-	22, // 11: carrel.api.v1.SnapshotVMResponse.snapshot:type_name -> carrel.api.v1.Snapshot
-	22, // 12: carrel.api.v1.ListSnapshotsResponse.snapshots:type_name -> carrel.api.v1.Snapshot
-	2,  // 13: carrel.api.v1.RestoreVMResponse.vm:type_name -> carrel.api.v1.VM
-	2,  // 14: carrel.api.v1.ForkVMResponse.vm:type_name -> carrel.api.v1.VM
-	35, // 15: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
-	40, // 16: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
-	40, // 17: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
-	40, // 18: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
-	40, // 19: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
-	49, // 20: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
-	50, // 21: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
-	4,  // 22: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
-	6,  // 23: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
-	8,  // 24: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
-	10, // 25: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
-	12, // 26: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
-	14, // 27: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
-	16, // 28: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
-	18, // 29: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
-	20, // 30: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
-	23, // 31: carrel.api.v1.VMService.SnapshotVM:input_type -> carrel.api.v1.SnapshotVMRequest
-	25, // 32: carrel.api.v1.VMService.ListSnapshots:input_type -> carrel.api.v1.ListSnapshotsRequest
-	27, // 33: carrel.api.v1.VMService.RestoreVM:input_type -> carrel.api.v1.RestoreVMRequest
-	29, // 34: carrel.api.v1.VMService.DeleteSnapshot:input_type -> carrel.api.v1.DeleteSnapshotRequest
-	31, // 35: carrel.api.v1.VMService.ForkVM:input_type -> carrel.api.v1.ForkVMRequest
-	33, // 36: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
-	36, // 37: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
-	38, // 38: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
-	41, // 39: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
-	43, // 40: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
-	45, // 41: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
-	47, // 42: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
-	5,  // 43: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
-	7,  // 44: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
-	9,  // 45: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
-	11, // 46: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
-	13, // 47: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
-	15, // 48: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
-	17, // 49: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
-	19, // 50: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
-	21, // 51: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
-	24, // 52: carrel.api.v1.VMService.SnapshotVM:output_type -> carrel.api.v1.SnapshotVMResponse
-	26, // 53: carrel.api.v1.VMService.ListSnapshots:output_type -> carrel.api.v1.ListSnapshotsResponse
-	28, // 54: carrel.api.v1.VMService.RestoreVM:output_type -> carrel.api.v1.RestoreVMResponse
-	30, // 55: carrel.api.v1.VMService.DeleteSnapshot:output_type -> carrel.api.v1.DeleteSnapshotResponse
-	32, // 56: carrel.api.v1.VMService.ForkVM:output_type -> carrel.api.v1.ForkVMResponse
-	34, // 57: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
-	37, // 58: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
-	39, // 59: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
-	42, // 60: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
-	44, // 61: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
-	46, // 62: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
-	48, // 63: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
-	43, // [43:64] is the sub-list for method output_type
-	22, // [22:43] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	4,  // 2: carrel.api.v1.VM.origin:type_name -> carrel.api.v1.Origin
+	54, // 3: carrel.api.v1.VM.labels:type_name -> carrel.api.v1.VM.LabelsEntry
+	2,  // 4: carrel.api.v1.VM.expiry_action:type_name -> carrel.api.v1.ExpiryAction
+	55, // 5: carrel.api.v1.CreateVMRequest.labels:type_name -> carrel.api.v1.CreateVMRequest.LabelsEntry
+	2,  // 6: carrel.api.v1.CreateVMRequest.expiry_action:type_name -> carrel.api.v1.ExpiryAction
+	3,  // 7: carrel.api.v1.SetVMExpiryResponse.vm:type_name -> carrel.api.v1.VM
+	3,  // 8: carrel.api.v1.CreateVMResponse.vm:type_name -> carrel.api.v1.VM
+	3,  // 9: carrel.api.v1.GetVMResponse.vm:type_name -> carrel.api.v1.VM
+	56, // 10: carrel.api.v1.ListVMsRequest.labels:type_name -> carrel.api.v1.ListVMsRequest.LabelsEntry
+	3,  // 11: carrel.api.v1.ListVMsResponse.vms:type_name -> carrel.api.v1.VM
+	3,  // 12: carrel.api.v1.StartVMResponse.vm:type_name -> carrel.api.v1.VM
+	3,  // 13: carrel.api.v1.StopVMResponse.vm:type_name -> carrel.api.v1.VM
+	3,  // 14: carrel.api.v1.ResetVMResponse.vm:type_name -> carrel.api.v1.VM
+	3,  // 15: carrel.api.v1.PauseVMResponse.vm:type_name -> carrel.api.v1.VM
+	3,  // 16: carrel.api.v1.ResumeVMResponse.vm:type_name -> carrel.api.v1.VM
+	25, // 17: carrel.api.v1.SnapshotVMResponse.snapshot:type_name -> carrel.api.v1.Snapshot
+	25, // 18: carrel.api.v1.ListSnapshotsResponse.snapshots:type_name -> carrel.api.v1.Snapshot
+	3,  // 19: carrel.api.v1.RestoreVMResponse.vm:type_name -> carrel.api.v1.VM
+	3,  // 20: carrel.api.v1.ForkVMResponse.vm:type_name -> carrel.api.v1.VM
+	38, // 21: carrel.api.v1.ExecResponse.exit:type_name -> carrel.api.v1.ExitStatus
+	43, // 22: carrel.api.v1.BuildImageResponse.image:type_name -> carrel.api.v1.Image
+	43, // 23: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
+	43, // 24: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
+	43, // 25: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
+	52, // 26: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
+	53, // 27: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
+	5,  // 28: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
+	9,  // 29: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
+	11, // 30: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
+	13, // 31: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
+	15, // 32: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
+	17, // 33: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
+	19, // 34: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
+	21, // 35: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
+	23, // 36: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
+	26, // 37: carrel.api.v1.VMService.SnapshotVM:input_type -> carrel.api.v1.SnapshotVMRequest
+	28, // 38: carrel.api.v1.VMService.ListSnapshots:input_type -> carrel.api.v1.ListSnapshotsRequest
+	30, // 39: carrel.api.v1.VMService.RestoreVM:input_type -> carrel.api.v1.RestoreVMRequest
+	32, // 40: carrel.api.v1.VMService.DeleteSnapshot:input_type -> carrel.api.v1.DeleteSnapshotRequest
+	34, // 41: carrel.api.v1.VMService.ForkVM:input_type -> carrel.api.v1.ForkVMRequest
+	6,  // 42: carrel.api.v1.VMService.SetVMExpiry:input_type -> carrel.api.v1.SetVMExpiryRequest
+	36, // 43: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
+	39, // 44: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
+	41, // 45: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
+	44, // 46: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
+	46, // 47: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
+	48, // 48: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
+	50, // 49: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
+	8,  // 50: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
+	10, // 51: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
+	12, // 52: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
+	14, // 53: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
+	16, // 54: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
+	18, // 55: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
+	20, // 56: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
+	22, // 57: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
+	24, // 58: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
+	27, // 59: carrel.api.v1.VMService.SnapshotVM:output_type -> carrel.api.v1.SnapshotVMResponse
+	29, // 60: carrel.api.v1.VMService.ListSnapshots:output_type -> carrel.api.v1.ListSnapshotsResponse
+	31, // 61: carrel.api.v1.VMService.RestoreVM:output_type -> carrel.api.v1.RestoreVMResponse
+	33, // 62: carrel.api.v1.VMService.DeleteSnapshot:output_type -> carrel.api.v1.DeleteSnapshotResponse
+	35, // 63: carrel.api.v1.VMService.ForkVM:output_type -> carrel.api.v1.ForkVMResponse
+	7,  // 64: carrel.api.v1.VMService.SetVMExpiry:output_type -> carrel.api.v1.SetVMExpiryResponse
+	37, // 65: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
+	40, // 66: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
+	42, // 67: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
+	45, // 68: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
+	47, // 69: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
+	49, // 70: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
+	51, // 71: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
+	50, // [50:72] is the sub-list for method output_type
+	28, // [28:50] is the sub-list for method input_type
+	28, // [28:28] is the sub-list for extension type_name
+	28, // [28:28] is the sub-list for extension extendee
+	0,  // [0:28] is the sub-list for field type_name
 }
 
 func init() { file_carrel_api_v1_api_proto_init() }
@@ -3596,7 +3875,7 @@ func file_carrel_api_v1_api_proto_init() {
 	if File_carrel_api_v1_api_proto != nil {
 		return
 	}
-	file_carrel_api_v1_api_proto_msgTypes[32].OneofWrappers = []any{
+	file_carrel_api_v1_api_proto_msgTypes[34].OneofWrappers = []any{
 		(*ExecResponse_Pid)(nil),
 		(*ExecResponse_Stdout)(nil),
 		(*ExecResponse_Stderr)(nil),
@@ -3607,8 +3886,8 @@ func file_carrel_api_v1_api_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_api_v1_api_proto_rawDesc), len(file_carrel_api_v1_api_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   49,
+			NumEnums:      3,
+			NumMessages:   54,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

@@ -925,7 +925,12 @@ type Token struct {
 	// RFC 3339.
 	CreatedAt string `protobuf:"bytes,3,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	// RFC 3339; empty: no expiry.
-	ExpiresAt     string `protobuf:"bytes,4,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	ExpiresAt string `protobuf:"bytes,4,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	// Set for an API key (key_name in CreateTokenRequest): the identity it
+	// names, the images its VMs may boot and the policy they get.
+	KeyName       string   `protobuf:"bytes,5,opt,name=key_name,json=keyName,proto3" json:"key_name,omitempty"`
+	Images        []string `protobuf:"bytes,6,rep,name=images,proto3" json:"images,omitempty"`
+	Policy        string   `protobuf:"bytes,7,opt,name=policy,proto3" json:"policy,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -988,11 +993,41 @@ func (x *Token) GetExpiresAt() string {
 	return ""
 }
 
+func (x *Token) GetKeyName() string {
+	if x != nil {
+		return x.KeyName
+	}
+	return ""
+}
+
+func (x *Token) GetImages() []string {
+	if x != nil {
+		return x.Images
+	}
+	return nil
+}
+
+func (x *Token) GetPolicy() string {
+	if x != nil {
+		return x.Policy
+	}
+	return ""
+}
+
 type CreateTokenRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	Vm    string                 `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
+	// The VM a token may act on; empty for an API key.
+	Vm string `protobuf:"bytes,1,opt,name=vm,proto3" json:"vm,omitempty"`
 	// Seconds until it expires; 0: never.
-	TtlSeconds    uint64 `protobuf:"varint,2,opt,name=ttl_seconds,json=ttlSeconds,proto3" json:"ttl_seconds,omitempty"`
+	TtlSeconds uint64 `protobuf:"varint,2,opt,name=ttl_seconds,json=ttlSeconds,proto3" json:"ttl_seconds,omitempty"`
+	// Issue an API key instead ("e2b_<hex>"), for the identity of this name
+	// (1-16 lower-case letters and digits, starting with a letter). A key
+	// creates its own VMs, named "e2b-NAME-...", and acts on those alone:
+	// each boots one of images ("*": any) under policy (empty: "default").
+	// Keys of one name share its VMs, so a key can be replaced by another.
+	KeyName       string   `protobuf:"bytes,3,opt,name=key_name,json=keyName,proto3" json:"key_name,omitempty"`
+	Images        []string `protobuf:"bytes,4,rep,name=images,proto3" json:"images,omitempty"`
+	Policy        string   `protobuf:"bytes,5,opt,name=policy,proto3" json:"policy,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1039,6 +1074,27 @@ func (x *CreateTokenRequest) GetTtlSeconds() uint64 {
 		return x.TtlSeconds
 	}
 	return 0
+}
+
+func (x *CreateTokenRequest) GetKeyName() string {
+	if x != nil {
+		return x.KeyName
+	}
+	return ""
+}
+
+func (x *CreateTokenRequest) GetImages() []string {
+	if x != nil {
+		return x.Images
+	}
+	return nil
+}
+
+func (x *CreateTokenRequest) GetPolicy() string {
+	if x != nil {
+		return x.Policy
+	}
+	return ""
 }
 
 type CreateTokenResponse struct {
@@ -1332,18 +1388,24 @@ const file_carrel_api_v1_policy_proto_rawDesc = "" +
 	"\vdenied_only\x18\x03 \x01(\bR\n" +
 	"deniedOnly\"N\n" +
 	"\x15ListDecisionsResponse\x125\n" +
-	"\tdecisions\x18\x01 \x03(\v2\x17.carrel.api.v1.DecisionR\tdecisions\"e\n" +
+	"\tdecisions\x18\x01 \x03(\v2\x17.carrel.api.v1.DecisionR\tdecisions\"\xb0\x01\n" +
 	"\x05Token\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x0e\n" +
 	"\x02vm\x18\x02 \x01(\tR\x02vm\x12\x1d\n" +
 	"\n" +
 	"created_at\x18\x03 \x01(\tR\tcreatedAt\x12\x1d\n" +
 	"\n" +
-	"expires_at\x18\x04 \x01(\tR\texpiresAt\"E\n" +
+	"expires_at\x18\x04 \x01(\tR\texpiresAt\x12\x19\n" +
+	"\bkey_name\x18\x05 \x01(\tR\akeyName\x12\x16\n" +
+	"\x06images\x18\x06 \x03(\tR\x06images\x12\x16\n" +
+	"\x06policy\x18\a \x01(\tR\x06policy\"\x90\x01\n" +
 	"\x12CreateTokenRequest\x12\x0e\n" +
 	"\x02vm\x18\x01 \x01(\tR\x02vm\x12\x1f\n" +
 	"\vttl_seconds\x18\x02 \x01(\x04R\n" +
-	"ttlSeconds\"Y\n" +
+	"ttlSeconds\x12\x19\n" +
+	"\bkey_name\x18\x03 \x01(\tR\akeyName\x12\x16\n" +
+	"\x06images\x18\x04 \x03(\tR\x06images\x12\x16\n" +
+	"\x06policy\x18\x05 \x01(\tR\x06policy\"Y\n" +
 	"\x13CreateTokenResponse\x12*\n" +
 	"\x05token\x18\x01 \x01(\v2\x14.carrel.api.v1.TokenR\x05token\x12\x16\n" +
 	"\x06secret\x18\x02 \x01(\tR\x06secret\"\x13\n" +

@@ -48,6 +48,8 @@ const (
 	AgentServiceListProcessesProcedure = "/carrel.agent.v1.AgentService/ListProcesses"
 	// AgentServiceSignalProcedure is the fully-qualified name of the AgentService's Signal RPC.
 	AgentServiceSignalProcedure = "/carrel.agent.v1.AgentService/Signal"
+	// AgentServiceInputProcedure is the fully-qualified name of the AgentService's Input RPC.
+	AgentServiceInputProcedure = "/carrel.agent.v1.AgentService/Input"
 	// AgentServiceShutdownProcedure is the fully-qualified name of the AgentService's Shutdown RPC.
 	AgentServiceShutdownProcedure = "/carrel.agent.v1.AgentService/Shutdown"
 	// AgentServiceSetSandboxProcedure is the fully-qualified name of the AgentService's SetSandbox RPC.
@@ -82,6 +84,11 @@ type AgentServiceClient interface {
 	// Signal sends a signal to a process (by pid) or to the process group of
 	// a command the agent started (by id).
 	Signal(context.Context, *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error)
+	// Input feeds a running command by its id, attached or not: bytes for
+	// its stdin, the end of its stdin, or a terminal resize. It is the
+	// unary form of what a Process call sends, for clients that hold no
+	// stream open (the e2b SDK's SendInput, CloseStdin and Update).
+	Input(context.Context, *connect.Request[agentv1.InputRequest]) (*connect.Response[agentv1.InputResponse], error)
 	// Shutdown syncs file systems and powers the guest off (or reboots it).
 	Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error)
 	// SetSandbox sets the guest's own file-system sandbox, defence in depth
@@ -166,6 +173,12 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Signal")),
 			connect.WithClientOptions(opts...),
 		),
+		input: connect.NewClient[agentv1.InputRequest, agentv1.InputResponse](
+			httpClient,
+			baseURL+AgentServiceInputProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Input")),
+			connect.WithClientOptions(opts...),
+		),
 		shutdown: connect.NewClient[agentv1.ShutdownRequest, agentv1.ShutdownResponse](
 			httpClient,
 			baseURL+AgentServiceShutdownProcedure,
@@ -212,6 +225,7 @@ type agentServiceClient struct {
 	process            *connect.Client[agentv1.ProcessInput, agentv1.ExecResponse]
 	listProcesses      *connect.Client[agentv1.ListProcessesRequest, agentv1.ListProcessesResponse]
 	signal             *connect.Client[agentv1.SignalRequest, agentv1.SignalResponse]
+	input              *connect.Client[agentv1.InputRequest, agentv1.InputResponse]
 	shutdown           *connect.Client[agentv1.ShutdownRequest, agentv1.ShutdownResponse]
 	setSandbox         *connect.Client[agentv1.SetSandboxRequest, agentv1.SetSandboxResponse]
 	activity           *connect.Client[agentv1.ActivityRequest, agentv1.ActivityResponse]
@@ -243,6 +257,11 @@ func (c *agentServiceClient) ListProcesses(ctx context.Context, req *connect.Req
 // Signal calls carrel.agent.v1.AgentService.Signal.
 func (c *agentServiceClient) Signal(ctx context.Context, req *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
 	return c.signal.CallUnary(ctx, req)
+}
+
+// Input calls carrel.agent.v1.AgentService.Input.
+func (c *agentServiceClient) Input(ctx context.Context, req *connect.Request[agentv1.InputRequest]) (*connect.Response[agentv1.InputResponse], error) {
+	return c.input.CallUnary(ctx, req)
 }
 
 // Shutdown calls carrel.agent.v1.AgentService.Shutdown.
@@ -293,6 +312,11 @@ type AgentServiceHandler interface {
 	// Signal sends a signal to a process (by pid) or to the process group of
 	// a command the agent started (by id).
 	Signal(context.Context, *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error)
+	// Input feeds a running command by its id, attached or not: bytes for
+	// its stdin, the end of its stdin, or a terminal resize. It is the
+	// unary form of what a Process call sends, for clients that hold no
+	// stream open (the e2b SDK's SendInput, CloseStdin and Update).
+	Input(context.Context, *connect.Request[agentv1.InputRequest]) (*connect.Response[agentv1.InputResponse], error)
 	// Shutdown syncs file systems and powers the guest off (or reboots it).
 	Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error)
 	// SetSandbox sets the guest's own file-system sandbox, defence in depth
@@ -373,6 +397,12 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Signal")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceInputHandler := connect.NewUnaryHandler(
+		AgentServiceInputProcedure,
+		svc.Input,
+		connect.WithSchema(agentServiceMethods.ByName("Input")),
+		connect.WithHandlerOptions(opts...),
+	)
 	agentServiceShutdownHandler := connect.NewUnaryHandler(
 		AgentServiceShutdownProcedure,
 		svc.Shutdown,
@@ -421,6 +451,8 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceListProcessesHandler.ServeHTTP(w, r)
 		case AgentServiceSignalProcedure:
 			agentServiceSignalHandler.ServeHTTP(w, r)
+		case AgentServiceInputProcedure:
+			agentServiceInputHandler.ServeHTTP(w, r)
 		case AgentServiceShutdownProcedure:
 			agentServiceShutdownHandler.ServeHTTP(w, r)
 		case AgentServiceSetSandboxProcedure:
@@ -460,6 +492,10 @@ func (UnimplementedAgentServiceHandler) ListProcesses(context.Context, *connect.
 
 func (UnimplementedAgentServiceHandler) Signal(context.Context, *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Signal is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Input(context.Context, *connect.Request[agentv1.InputRequest]) (*connect.Response[agentv1.InputResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Input is not implemented"))
 }
 
 func (UnimplementedAgentServiceHandler) Shutdown(context.Context, *connect.Request[agentv1.ShutdownRequest]) (*connect.Response[agentv1.ShutdownResponse], error) {

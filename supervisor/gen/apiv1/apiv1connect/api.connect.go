@@ -75,6 +75,8 @@ const (
 	VMServiceDeleteSnapshotProcedure = "/carrel.api.v1.VMService/DeleteSnapshot"
 	// VMServiceForkVMProcedure is the fully-qualified name of the VMService's ForkVM RPC.
 	VMServiceForkVMProcedure = "/carrel.api.v1.VMService/ForkVM"
+	// VMServiceSetVMExpiryProcedure is the fully-qualified name of the VMService's SetVMExpiry RPC.
+	VMServiceSetVMExpiryProcedure = "/carrel.api.v1.VMService/SetVMExpiry"
 	// VMServiceExecProcedure is the fully-qualified name of the VMService's Exec RPC.
 	VMServiceExecProcedure = "/carrel.api.v1.VMService/Exec"
 	// ImageServiceBuildImageProcedure is the fully-qualified name of the ImageService's BuildImage RPC.
@@ -132,6 +134,9 @@ type VMServiceClient interface {
 	// when none is named): the same machine at that instant, with its own
 	// name, session, disks, random seed, clock and machine id.
 	ForkVM(context.Context, *connect.Request[apiv1.ForkVMRequest]) (*connect.Response[apiv1.ForkVMResponse], error)
+	// SetVMExpiry sets (or, with ttl_seconds 0, clears) when carreld ends the
+	// VM on its own, counted from now.
+	SetVMExpiry(context.Context, *connect.Request[apiv1.SetVMExpiryRequest]) (*connect.Response[apiv1.SetVMExpiryResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error)
 }
@@ -231,6 +236,12 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("ForkVM")),
 			connect.WithClientOptions(opts...),
 		),
+		setVMExpiry: connect.NewClient[apiv1.SetVMExpiryRequest, apiv1.SetVMExpiryResponse](
+			httpClient,
+			baseURL+VMServiceSetVMExpiryProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("SetVMExpiry")),
+			connect.WithClientOptions(opts...),
+		),
 		exec: connect.NewClient[apiv1.ExecRequest, apiv1.ExecResponse](
 			httpClient,
 			baseURL+VMServiceExecProcedure,
@@ -256,6 +267,7 @@ type vMServiceClient struct {
 	restoreVM      *connect.Client[apiv1.RestoreVMRequest, apiv1.RestoreVMResponse]
 	deleteSnapshot *connect.Client[apiv1.DeleteSnapshotRequest, apiv1.DeleteSnapshotResponse]
 	forkVM         *connect.Client[apiv1.ForkVMRequest, apiv1.ForkVMResponse]
+	setVMExpiry    *connect.Client[apiv1.SetVMExpiryRequest, apiv1.SetVMExpiryResponse]
 	exec           *connect.Client[apiv1.ExecRequest, apiv1.ExecResponse]
 }
 
@@ -329,6 +341,11 @@ func (c *vMServiceClient) ForkVM(ctx context.Context, req *connect.Request[apiv1
 	return c.forkVM.CallUnary(ctx, req)
 }
 
+// SetVMExpiry calls carrel.api.v1.VMService.SetVMExpiry.
+func (c *vMServiceClient) SetVMExpiry(ctx context.Context, req *connect.Request[apiv1.SetVMExpiryRequest]) (*connect.Response[apiv1.SetVMExpiryResponse], error) {
+	return c.setVMExpiry.CallUnary(ctx, req)
+}
+
 // Exec calls carrel.api.v1.VMService.Exec.
 func (c *vMServiceClient) Exec(ctx context.Context, req *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error) {
 	return c.exec.CallServerStream(ctx, req)
@@ -373,6 +390,9 @@ type VMServiceHandler interface {
 	// when none is named): the same machine at that instant, with its own
 	// name, session, disks, random seed, clock and machine id.
 	ForkVM(context.Context, *connect.Request[apiv1.ForkVMRequest]) (*connect.Response[apiv1.ForkVMResponse], error)
+	// SetVMExpiry sets (or, with ttl_seconds 0, clears) when carreld ends the
+	// VM on its own, counted from now.
+	SetVMExpiry(context.Context, *connect.Request[apiv1.SetVMExpiryRequest]) (*connect.Response[apiv1.SetVMExpiryResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error
 }
@@ -468,6 +488,12 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("ForkVM")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServiceSetVMExpiryHandler := connect.NewUnaryHandler(
+		VMServiceSetVMExpiryProcedure,
+		svc.SetVMExpiry,
+		connect.WithSchema(vMServiceMethods.ByName("SetVMExpiry")),
+		connect.WithHandlerOptions(opts...),
+	)
 	vMServiceExecHandler := connect.NewServerStreamHandler(
 		VMServiceExecProcedure,
 		svc.Exec,
@@ -504,6 +530,8 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServiceDeleteSnapshotHandler.ServeHTTP(w, r)
 		case VMServiceForkVMProcedure:
 			vMServiceForkVMHandler.ServeHTTP(w, r)
+		case VMServiceSetVMExpiryProcedure:
+			vMServiceSetVMExpiryHandler.ServeHTTP(w, r)
 		case VMServiceExecProcedure:
 			vMServiceExecHandler.ServeHTTP(w, r)
 		default:
@@ -569,6 +597,10 @@ func (UnimplementedVMServiceHandler) DeleteSnapshot(context.Context, *connect.Re
 
 func (UnimplementedVMServiceHandler) ForkVM(context.Context, *connect.Request[apiv1.ForkVMRequest]) (*connect.Response[apiv1.ForkVMResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.ForkVM is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) SetVMExpiry(context.Context, *connect.Request[apiv1.SetVMExpiryRequest]) (*connect.Response[apiv1.SetVMExpiryResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.SetVMExpiry is not implemented"))
 }
 
 func (UnimplementedVMServiceHandler) Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error {
