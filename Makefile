@@ -21,7 +21,7 @@ CACHE   ?= /var/cache/carrel
 # read-only roots, mmdebstrap for the Debian-built images, cryptsetup-bin
 # for veritysetup, which the tests use as an independent check of carrel's
 # own dm-verity trees.
-DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler cpio xxd systemd libvirt-daemon-system libvirt-clients e2fsprogs erofs-utils mmdebstrap cryptsetup-bin
+DEB_PACKAGES := qemu-system-x86 qemu-utils nix-bin protobuf-compiler libprotobuf-dev cpio xxd systemd libvirt-daemon-system libvirt-clients e2fsprogs erofs-utils mmdebstrap cryptsetup-bin
 
 .PHONY: help
 help: ## List the targets
@@ -73,9 +73,20 @@ fuzz: ## Run every fuzz target for FUZZTIME (default 2000 executions) on top of 
 # leaves Debian's qemu-ga unpacked in $(CACHE) for tests/qga's client tests
 # against it (a few seconds each once the cache holds the packages).
 .PHONY: integration
-integration: deps build ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
+integration: deps build e2b-sdk ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
 	CARREL_IMAGE_TEST=1 CARREL_REQUIRE_VM=1 CARREL_IMAGE_CACHE=$(CACHE) $(GO) test -count=1 -run '^TestBuildDebian(QemuGA)?$$' ./image/devimage/
 	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
+
+# The real e2b SDK, for tests/e2b_test.go: the versions tests/e2b/package-lock.json
+# pins, installed with npm into $(CACHE) once (again when the lock changes).
+E2B_SDK := $(CACHE)/npm/e2b-sdk
+.PHONY: e2b-sdk
+e2b-sdk: ## Install the pinned e2b npm SDK the e2b API's tests drive carrel with
+	@command -v npm >/dev/null || apt-get install -y --no-install-recommends npm
+	@if ! cmp -s tests/e2b/package-lock.json $(E2B_SDK)/package-lock.json || [ ! -f $(E2B_SDK)/node_modules/e2b/package.json ]; then \
+		rm -rf $(E2B_SDK) && mkdir -p $(E2B_SDK) && cp tests/e2b/package.json tests/e2b/package-lock.json $(E2B_SDK)/ && \
+		cd $(E2B_SDK) && npm ci --no-audit --no-fund --ignore-scripts; \
+	fi
 
 # The end-to-end tests that exercise the driver (lifecycle, boot failures,
 # exec, files, policy and audit in the VM, pause and resume, guest limits),
@@ -117,7 +128,7 @@ PROTOS := $(shell git ls-files --cached --others --exclude-standard "*.proto")
 generate: ## Regenerate protobuf and connect code
 	@mkdir -p .bin
 	GOBIN=$(CURDIR)/.bin $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go connectrpc.com/connect/cmd/protoc-gen-connect-go
-	PATH=$(CURDIR)/.bin:$$PATH protoc -I guest-agent/proto -I supervisor/proto \
+	PATH=$(CURDIR)/.bin:$$PATH protoc -I guest-agent/proto -I supervisor/proto -I /usr/include \
 		--go_out=. --go_opt=module=github.com/carrel-os/carrel \
 		--connect-go_out=. --connect-go_opt=module=github.com/carrel-os/carrel $(PROTOS)
 

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"strings"
 	"time"
 
 	"connectrpc.com/connect"
@@ -56,6 +57,9 @@ func newTokenListCmd(g *globals) *cobra.Command {
 			w := newTable()
 			fmt.Fprintln(w, "ID\tVM\tCREATED\tEXPIRES")
 			for _, t := range resp.Msg.Tokens {
+				if t.KeyName != "" {
+					continue // carrel key ls
+				}
 				fmt.Fprintf(w, "%s\t%s\t%s\t%s\n", t.Id, t.Vm, t.CreatedAt, dash(t.ExpiresAt))
 			}
 			return w.Flush()
@@ -69,6 +73,87 @@ func newTokenRevokeCmd(g *globals) *cobra.Command {
 	return &cobra.Command{
 		Use:   "revoke ID",
 		Short: "Revoke a token; it stops working at once",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			_, err := g.client().Tokens.RevokeToken(cmd.Context(), connect.NewRequest(&apiv1.RevokeTokenRequest{Id: args[0]}))
+			return err
+		},
+	}
+}
+
+func newKeyCmd(g *globals) *cobra.Command {
+	c := &cobra.Command{Use: "key", Short: "Issue, list and revoke API keys: identities that create and own VMs of their own (the e2b API)"}
+	c.AddCommand(newKeyCreateCmd(g), newKeyListCmd(g), newKeyRevokeCmd(g))
+	return c
+}
+
+func newKeyCreateCmd(g *globals) *cobra.Command {
+	var ttl time.Duration
+	var images []string
+	var pol string
+	c := &cobra.Command{
+		Use:   "create NAME",
+		Short: "Issue an API key for the identity NAME and print it (shown once; pass it as E2B_API_KEY)",
+		Long: "Issue an API key (e2b_<hex>) for the identity NAME. A key creates VMs of its own, named\n" +
+			"e2b-NAME-..., from the images --image names, bound to --policy, and acts on those VMs alone.\n" +
+			"Keys of one name share its VMs, so a key can be replaced by a new one of the same name.",
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			resp, err := g.client().Tokens.CreateToken(cmd.Context(), connect.NewRequest(&apiv1.CreateTokenRequest{
+				KeyName: args[0], Images: images, Policy: pol, TtlSeconds: uint64(ttl / time.Second)}))
+			if err != nil {
+				return err
+			}
+			fmt.Println(resp.Msg.Secret)
+			return nil
+		},
+	}
+	c.Flags().StringArrayVar(&images, "image", nil, "an image tag (an e2b template) its VMs may boot; repeatable; \"*\" for any")
+	c.Flags().StringVar(&pol, "policy", "default", "the policy its VMs are bound to")
+	c.Flags().DurationVar(&ttl, "ttl", 0, "expire after this long (0: never)")
+	return c
+}
+
+func newKeyListCmd(g *globals) *cobra.Command {
+	var output string
+	c := &cobra.Command{
+		Use:     "ls",
+		Aliases: []string{"list"},
+		Short:   "List API keys (ids, names and grants; never secrets)",
+		Args:    cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			if err := checkOutput(output); err != nil {
+				return err
+			}
+			resp, err := g.client().Tokens.ListTokens(cmd.Context(), connect.NewRequest(&apiv1.ListTokensRequest{}))
+			if err != nil {
+				return err
+			}
+			var keys []*apiv1.Token
+			for _, t := range resp.Msg.Tokens {
+				if t.KeyName != "" {
+					keys = append(keys, t)
+				}
+			}
+			if output == "json" {
+				return printJSON(cmd.OutOrStdout(), &apiv1.ListTokensResponse{Tokens: keys})
+			}
+			w := newTable()
+			fmt.Fprintln(w, "ID\tNAME\tIMAGES\tPOLICY\tCREATED\tEXPIRES")
+			for _, t := range keys {
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", t.Id, t.KeyName, strings.Join(t.Images, ","), dash(t.Policy), t.CreatedAt, dash(t.ExpiresAt))
+			}
+			return w.Flush()
+		},
+	}
+	addOutputFlag(c, &output)
+	return c
+}
+
+func newKeyRevokeCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "revoke ID",
+		Short: "Revoke an API key; it, and the sandbox tokens made from it, stop working at once",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			_, err := g.client().Tokens.RevokeToken(cmd.Context(), connect.NewRequest(&apiv1.RevokeTokenRequest{Id: args[0]}))

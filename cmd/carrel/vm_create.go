@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 	"unicode"
 
 	"connectrpc.com/connect"
@@ -17,7 +18,9 @@ func newVMCreateCmd(g *globals) *cobra.Command {
 	var ephemeral bool
 	var cpus uint32
 	var procs uint64
-	var gpus []string
+	var gpus, env, labels []string
+	var ttl time.Duration
+	var expiry string
 	c := &cobra.Command{
 		Use:   "create NAME",
 		Short: "Create a VM and boot it; returns once its agent is ready",
@@ -39,10 +42,27 @@ func newVMCreateCmd(g *globals) *cobra.Command {
 					return fmt.Errorf("--disk: %w", err)
 				}
 			}
+			lm := map[string]string{}
+			for _, kv := range labels {
+				k, v, ok := strings.Cut(kv, "=")
+				if !ok {
+					return fmt.Errorf("--label %q: want KEY=VALUE", kv)
+				}
+				lm[k] = v
+			}
+			action := apiv1.ExpiryAction_EXPIRY_ACTION_DELETE
+			switch expiry {
+			case "delete":
+			case "stop":
+				action = apiv1.ExpiryAction_EXPIRY_ACTION_STOP
+			default:
+				return fmt.Errorf("--at-expiry %q: want delete or stop", expiry)
+			}
 			resp, err := g.client().VMs.CreateVM(cmd.Context(), connect.NewRequest(&apiv1.CreateVMRequest{
 				Name: args[0], Image: image, MemoryBytes: mem, Cpus: cpus, Policy: pol,
 				WorkspaceBytes: ws, MaxProcesses: procs, Gpus: gpuAddresses(gpus),
 				Ephemeral: ephemeral, DiskBytes: diskBytes,
+				Env: env, Labels: lm, TtlSeconds: uint64(ttl / time.Second), ExpiryAction: action,
 			}))
 			if err != nil {
 				return err
@@ -64,6 +84,10 @@ func newVMCreateCmd(g *globals) *cobra.Command {
 	c.Flags().BoolVar(&ephemeral, "ephemeral", false, "keep what the VM changes outside /workspace in memory: gone at every stop")
 	c.Flags().Uint64Var(&procs, "max-processes", 0, "processes and threads the VM's commands may have together (default: no limit)")
 	c.Flags().StringVar(&pol, "policy", "default", "the policy that decides everything done in the VM (see carrel policy ls)")
+	c.Flags().StringArrayVar(&env, "env", nil, "KEY=VALUE every command in the VM gets, under its own (repeatable)")
+	c.Flags().StringArrayVar(&labels, "label", nil, "KEY=VALUE label to find the VM by (repeatable)")
+	c.Flags().DurationVar(&ttl, "ttl", 0, "end the VM this long after its creation (see --at-expiry; carrel vm expire moves it)")
+	c.Flags().StringVar(&expiry, "at-expiry", "delete", "what carreld does when the VM's time is up: delete or stop")
 	c.Flags().StringArrayVar(&gpus, "gpu", nil, "pass through the GPU at this PCI address, e.g. 0000:41:00.0, with the other functions of its slot (repeatable; see carrel gpu ls)")
 	return c
 }
@@ -98,4 +122,28 @@ func short(digest string) string {
 		return digest[:19]
 	}
 	return digest
+}
+
+func newVMExpireCmd(g *globals) *cobra.Command {
+	return &cobra.Command{
+		Use:   "expire NAME TTL",
+		Short: "End the VM TTL from now (e.g. 30m), as it was created to (delete or stop); 0 keeps it for good",
+		Args:  cobra.ExactArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ttl, err := time.ParseDuration(args[1])
+			if err != nil || ttl < 0 {
+				return fmt.Errorf("TTL %q: want a duration such as 30m, or 0", args[1])
+			}
+			resp, err := g.client().VMs.SetVMExpiry(cmd.Context(), connect.NewRequest(&apiv1.SetVMExpiryRequest{Name: args[0], TtlSeconds: uint64(ttl / time.Second)}))
+			if err != nil {
+				return err
+			}
+			if at := resp.Msg.Vm.ExpiresAt; at != "" {
+				fmt.Printf("%s expires at %s\n", args[0], at)
+			} else {
+				fmt.Printf("%s does not expire\n", args[0])
+			}
+			return nil
+		},
+	}
 }

@@ -9,6 +9,7 @@ package client
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/http"
 	"os"
@@ -69,12 +70,29 @@ func (c *Client) CloseIdleConnections() { c.hc.CloseIdleConnections() }
 // An Option configures a Client.
 type Option func(*options)
 
-type options struct{ token string }
+type options struct {
+	token string
+	creds func(context.Context) string
+	dial  func(context.Context) (net.Conn, error)
+}
 
 // WithToken makes every call carry "Authorization: Bearer token": the
 // caller is then the token's holder, limited to the token's VM, instead
 // of the local user.
 func WithToken(token string) Option { return func(o *options) { o.token = token } }
+
+// WithCredentials is WithToken with the token taken from each call's
+// context: a server that makes calls for its own callers (carreld's e2b
+// API) passes each caller's credential along. A call whose context gives
+// "" fails before it is sent.
+func WithCredentials(creds func(context.Context) string) Option {
+	return func(o *options) { o.creds = creds }
+}
+
+// WithDialer connects to carreld with dial instead of the socket path.
+func WithDialer(dial func(context.Context) (net.Conn, error)) Option {
+	return func(o *options) { o.dial = dial }
+}
 
 // TokenFromEnv returns $CARREL_TOKEN.
 func TokenFromEnv() string { return os.Getenv("CARREL_TOKEN") }
@@ -91,17 +109,24 @@ func New(path string, opt ...Option) *Client {
 	}
 	p := new(http.Protocols)
 	p.SetUnencryptedHTTP2(true)
-	hc := &http.Client{Transport: &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+	dial := o.dial
+	if dial == nil {
+		dial = func(ctx context.Context) (net.Conn, error) {
 			var d net.Dialer
 			return d.DialContext(ctx, "unix", path)
-		},
-		Protocols: p,
+		}
+	}
+	hc := &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) { return dial(ctx) },
+		Protocols:   p,
 	}}
 	const base = "http://carreld"
 	// No compression: a local socket gains nothing from it.
 	opts := []connect.ClientOption{connect.WithGRPC(), connect.WithReadMaxBytes(maxResponseBytes), connect.WithAcceptCompression("gzip", nil, nil)}
-	if o.token != "" {
+	switch {
+	case o.creds != nil:
+		opts = append(opts, connect.WithInterceptors(ctxBearer(o.creds)))
+	case o.token != "":
 		opts = append(opts, connect.WithInterceptors(bearer(o.token)))
 	}
 	return &Client{
@@ -139,5 +164,37 @@ func (b bearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.St
 }
 
 func (bearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}
+
+// ctxBearer adds the token each call's context gives.
+type ctxBearer func(context.Context) string
+
+var errNoCredentials = connect.NewError(connect.CodeUnauthenticated, errors.New("no credentials for this call"))
+
+func (b ctxBearer) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		tok := b(ctx)
+		if tok == "" {
+			return nil, errNoCredentials
+		}
+		req.Header().Set("Authorization", "Bearer "+tok)
+		return next(ctx, req)
+	}
+}
+
+func (b ctxBearer) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return func(ctx context.Context, spec connect.Spec) connect.StreamingClientConn {
+		conn := next(ctx, spec)
+		// With no token the call goes out bare, and the server, which
+		// never trusts a connection of this kind by itself, refuses it.
+		if tok := b(ctx); tok != "" {
+			conn.RequestHeader().Set("Authorization", "Bearer "+tok)
+		}
+		return conn
+	}
+}
+
+func (ctxBearer) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
 	return next
 }

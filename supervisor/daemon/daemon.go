@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/http"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -23,6 +25,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/activity"
 	"github.com/carrel-os/carrel/supervisor/api"
+	"github.com/carrel-os/carrel/supervisor/e2b"
 	"github.com/carrel-os/carrel/supervisor/egress"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/guestreq"
@@ -63,6 +66,12 @@ type Config struct {
 	// stored is left as it is.
 	ImportImages []string
 	Logger       *slog.Logger
+	// E2BListen, when set, is the TCP address the e2b API is served on
+	// (supervisor/e2b): its control plane and its sandboxes' envd, for
+	// unmodified e2b SDKs. E2BMaxUpload caps one file upload there (0:
+	// e2b.DefaultMaxUpload).
+	E2BListen    string
+	E2BMaxUpload int64
 }
 
 // Run serves until ctx ends. VMs keep running after it returns.
@@ -203,9 +212,37 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 		}
 	}()
+	if cfg.E2BListen != "" {
+		if err := serveE2B(ctx, cfg, h, tokens, log); err != nil {
+			return err
+		}
+	}
 	err = api.Serve(ctx, l, h)
 	systemd.Stopping()
 	return err
+}
+
+// serveE2B serves the e2b API on cfg.E2BListen. It calls carreld's API
+// handler h over an in-process pipe whose calls carry no peer
+// credentials: each is made with its own caller's key or sandbox token.
+func serveE2B(ctx context.Context, cfg Config, h http.Handler, tokens *identity.Tokens, log *slog.Logger) error {
+	l, err := net.Listen("tcp", cfg.E2BListen)
+	if err != nil {
+		return fmt.Errorf("e2b API: %w", err)
+	}
+	if ap, err := netip.ParseAddrPort(l.Addr().String()); err == nil && !ap.Addr().IsLoopback() {
+		log.Warn("the e2b API listens beyond loopback in plain text: put TLS in front of it", "addr", l.Addr().String())
+	}
+	pipe := api.NewPipe()
+	go func() { _ = api.Serve(ctx, pipe, h) }()
+	eh := e2b.Handler(e2b.Config{Dial: pipe.Dial, Tokens: tokens, MaxUpload: cfg.E2BMaxUpload, Logger: log.With("subsystem", "e2b")})
+	go func() {
+		if err := e2b.Serve(ctx, l, eh); err != nil && ctx.Err() == nil {
+			log.Error("e2b API stopped", "err", err)
+		}
+	}()
+	log.Info("e2b API serving", "addr", l.Addr().String())
+	return nil
 }
 
 func status(m *vm.Manager) string {

@@ -128,7 +128,7 @@ func Authenticate(ctx context.Context, h http.Header, tokens *Tokens) (policy.Ca
 		secret = strings.TrimSpace(secret)
 		if strings.HasPrefix(secret, sandboxPrefix) {
 			vm := h.Get(protocol.VMHeader)
-			t, err := tokens.verifySandbox(secret, vm)
+			t, err := tokens.VerifySandbox(secret, vm)
 			if err != nil {
 				return policy.Caller{}, err
 			}

@@ -90,8 +90,8 @@ func (t *Tokens) sandboxMAC(id, vm string) string {
 	return hex.EncodeToString(m.Sum(nil))
 }
 
-// verifySandbox checks a sandbox token for vm and returns its key.
-func (t *Tokens) verifySandbox(full, vm string) (Token, error) {
+// VerifySandbox checks a sandbox token for vm and returns its key.
+func (t *Tokens) VerifySandbox(full, vm string) (Token, error) {
 	rest, _ := strings.CutPrefix(full, sandboxPrefix)
 	id, mac, ok := strings.Cut(rest, "_")
 	if !ok || len(id) != 16 || len(mac) != 64 || vm == "" {

@@ -448,6 +448,8 @@ func callerText(c *audit.Caller) string {
 	switch {
 	case c.TokenID != "":
 		return "token " + clean(c.TokenID, maxField)
+	case c.Type == audit.CallerKey:
+		return "key " + clean(c.Name, maxField) + " (" + clean(c.KeyID, maxField) + ")"
 	case c.Type == "peer" && c.PID != 0:
 		return fmt.Sprintf("uid %d pid %d", c.UID, c.PID)
 	case c.Type == "peer":
