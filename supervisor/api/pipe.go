@@ -89,4 +89,3 @@ func (p *Pipe) Close() error {
 func (p *Pipe) Addr() net.Addr { return pipeAddr{} }
 
 var _ net.Listener = (*Pipe)(nil)
-
