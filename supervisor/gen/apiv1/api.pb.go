@@ -2768,6 +2768,312 @@ func (x *ImportImageResponse) GetAlready() bool {
 	return false
 }
 
+type GetConsoleRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The last this many bytes; 0 means 64 KiB, and 1 MiB is the most.
+	MaxBytes      uint32 `protobuf:"varint,2,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetConsoleRequest) Reset() {
+	*x = GetConsoleRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetConsoleRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetConsoleRequest) ProtoMessage() {}
+
+func (x *GetConsoleRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetConsoleRequest.ProtoReflect.Descriptor instead.
+func (*GetConsoleRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{43}
+}
+
+func (x *GetConsoleRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *GetConsoleRequest) GetMaxBytes() uint32 {
+	if x != nil {
+		return x.MaxBytes
+	}
+	return 0
+}
+
+type GetConsoleResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The guest's bytes as it printed them: not necessarily text, and not
+	// to be trusted.
+	Data []byte `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	// The log holds bytes before data.
+	Truncated     bool `protobuf:"varint,2,opt,name=truncated,proto3" json:"truncated,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetConsoleResponse) Reset() {
+	*x = GetConsoleResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetConsoleResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetConsoleResponse) ProtoMessage() {}
+
+func (x *GetConsoleResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetConsoleResponse.ProtoReflect.Descriptor instead.
+func (*GetConsoleResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{44}
+}
+
+func (x *GetConsoleResponse) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *GetConsoleResponse) GetTruncated() bool {
+	if x != nil {
+		return x.Truncated
+	}
+	return false
+}
+
+type ListAuditRecordsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The last this many; 0 means 100, and 1000 is the most.
+	Limit         uint32 `protobuf:"varint,2,opt,name=limit,proto3" json:"limit,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAuditRecordsRequest) Reset() {
+	*x = ListAuditRecordsRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAuditRecordsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAuditRecordsRequest) ProtoMessage() {}
+
+func (x *ListAuditRecordsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAuditRecordsRequest.ProtoReflect.Descriptor instead.
+func (*ListAuditRecordsRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *ListAuditRecordsRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ListAuditRecordsRequest) GetLimit() uint32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
+type ListAuditRecordsResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Records []*AuditRecord         `protobuf:"bytes,1,rep,name=records,proto3" json:"records,omitempty"`
+	// Fewer than limit were found in the end of the log that was read (its
+	// last 64 MiB), and earlier ones were not looked for: `carrel audit show
+	// VM` reads the whole log.
+	Partial       bool `protobuf:"varint,2,opt,name=partial,proto3" json:"partial,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAuditRecordsResponse) Reset() {
+	*x = ListAuditRecordsResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAuditRecordsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAuditRecordsResponse) ProtoMessage() {}
+
+func (x *ListAuditRecordsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAuditRecordsResponse.ProtoReflect.Descriptor instead.
+func (*ListAuditRecordsResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *ListAuditRecordsResponse) GetRecords() []*AuditRecord {
+	if x != nil {
+		return x.Records
+	}
+	return nil
+}
+
+func (x *ListAuditRecordsResponse) GetPartial() bool {
+	if x != nil {
+		return x.Partial
+	}
+	return false
+}
+
+// AuditRecord is one record of the audit log, summed up.
+type AuditRecord struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Seq   uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	// RFC 3339, UTC.
+	Time string `protobuf:"bytes,2,opt,name=time,proto3" json:"time,omitempty"`
+	// "exec.exit", "policy.decision", ... (docs/audit.md).
+	Kind string `protobuf:"bytes,3,opt,name=kind,proto3" json:"kind,omitempty"`
+	// "host": carreld saw it; "guest": the VM's agent reported it.
+	Provenance string `protobuf:"bytes,4,opt,name=provenance,proto3" json:"provenance,omitempty"`
+	// The session it belongs to; "" for none.
+	Session string `protobuf:"bytes,5,opt,name=session,proto3" json:"session,omitempty"`
+	// One line, its control characters escaped.
+	Summary       string `protobuf:"bytes,6,opt,name=summary,proto3" json:"summary,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AuditRecord) Reset() {
+	*x = AuditRecord{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AuditRecord) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AuditRecord) ProtoMessage() {}
+
+func (x *AuditRecord) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AuditRecord.ProtoReflect.Descriptor instead.
+func (*AuditRecord) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *AuditRecord) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *AuditRecord) GetTime() string {
+	if x != nil {
+		return x.Time
+	}
+	return ""
+}
+
+func (x *AuditRecord) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *AuditRecord) GetProvenance() string {
+	if x != nil {
+		return x.Provenance
+	}
+	return ""
+}
+
+func (x *AuditRecord) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *AuditRecord) GetSummary() string {
+	if x != nil {
+		return x.Summary
+	}
+	return ""
+}
+
 type GetInfoRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2776,7 +3082,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2788,7 +3094,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[43]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2801,7 +3107,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{43}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{48}
 }
 
 type GetInfoResponse struct {
@@ -2817,7 +3123,7 @@ type GetInfoResponse struct {
 
 func (x *GetInfoResponse) Reset() {
 	*x = GetInfoResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2829,7 +3135,7 @@ func (x *GetInfoResponse) String() string {
 func (*GetInfoResponse) ProtoMessage() {}
 
 func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[44]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2842,7 +3148,7 @@ func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetInfoResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{44}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *GetInfoResponse) GetVersion() string {
@@ -2880,6 +3186,121 @@ func (x *GetInfoResponse) GetVsock() bool {
 	return false
 }
 
+type GetCallerRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetCallerRequest) Reset() {
+	*x = GetCallerRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[50]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCallerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCallerRequest) ProtoMessage() {}
+
+func (x *GetCallerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[50]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCallerRequest.ProtoReflect.Descriptor instead.
+func (*GetCallerRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{50}
+}
+
+type GetCallerResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "peer" or "token".
+	Type string `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
+	// A peer's.
+	Uid uint32 `protobuf:"varint,2,opt,name=uid,proto3" json:"uid,omitempty"`
+	Gid uint32 `protobuf:"varint,3,opt,name=gid,proto3" json:"gid,omitempty"`
+	// A token's: its id, and the one VM it acts on.
+	TokenId       string `protobuf:"bytes,4,opt,name=token_id,json=tokenId,proto3" json:"token_id,omitempty"`
+	Vm            string `protobuf:"bytes,5,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetCallerResponse) Reset() {
+	*x = GetCallerResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[51]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCallerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCallerResponse) ProtoMessage() {}
+
+func (x *GetCallerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[51]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCallerResponse.ProtoReflect.Descriptor instead.
+func (*GetCallerResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{51}
+}
+
+func (x *GetCallerResponse) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *GetCallerResponse) GetUid() uint32 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *GetCallerResponse) GetGid() uint32 {
+	if x != nil {
+		return x.Gid
+	}
+	return 0
+}
+
+func (x *GetCallerResponse) GetTokenId() string {
+	if x != nil {
+		return x.TokenId
+	}
+	return ""
+}
+
+func (x *GetCallerResponse) GetVm() string {
+	if x != nil {
+		return x.Vm
+	}
+	return ""
+}
+
 type ListGPUsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -2888,7 +3309,7 @@ type ListGPUsRequest struct {
 
 func (x *ListGPUsRequest) Reset() {
 	*x = ListGPUsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[52]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2900,7 +3321,7 @@ func (x *ListGPUsRequest) String() string {
 func (*ListGPUsRequest) ProtoMessage() {}
 
 func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[52]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2913,7 +3334,7 @@ func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsRequest.ProtoReflect.Descriptor instead.
 func (*ListGPUsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{45}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{52}
 }
 
 type ListGPUsResponse struct {
@@ -2927,7 +3348,7 @@ type ListGPUsResponse struct {
 
 func (x *ListGPUsResponse) Reset() {
 	*x = ListGPUsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[53]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2939,7 +3360,7 @@ func (x *ListGPUsResponse) String() string {
 func (*ListGPUsResponse) ProtoMessage() {}
 
 func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[53]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2952,7 +3373,7 @@ func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsResponse.ProtoReflect.Descriptor instead.
 func (*ListGPUsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{46}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{53}
 }
 
 func (x *ListGPUsResponse) GetIommu() bool {
@@ -3003,7 +3424,7 @@ type GPU struct {
 
 func (x *GPU) Reset() {
 	*x = GPU{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3015,7 +3436,7 @@ func (x *GPU) String() string {
 func (*GPU) ProtoMessage() {}
 
 func (x *GPU) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3028,7 +3449,7 @@ func (x *GPU) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GPU.ProtoReflect.Descriptor instead.
 func (*GPU) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{47}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{54}
 }
 
 func (x *GPU) GetAddress() string {
@@ -3132,7 +3553,7 @@ type PCIDevice struct {
 
 func (x *PCIDevice) Reset() {
 	*x = PCIDevice{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3144,7 +3565,7 @@ func (x *PCIDevice) String() string {
 func (*PCIDevice) ProtoMessage() {}
 
 func (x *PCIDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3157,7 +3578,7 @@ func (x *PCIDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PCIDevice.ProtoReflect.Descriptor instead.
 func (*PCIDevice) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{48}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *PCIDevice) GetAddress() string {
@@ -3374,14 +3795,42 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x03tag\x18\x02 \x01(\tR\x03tag\"[\n" +
 	"\x13ImportImageResponse\x12*\n" +
 	"\x05image\x18\x01 \x01(\v2\x14.carrel.api.v1.ImageR\x05image\x12\x18\n" +
-	"\aalready\x18\x02 \x01(\bR\aalready\"\x10\n" +
+	"\aalready\x18\x02 \x01(\bR\aalready\"D\n" +
+	"\x11GetConsoleRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
+	"\tmax_bytes\x18\x02 \x01(\rR\bmaxBytes\"F\n" +
+	"\x12GetConsoleResponse\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x1c\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"C\n" +
+	"\x17ListAuditRecordsRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
+	"\x05limit\x18\x02 \x01(\rR\x05limit\"j\n" +
+	"\x18ListAuditRecordsResponse\x124\n" +
+	"\arecords\x18\x01 \x03(\v2\x1a.carrel.api.v1.AuditRecordR\arecords\x12\x18\n" +
+	"\apartial\x18\x02 \x01(\bR\apartial\"\x9b\x01\n" +
+	"\vAuditRecord\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x12\n" +
+	"\x04time\x18\x02 \x01(\tR\x04time\x12\x12\n" +
+	"\x04kind\x18\x03 \x01(\tR\x04kind\x12\x1e\n" +
+	"\n" +
+	"provenance\x18\x04 \x01(\tR\n" +
+	"provenance\x12\x18\n" +
+	"\asession\x18\x05 \x01(\tR\asession\x12\x18\n" +
+	"\asummary\x18\x06 \x01(\tR\asummary\"\x10\n" +
 	"\x0eGetInfoRequest\"\x92\x01\n" +
 	"\x0fGetInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12 \n" +
 	"\vaccelerator\x18\x02 \x01(\tR\vaccelerator\x12\x1b\n" +
 	"\tstate_dir\x18\x03 \x01(\tR\bstateDir\x12\x10\n" +
 	"\x03vms\x18\x04 \x01(\rR\x03vms\x12\x14\n" +
-	"\x05vsock\x18\x05 \x01(\bR\x05vsock\"\x11\n" +
+	"\x05vsock\x18\x05 \x01(\bR\x05vsock\"\x12\n" +
+	"\x10GetCallerRequest\"v\n" +
+	"\x11GetCallerResponse\x12\x12\n" +
+	"\x04type\x18\x01 \x01(\tR\x04type\x12\x10\n" +
+	"\x03uid\x18\x02 \x01(\rR\x03uid\x12\x10\n" +
+	"\x03gid\x18\x03 \x01(\rR\x03gid\x12\x19\n" +
+	"\btoken_id\x18\x04 \x01(\tR\atokenId\x12\x0e\n" +
+	"\x02vm\x18\x05 \x01(\tR\x02vm\"\x11\n" +
 	"\x0fListGPUsRequest\"P\n" +
 	"\x10ListGPUsResponse\x12\x14\n" +
 	"\x05iommu\x18\x01 \x01(\bR\x05iommu\x12&\n" +
@@ -3421,7 +3870,8 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x17AGENT_STATE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13AGENT_STATE_UNKNOWN\x10\x01\x12\x15\n" +
 	"\x11AGENT_STATE_READY\x10\x02\x12\x19\n" +
-	"\x15AGENT_STATE_UNHEALTHY\x10\x032\x8d\t\n" +
+	"\x15AGENT_STATE_UNHEALTHY\x10\x032\xc5\n" +
+	"\n" +
 	"\tVMService\x12K\n" +
 	"\bCreateVM\x12\x1e.carrel.api.v1.CreateVMRequest\x1a\x1f.carrel.api.v1.CreateVMResponse\x12B\n" +
 	"\x05GetVM\x12\x1b.carrel.api.v1.GetVMRequest\x1a\x1c.carrel.api.v1.GetVMResponse\x12H\n" +
@@ -3438,16 +3888,20 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\tRestoreVM\x12\x1f.carrel.api.v1.RestoreVMRequest\x1a .carrel.api.v1.RestoreVMResponse\x12]\n" +
 	"\x0eDeleteSnapshot\x12$.carrel.api.v1.DeleteSnapshotRequest\x1a%.carrel.api.v1.DeleteSnapshotResponse\x12E\n" +
 	"\x06ForkVM\x12\x1c.carrel.api.v1.ForkVMRequest\x1a\x1d.carrel.api.v1.ForkVMResponse\x12A\n" +
-	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x012\xe3\x02\n" +
+	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x01\x12Q\n" +
+	"\n" +
+	"GetConsole\x12 .carrel.api.v1.GetConsoleRequest\x1a!.carrel.api.v1.GetConsoleResponse\x12c\n" +
+	"\x10ListAuditRecords\x12&.carrel.api.v1.ListAuditRecordsRequest\x1a'.carrel.api.v1.ListAuditRecordsResponse2\xe3\x02\n" +
 	"\fImageService\x12Q\n" +
 	"\n" +
 	"BuildImage\x12 .carrel.api.v1.BuildImageRequest\x1a!.carrel.api.v1.BuildImageResponse\x12Q\n" +
 	"\n" +
 	"ListImages\x12 .carrel.api.v1.ListImagesRequest\x1a!.carrel.api.v1.ListImagesResponse\x12W\n" +
 	"\fInspectImage\x12\".carrel.api.v1.InspectImageRequest\x1a#.carrel.api.v1.InspectImageResponse\x12T\n" +
-	"\vImportImage\x12!.carrel.api.v1.ImportImageRequest\x1a\".carrel.api.v1.ImportImageResponse2Y\n" +
+	"\vImportImage\x12!.carrel.api.v1.ImportImageRequest\x1a\".carrel.api.v1.ImportImageResponse2\xa9\x01\n" +
 	"\rSystemService\x12H\n" +
-	"\aGetInfo\x12\x1d.carrel.api.v1.GetInfoRequest\x1a\x1e.carrel.api.v1.GetInfoResponse2Y\n" +
+	"\aGetInfo\x12\x1d.carrel.api.v1.GetInfoRequest\x1a\x1e.carrel.api.v1.GetInfoResponse\x12N\n" +
+	"\tGetCaller\x12\x1f.carrel.api.v1.GetCallerRequest\x1a .carrel.api.v1.GetCallerResponse2Y\n" +
 	"\n" +
 	"GPUService\x12K\n" +
 	"\bListGPUs\x12\x1e.carrel.api.v1.ListGPUsRequest\x1a\x1f.carrel.api.v1.ListGPUsResponseB8Z6github.com/carrel-os/carrel/supervisor/gen/apiv1;apiv1b\x06proto3"
@@ -3465,59 +3919,66 @@ func file_carrel_api_v1_api_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_api_v1_api_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 49)
+var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 56)
 var file_carrel_api_v1_api_proto_goTypes = []any{
-	(VMState)(0),                   // 0: carrel.api.v1.VMState
-	(AgentState)(0),                // 1: carrel.api.v1.AgentState
-	(*VM)(nil),                     // 2: carrel.api.v1.VM
-	(*Origin)(nil),                 // 3: carrel.api.v1.Origin
-	(*CreateVMRequest)(nil),        // 4: carrel.api.v1.CreateVMRequest
-	(*CreateVMResponse)(nil),       // 5: carrel.api.v1.CreateVMResponse
-	(*GetVMRequest)(nil),           // 6: carrel.api.v1.GetVMRequest
-	(*GetVMResponse)(nil),          // 7: carrel.api.v1.GetVMResponse
-	(*ListVMsRequest)(nil),         // 8: carrel.api.v1.ListVMsRequest
-	(*ListVMsResponse)(nil),        // 9: carrel.api.v1.ListVMsResponse
-	(*StartVMRequest)(nil),         // 10: carrel.api.v1.StartVMRequest
-	(*StartVMResponse)(nil),        // 11: carrel.api.v1.StartVMResponse
-	(*StopVMRequest)(nil),          // 12: carrel.api.v1.StopVMRequest
-	(*StopVMResponse)(nil),         // 13: carrel.api.v1.StopVMResponse
-	(*DeleteVMRequest)(nil),        // 14: carrel.api.v1.DeleteVMRequest
-	(*DeleteVMResponse)(nil),       // 15: carrel.api.v1.DeleteVMResponse
-	(*ResetVMRequest)(nil),         // 16: carrel.api.v1.ResetVMRequest
-	(*ResetVMResponse)(nil),        // 17: carrel.api.v1.ResetVMResponse
-	(*PauseVMRequest)(nil),         // 18: carrel.api.v1.PauseVMRequest
-	(*PauseVMResponse)(nil),        // 19: carrel.api.v1.PauseVMResponse
-	(*ResumeVMRequest)(nil),        // 20: carrel.api.v1.ResumeVMRequest
-	(*ResumeVMResponse)(nil),       // 21: carrel.api.v1.ResumeVMResponse
-	(*Snapshot)(nil),               // 22: carrel.api.v1.Snapshot
-	(*SnapshotVMRequest)(nil),      // 23: carrel.api.v1.SnapshotVMRequest
-	(*SnapshotVMResponse)(nil),     // 24: carrel.api.v1.SnapshotVMResponse
-	(*ListSnapshotsRequest)(nil),   // 25: carrel.api.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),  // 26: carrel.api.v1.ListSnapshotsResponse
-	(*RestoreVMRequest)(nil),       // 27: carrel.api.v1.RestoreVMRequest
-	(*RestoreVMResponse)(nil),      // 28: carrel.api.v1.RestoreVMResponse
-	(*DeleteSnapshotRequest)(nil),  // 29: carrel.api.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil), // 30: carrel.api.v1.DeleteSnapshotResponse
-	(*ForkVMRequest)(nil),          // 31: carrel.api.v1.ForkVMRequest
-	(*ForkVMResponse)(nil),         // 32: carrel.api.v1.ForkVMResponse
-	(*ExecRequest)(nil),            // 33: carrel.api.v1.ExecRequest
-	(*ExecResponse)(nil),           // 34: carrel.api.v1.ExecResponse
-	(*ExitStatus)(nil),             // 35: carrel.api.v1.ExitStatus
-	(*BuildImageRequest)(nil),      // 36: carrel.api.v1.BuildImageRequest
-	(*BuildImageResponse)(nil),     // 37: carrel.api.v1.BuildImageResponse
-	(*ListImagesRequest)(nil),      // 38: carrel.api.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),     // 39: carrel.api.v1.ListImagesResponse
-	(*Image)(nil),                  // 40: carrel.api.v1.Image
-	(*InspectImageRequest)(nil),    // 41: carrel.api.v1.InspectImageRequest
-	(*InspectImageResponse)(nil),   // 42: carrel.api.v1.InspectImageResponse
-	(*ImportImageRequest)(nil),     // 43: carrel.api.v1.ImportImageRequest
-	(*ImportImageResponse)(nil),    // 44: carrel.api.v1.ImportImageResponse
-	(*GetInfoRequest)(nil),         // 45: carrel.api.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),        // 46: carrel.api.v1.GetInfoResponse
-	(*ListGPUsRequest)(nil),        // 47: carrel.api.v1.ListGPUsRequest
-	(*ListGPUsResponse)(nil),       // 48: carrel.api.v1.ListGPUsResponse
-	(*GPU)(nil),                    // 49: carrel.api.v1.GPU
-	(*PCIDevice)(nil),              // 50: carrel.api.v1.PCIDevice
+	(VMState)(0),                     // 0: carrel.api.v1.VMState
+	(AgentState)(0),                  // 1: carrel.api.v1.AgentState
+	(*VM)(nil),                       // 2: carrel.api.v1.VM
+	(*Origin)(nil),                   // 3: carrel.api.v1.Origin
+	(*CreateVMRequest)(nil),          // 4: carrel.api.v1.CreateVMRequest
+	(*CreateVMResponse)(nil),         // 5: carrel.api.v1.CreateVMResponse
+	(*GetVMRequest)(nil),             // 6: carrel.api.v1.GetVMRequest
+	(*GetVMResponse)(nil),            // 7: carrel.api.v1.GetVMResponse
+	(*ListVMsRequest)(nil),           // 8: carrel.api.v1.ListVMsRequest
+	(*ListVMsResponse)(nil),          // 9: carrel.api.v1.ListVMsResponse
+	(*StartVMRequest)(nil),           // 10: carrel.api.v1.StartVMRequest
+	(*StartVMResponse)(nil),          // 11: carrel.api.v1.StartVMResponse
+	(*StopVMRequest)(nil),            // 12: carrel.api.v1.StopVMRequest
+	(*StopVMResponse)(nil),           // 13: carrel.api.v1.StopVMResponse
+	(*DeleteVMRequest)(nil),          // 14: carrel.api.v1.DeleteVMRequest
+	(*DeleteVMResponse)(nil),         // 15: carrel.api.v1.DeleteVMResponse
+	(*ResetVMRequest)(nil),           // 16: carrel.api.v1.ResetVMRequest
+	(*ResetVMResponse)(nil),          // 17: carrel.api.v1.ResetVMResponse
+	(*PauseVMRequest)(nil),           // 18: carrel.api.v1.PauseVMRequest
+	(*PauseVMResponse)(nil),          // 19: carrel.api.v1.PauseVMResponse
+	(*ResumeVMRequest)(nil),          // 20: carrel.api.v1.ResumeVMRequest
+	(*ResumeVMResponse)(nil),         // 21: carrel.api.v1.ResumeVMResponse
+	(*Snapshot)(nil),                 // 22: carrel.api.v1.Snapshot
+	(*SnapshotVMRequest)(nil),        // 23: carrel.api.v1.SnapshotVMRequest
+	(*SnapshotVMResponse)(nil),       // 24: carrel.api.v1.SnapshotVMResponse
+	(*ListSnapshotsRequest)(nil),     // 25: carrel.api.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),    // 26: carrel.api.v1.ListSnapshotsResponse
+	(*RestoreVMRequest)(nil),         // 27: carrel.api.v1.RestoreVMRequest
+	(*RestoreVMResponse)(nil),        // 28: carrel.api.v1.RestoreVMResponse
+	(*DeleteSnapshotRequest)(nil),    // 29: carrel.api.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),   // 30: carrel.api.v1.DeleteSnapshotResponse
+	(*ForkVMRequest)(nil),            // 31: carrel.api.v1.ForkVMRequest
+	(*ForkVMResponse)(nil),           // 32: carrel.api.v1.ForkVMResponse
+	(*ExecRequest)(nil),              // 33: carrel.api.v1.ExecRequest
+	(*ExecResponse)(nil),             // 34: carrel.api.v1.ExecResponse
+	(*ExitStatus)(nil),               // 35: carrel.api.v1.ExitStatus
+	(*BuildImageRequest)(nil),        // 36: carrel.api.v1.BuildImageRequest
+	(*BuildImageResponse)(nil),       // 37: carrel.api.v1.BuildImageResponse
+	(*ListImagesRequest)(nil),        // 38: carrel.api.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),       // 39: carrel.api.v1.ListImagesResponse
+	(*Image)(nil),                    // 40: carrel.api.v1.Image
+	(*InspectImageRequest)(nil),      // 41: carrel.api.v1.InspectImageRequest
+	(*InspectImageResponse)(nil),     // 42: carrel.api.v1.InspectImageResponse
+	(*ImportImageRequest)(nil),       // 43: carrel.api.v1.ImportImageRequest
+	(*ImportImageResponse)(nil),      // 44: carrel.api.v1.ImportImageResponse
+	(*GetConsoleRequest)(nil),        // 45: carrel.api.v1.GetConsoleRequest
+	(*GetConsoleResponse)(nil),       // 46: carrel.api.v1.GetConsoleResponse
+	(*ListAuditRecordsRequest)(nil),  // 47: carrel.api.v1.ListAuditRecordsRequest
+	(*ListAuditRecordsResponse)(nil), // 48: carrel.api.v1.ListAuditRecordsResponse
+	(*AuditRecord)(nil),              // 49: carrel.api.v1.AuditRecord
+	(*GetInfoRequest)(nil),           // 50: carrel.api.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),          // 51: carrel.api.v1.GetInfoResponse
+	(*GetCallerRequest)(nil),         // 52: carrel.api.v1.GetCallerRequest
+	(*GetCallerResponse)(nil),        // 53: carrel.api.v1.GetCallerResponse
+	(*ListGPUsRequest)(nil),          // 54: carrel.api.v1.ListGPUsRequest
+	(*ListGPUsResponse)(nil),         // 55: carrel.api.v1.ListGPUsResponse
+	(*GPU)(nil),                      // 56: carrel.api.v1.GPU
+	(*PCIDevice)(nil),                // 57: carrel.api.v1.PCIDevice
 }
 var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	0,  // 0: carrel.api.v1.VM.state:type_name -> carrel.api.v1.VMState
@@ -3540,55 +4001,62 @@ var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	40, // 17: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
 	40, // 18: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
 	40, // 19: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
-	49, // 20: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
-	50, // 21: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
-	4,  // 22: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
-	6,  // 23: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
-	8,  // 24: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
-	10, // 25: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
-	12, // 26: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
-	14, // 27: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
-	16, // 28: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
-	18, // 29: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
-	20, // 30: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
-	23, // 31: carrel.api.v1.VMService.SnapshotVM:input_type -> carrel.api.v1.SnapshotVMRequest
-	25, // 32: carrel.api.v1.VMService.ListSnapshots:input_type -> carrel.api.v1.ListSnapshotsRequest
-	27, // 33: carrel.api.v1.VMService.RestoreVM:input_type -> carrel.api.v1.RestoreVMRequest
-	29, // 34: carrel.api.v1.VMService.DeleteSnapshot:input_type -> carrel.api.v1.DeleteSnapshotRequest
-	31, // 35: carrel.api.v1.VMService.ForkVM:input_type -> carrel.api.v1.ForkVMRequest
-	33, // 36: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
-	36, // 37: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
-	38, // 38: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
-	41, // 39: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
-	43, // 40: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
-	45, // 41: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
-	47, // 42: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
-	5,  // 43: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
-	7,  // 44: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
-	9,  // 45: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
-	11, // 46: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
-	13, // 47: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
-	15, // 48: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
-	17, // 49: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
-	19, // 50: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
-	21, // 51: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
-	24, // 52: carrel.api.v1.VMService.SnapshotVM:output_type -> carrel.api.v1.SnapshotVMResponse
-	26, // 53: carrel.api.v1.VMService.ListSnapshots:output_type -> carrel.api.v1.ListSnapshotsResponse
-	28, // 54: carrel.api.v1.VMService.RestoreVM:output_type -> carrel.api.v1.RestoreVMResponse
-	30, // 55: carrel.api.v1.VMService.DeleteSnapshot:output_type -> carrel.api.v1.DeleteSnapshotResponse
-	32, // 56: carrel.api.v1.VMService.ForkVM:output_type -> carrel.api.v1.ForkVMResponse
-	34, // 57: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
-	37, // 58: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
-	39, // 59: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
-	42, // 60: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
-	44, // 61: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
-	46, // 62: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
-	48, // 63: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
-	43, // [43:64] is the sub-list for method output_type
-	22, // [22:43] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	49, // 20: carrel.api.v1.ListAuditRecordsResponse.records:type_name -> carrel.api.v1.AuditRecord
+	56, // 21: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
+	57, // 22: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
+	4,  // 23: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
+	6,  // 24: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
+	8,  // 25: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
+	10, // 26: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
+	12, // 27: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
+	14, // 28: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
+	16, // 29: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
+	18, // 30: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
+	20, // 31: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
+	23, // 32: carrel.api.v1.VMService.SnapshotVM:input_type -> carrel.api.v1.SnapshotVMRequest
+	25, // 33: carrel.api.v1.VMService.ListSnapshots:input_type -> carrel.api.v1.ListSnapshotsRequest
+	27, // 34: carrel.api.v1.VMService.RestoreVM:input_type -> carrel.api.v1.RestoreVMRequest
+	29, // 35: carrel.api.v1.VMService.DeleteSnapshot:input_type -> carrel.api.v1.DeleteSnapshotRequest
+	31, // 36: carrel.api.v1.VMService.ForkVM:input_type -> carrel.api.v1.ForkVMRequest
+	33, // 37: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
+	45, // 38: carrel.api.v1.VMService.GetConsole:input_type -> carrel.api.v1.GetConsoleRequest
+	47, // 39: carrel.api.v1.VMService.ListAuditRecords:input_type -> carrel.api.v1.ListAuditRecordsRequest
+	36, // 40: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
+	38, // 41: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
+	41, // 42: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
+	43, // 43: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
+	50, // 44: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
+	52, // 45: carrel.api.v1.SystemService.GetCaller:input_type -> carrel.api.v1.GetCallerRequest
+	54, // 46: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
+	5,  // 47: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
+	7,  // 48: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
+	9,  // 49: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
+	11, // 50: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
+	13, // 51: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
+	15, // 52: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
+	17, // 53: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
+	19, // 54: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
+	21, // 55: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
+	24, // 56: carrel.api.v1.VMService.SnapshotVM:output_type -> carrel.api.v1.SnapshotVMResponse
+	26, // 57: carrel.api.v1.VMService.ListSnapshots:output_type -> carrel.api.v1.ListSnapshotsResponse
+	28, // 58: carrel.api.v1.VMService.RestoreVM:output_type -> carrel.api.v1.RestoreVMResponse
+	30, // 59: carrel.api.v1.VMService.DeleteSnapshot:output_type -> carrel.api.v1.DeleteSnapshotResponse
+	32, // 60: carrel.api.v1.VMService.ForkVM:output_type -> carrel.api.v1.ForkVMResponse
+	34, // 61: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
+	46, // 62: carrel.api.v1.VMService.GetConsole:output_type -> carrel.api.v1.GetConsoleResponse
+	48, // 63: carrel.api.v1.VMService.ListAuditRecords:output_type -> carrel.api.v1.ListAuditRecordsResponse
+	37, // 64: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
+	39, // 65: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
+	42, // 66: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
+	44, // 67: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
+	51, // 68: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
+	53, // 69: carrel.api.v1.SystemService.GetCaller:output_type -> carrel.api.v1.GetCallerResponse
+	55, // 70: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
+	47, // [47:71] is the sub-list for method output_type
+	23, // [23:47] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_carrel_api_v1_api_proto_init() }
@@ -3608,7 +4076,7 @@ func file_carrel_api_v1_api_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_api_v1_api_proto_rawDesc), len(file_carrel_api_v1_api_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   49,
+			NumMessages:   56,
 			NumExtensions: 0,
 			NumServices:   4,
 		},
