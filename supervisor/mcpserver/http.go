@@ -39,6 +39,9 @@ func HTTP(newClient func(token string) *client.Client, cfg Config) http.Handler 
 		}
 		token, _ := ti.Extra["token"].(string)
 		vm, _ := ti.Extra["vm"].(string)
+		if vm == "" {
+			return nil // verify names every token's VM; never serve one unscoped
+		}
 		return New(newClient(token), Config{VM: vm, Version: cfg.Version})
 	}, &mcp.StreamableHTTPOptions{
 		// An idle session ends, and with it its forwards and connections.

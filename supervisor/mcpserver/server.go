@@ -6,7 +6,10 @@
 // caller. The server holds no state of its own.
 //
 // A server is scoped to one VM (Config.VM): its tools act on that VM and
-// take no VM argument. Without a scope, each tool names its VM.
+// take no VM argument, and it lists that VM's resources (its audit
+// timeline and console). Without a scope, each tool names its VM and the
+// resources are templates. Over HTTP, each session is scoped to its
+// token's VM.
 package mcpserver
 
 import (
