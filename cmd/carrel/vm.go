@@ -9,9 +9,9 @@ import (
 )
 
 func newVMCmd(g *globals) *cobra.Command {
-	c := &cobra.Command{Use: "vm", Short: "Create, list, start, stop, pause, snapshot, restore, fork and remove VMs"}
+	c := &cobra.Command{Use: "vm", Short: "Create, list, start, stop, pause, snapshot, restore, fork and remove VMs; read their consoles"}
 	c.AddCommand(newVMCreateCmd(g), newVMExpireCmd(g), newVMListCmd(g), newVMInspectCmd(g), newVMStartCmd(g), newVMStopCmd(g), newVMResetCmd(g), newVMPauseCmd(g), newVMResumeCmd(g),
-		newVMSnapshotCmd(g), newVMRestoreCmd(g), newVMForkCmd(g), newVMRemoveCmd(g))
+		newVMSnapshotCmd(g), newVMRestoreCmd(g), newVMForkCmd(g), newVMConsoleCmd(g), newVMRemoveCmd(g))
 	return c
 }
 

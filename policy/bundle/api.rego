@@ -45,11 +45,14 @@ procedures := {
 	"/carrel.api.v1.VMService/ForkVM": "admin",
 	"/carrel.api.v1.VMService/SetVMExpiry": "admin",
 	"/carrel.api.v1.VMService/Exec": "exec",
+	"/carrel.api.v1.VMService/GetConsole": "read",
+	"/carrel.api.v1.VMService/ListAuditRecords": "audit",
 	"/carrel.api.v1.ImageService/BuildImage": "admin",
 	"/carrel.api.v1.ImageService/ListImages": "read",
 	"/carrel.api.v1.ImageService/InspectImage": "read",
 	"/carrel.api.v1.ImageService/ImportImage": "admin",
 	"/carrel.api.v1.SystemService/GetInfo": "read",
+	"/carrel.api.v1.SystemService/GetCaller": "read",
 	"/carrel.api.v1.GPUService/ListGPUs": "read",
 	"/carrel.api.v1.PolicyService/ApplyPolicy": "admin",
 	"/carrel.api.v1.PolicyService/GetPolicy": "read",
@@ -256,7 +259,7 @@ key_lifecycle := {
 	"/carrel.api.v1.VMService/SetVMExpiry",
 }
 
-key_classes := object.get(settings, "key_classes", ["read", "exec", "files_read", "files_write", "ports"])
+key_classes := object.get(settings, "key_classes", ["read", "exec", "files_read", "files_write", "ports", "audit"])
 
 key_prefix := concat("", ["e2b-", object.get(input.caller, "name", ""), "-"])
 

@@ -70,7 +70,7 @@ test_operator_may_call_without_a_vm if {
 # Tokens.
 
 test_token_may_call_its_classes_on_its_vm if {
-	every class in ["read", "exec", "files_read", "files_write", "ports"] {
+	every class in ["read", "exec", "files_read", "files_write", "ports", "audit"] {
 		every procedure in procedures_of(class) {
 			allowed_by(decide(token("demo"), procedure, "demo"), "carrel.api.token")
 		}
@@ -97,6 +97,13 @@ test_token_may_not_act_on_another_vm if {
 	d := decide(token("demo"), "/carrel.api.v1.VMService/Exec", "other")
 	denied_by(d, "carrel.api.token_vm")
 	d.reason == "token tok-1 is scoped to VM \"demo\"; /carrel.api.v1.VMService/Exec names VM \"other\""
+}
+
+test_token_may_read_its_vms_audit_records_unless_told_otherwise if {
+	list := "/carrel.api.v1.VMService/ListAuditRecords"
+	allowed_by(decide(token("demo"), list, "demo"), "carrel.api.token")
+	denied_by(decide(token("demo"), list, "other"), "carrel.api.token_vm")
+	denied_by(decide(token("demo"), list, "demo"), "carrel.api.token_class") with data.settings.api.token_classes as ["read"]
 }
 
 test_token_may_not_call_procedures_naming_no_vm if {
@@ -178,7 +185,7 @@ test_vm_override_adds_an_operator_for_one_vm if {
 
 test_procedure_classes_are_known if {
 	every _, class in api.procedures {
-		class in {"read", "admin", "exec", "files_read", "files_write", "ports", "snapshot"}
+		class in {"read", "admin", "exec", "files_read", "files_write", "ports", "snapshot", "audit"}
 	}
 }
 

@@ -114,6 +114,10 @@ func (a authzInterceptor) authorize(ctx context.Context, call *recorder.APICall,
 		}
 		vm = body
 	}
+	// GetCaller is about the caller: a token's holder asks it of its own VM.
+	if call.Procedure == apiv1connect.SystemServiceGetCallerProcedure && caller.Type == policy.CallerToken {
+		vm = caller.VM
+	}
 	recorded := caller
 	call.Caller, call.VM = &recorded, vm
 	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: call.Procedure, VM: vm, GPUs: a.cfg.gpusOf(call.Procedure, vm, msg)}

@@ -129,7 +129,7 @@ func authzAPIWithAudit(t *testing.T) (string, *identity.Tokens, *drivertest.Driv
 	}
 	sctx, cancel := context.WithCancel(ctx)
 	done := make(chan error)
-	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid()), Recorder: rec})
+	h := Handler(Config{Manager: m, Images: img, Policies: pols, Tokens: tokens, DaemonUID: uint32(os.Getuid()), Recorder: rec, AuditDir: alog.Dir()})
 	go func() { done <- Serve(sctx, l, h) }()
 	t.Cleanup(func() {
 		cancel()

@@ -185,3 +185,8 @@ func (s *systemService) GetInfo(ctx context.Context, req *connect.Request[apiv1.
 		Vsock:       info.Vsock,
 	}), nil
 }
+
+func (s *systemService) GetCaller(ctx context.Context, req *connect.Request[apiv1.GetCallerRequest]) (*connect.Response[apiv1.GetCallerResponse], error) {
+	c := callerOf(ctx)
+	return connect.NewResponse(&apiv1.GetCallerResponse{Type: string(c.Type), Uid: c.UID, Gid: c.GID, TokenId: c.TokenID, Vm: c.VM}), nil
+}

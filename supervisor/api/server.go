@@ -78,6 +78,9 @@ type Config struct {
 	Recorder *recorder.Recorder
 	// GPUs lists the host's GPUs (GPUService); nil answers Unimplemented.
 	GPUs *gpu.Host
+	// AuditDir is the audit log's directory, which ListAuditRecords reads;
+	// "" answers Unimplemented.
+	AuditDir string
 }
 
 // Info describes the supervisor for SystemService.GetInfo.

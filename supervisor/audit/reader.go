@@ -32,6 +32,15 @@ func OpenReader(dir string) (*Reader, error) {
 // Dir is the log's directory.
 func (r *Reader) Dir() string { return r.dir }
 
+// Size is records.log's size now.
+func (r *Reader) Size() (int64, error) {
+	st, err := r.rec.Stat()
+	if err != nil {
+		return 0, fmt.Errorf("audit log: %w", err)
+	}
+	return st.Size(), nil
+}
+
 // Close closes records.log.
 func (r *Reader) Close() error { return r.rec.Close() }
 
@@ -59,7 +68,36 @@ func (r *Reader) Scan(fn func(seq uint64, offset int64, payload []byte) error) (
 	if err != nil {
 		return ScanEnd{}, fmt.Errorf("scan audit log: %w", err)
 	}
+	return r.scan(newFrameReader(r.rec, st.Size()), fn)
+}
+
+// ScanFrom is Scan from the first record that starts at byte offset from
+// or after it, for reading the end of a long log without reading all of
+// it. fn's seq, and a *CorruptError's, count the records from there (0
+// for the first): the records' own seq fields say where they are in the
+// log. ScanEnd.Records counts the records read.
+func (r *Reader) ScanFrom(from int64, fn func(seq uint64, offset int64, payload []byte) error) (ScanEnd, error) {
+	st, err := r.rec.Stat()
+	if err != nil {
+		return ScanEnd{}, fmt.Errorf("scan audit log: %w", err)
+	}
 	fr := newFrameReader(r.rec, st.Size())
+	if from > 0 {
+		// A good frame whose payload begins like a record: what a record's
+		// JSON holds cannot look like one, since it quotes what it carries.
+		start, err := fr.resync(from - 1)
+		if err != nil {
+			return ScanEnd{}, fmt.Errorf("scan audit log %s: %w", r.dir, err)
+		}
+		if start < 0 {
+			return ScanEnd{Offset: st.Size()}, nil
+		}
+		fr.seek(start)
+	}
+	return r.scan(fr, fn)
+}
+
+func (r *Reader) scan(fr *frameReader, fn func(seq uint64, offset int64, payload []byte) error) (ScanEnd, error) {
 	for seq := uint64(0); ; seq++ {
 		p, off, err := fr.next()
 		if errors.Is(err, io.EOF) {

@@ -97,6 +97,42 @@ func TestReaderScan(t *testing.T) {
 	}
 }
 
+// TestReaderScanFrom: a scan from any byte offset starts at the first
+// record at or after it, and reads to the end as Scan does.
+func TestReaderScanFrom(t *testing.T) {
+	dir, payloads := readerLog(t, 20)
+	r := openTestReader(t, dir)
+	var offs []int64
+	if _, err := r.Scan(func(_ uint64, off int64, _ []byte) error { offs = append(offs, off); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	st, _ := os.Stat(filepath.Join(dir, recordsFile))
+	for _, tc := range []struct {
+		from  int64
+		first int // the first record read; 20 for none
+	}{
+		{0, 0}, {offs[7], 7}, {offs[7] + 1, 8}, {offs[8] - 1, 8}, {offs[19], 19}, {offs[19] + 1, 20}, {st.Size(), 20}, {st.Size() + 100, 20},
+	} {
+		var got [][]byte
+		end, err := r.ScanFrom(tc.from, func(seq uint64, off int64, p []byte) error {
+			if seq != uint64(len(got)) || off != offs[tc.first+len(got)] {
+				t.Errorf("from %d: seq %d offset %d at position %d", tc.from, seq, off, len(got))
+			}
+			got = append(got, bytes.Clone(p))
+			return nil
+		})
+		if err != nil || len(got) != 20-tc.first || end.Records != uint64(len(got)) || end.TailBytes != 0 {
+			t.Errorf("from %d: %d records, end %+v, %v; want %d", tc.from, len(got), end, err, 20-tc.first)
+			continue
+		}
+		for i := range got {
+			if !bytes.Equal(got[i], payloads[tc.first+i]) {
+				t.Errorf("from %d: record %d differs", tc.from, tc.first+i)
+			}
+		}
+	}
+}
+
 // TestReaderWhileAppending reads a log that a Log has open and appends
 // to: the reader takes no lock, and sees a prefix of the records.
 func TestReaderWhileAppending(t *testing.T) {

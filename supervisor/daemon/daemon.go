@@ -193,6 +193,7 @@ func Run(ctx context.Context, cfg Config) error {
 		DaemonUID: uint32(os.Getuid()),
 		Recorder:  rec,
 		GPUs:      gpus,
+		AuditDir:  filepath.Join(cfg.StateDir, "audit"),
 		Info: func() api.Info {
 			return api.Info{Version: Version, Accelerator: acc.Name, StateDir: cfg.StateDir, Vsock: vsock}
 		},

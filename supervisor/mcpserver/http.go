@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"net/http"
 	"strings"
@@ -23,25 +22,27 @@ import (
 // request carries a carrel token as its bearer token ("Authorization:
 // Bearer carrel_..."), which carreld checks (a request without one, or
 // with one carreld does not know, gets 401), and each session's tools call
-// carreld as that token's holder, so that a token scoped to one VM reaches
-// that VM alone. A session is bound to its token: another token cannot
-// take it over. The MCP SDK refuses requests whose Host header is not a
-// loopback name (DNS rebinding) and cross-origin browser requests.
+// carreld as that token's holder, scoped to the token's VM: a token
+// reaches its own VM alone. A session is bound to its token: another token
+// cannot take it over. The MCP SDK refuses requests whose Host header is
+// not a loopback name (DNS rebinding) and cross-origin browser requests.
 //
-// newClient returns a client that calls as token's holder; cfg.VM must
-// name the VM the tokens are checked against.
-func HTTP(newClient func(token string) *client.Client, cfg Config) (http.Handler, error) {
-	if cfg.VM == "" {
-		return nil, errors.New("serving over http needs a vm (--vm): tokens are checked against it")
-	}
-	v := &verifier{newClient: newClient, vm: cfg.VM, ok: map[string]time.Time{}}
+// newClient returns a client that calls as token's holder. With cfg.VM
+// set, only tokens for that VM are let in; without, any carrel token is,
+// each session scoped to its token's VM.
+func HTTP(newClient func(token string) *client.Client, cfg Config) http.Handler {
+	v := &verifier{newClient: newClient, vm: cfg.VM, ok: map[string]verified{}}
 	h := mcp.NewStreamableHTTPHandler(func(r *http.Request) *mcp.Server {
 		ti := auth.TokenInfoFromContext(r.Context())
 		if ti == nil {
 			return nil
 		}
 		token, _ := ti.Extra["token"].(string)
-		return New(newClient(token), cfg)
+		vm, _ := ti.Extra["vm"].(string)
+		if vm == "" {
+			return nil // verify names every token's VM; never serve one unscoped
+		}
+		return New(newClient(token), Config{VM: vm, Version: cfg.Version})
 	}, &mcp.StreamableHTTPOptions{
 		// An idle session ends, and with it its forwards and connections.
 		SessionTimeout:        sessionIdle,
@@ -49,18 +50,24 @@ func HTTP(newClient func(token string) *client.Client, cfg Config) (http.Handler
 		// write_file's content, encoded, and the JSON around it.
 		MaxRequestBodyBytes: MaxWrite*4/3 + 1<<20,
 	})
-	return auth.RequireBearerToken(v.verify, &auth.RequireBearerTokenOptions{AllowMissingExpiration: true})(h), nil
+	return auth.RequireBearerToken(v.verify, &auth.RequireBearerTokenOptions{AllowMissingExpiration: true})(h)
 }
 
-// verifier checks tokens with carreld: a token that may read its VM's
-// record is good. A good answer is kept for verifyFor, so that a session's
-// every request does not cost a call.
+// verifier checks tokens with carreld, which says whose each is: a token
+// carreld knows, whose VM's policy lets it ask (and, when the server
+// serves one VM, for that VM), is good. A good answer is kept for
+// verifyFor, so that a session's every request does not cost a call.
 type verifier struct {
 	newClient func(string) *client.Client
-	vm        string
+	vm        string // the one VM served, or ""
 
 	mu sync.Mutex
-	ok map[string]time.Time // token digest -> when checked
+	ok map[string]verified // by token digest
+}
+
+type verified struct {
+	vm string
+	at time.Time
 }
 
 const verifyFor = 30 * time.Second
@@ -74,16 +81,18 @@ func (v *verifier) verify(ctx context.Context, token string, _ *http.Request) (*
 	}
 	sum := sha256.Sum256([]byte(token))
 	id := hex.EncodeToString(sum[:])
-	info := &auth.TokenInfo{UserID: id, Extra: map[string]any{"token": token}}
+	info := func(vm string) *auth.TokenInfo {
+		return &auth.TokenInfo{UserID: id, Extra: map[string]any{"token": token, "vm": vm}}
+	}
 	v.mu.Lock()
-	at, seen := v.ok[id]
+	seen, ok := v.ok[id]
 	v.mu.Unlock()
-	if seen && time.Since(at) < verifyFor {
-		return info, nil
+	if ok && time.Since(seen.at) < verifyFor {
+		return info(seen.vm), nil
 	}
 	c := v.newClient(token)
 	defer c.CloseIdleConnections()
-	_, err := c.VMs.GetVM(ctx, connect.NewRequest(&apiv1.GetVMRequest{Name: v.vm}))
+	resp, err := c.System.GetCaller(ctx, connect.NewRequest(&apiv1.GetCallerRequest{}))
 	switch connect.CodeOf(err) {
 	case connect.CodeUnauthenticated, connect.CodePermissionDenied:
 		return nil, fmt.Errorf("%w: %v", auth.ErrInvalidToken, explain(err))
@@ -91,13 +100,20 @@ func (v *verifier) verify(ctx context.Context, token string, _ *http.Request) (*
 	if err != nil {
 		return nil, explain(err)
 	}
+	vm := resp.Msg.Vm
+	switch {
+	case resp.Msg.Type != "token" || vm == "":
+		return nil, fmt.Errorf("%w: carreld does not take it for a token of a vm", auth.ErrInvalidToken)
+	case v.vm != "" && vm != v.vm:
+		return nil, fmt.Errorf("%w: a token for vm %q; this server serves vm %q", auth.ErrInvalidToken, vm, v.vm)
+	}
 	v.mu.Lock()
-	for k, t := range v.ok {
-		if time.Since(t) >= verifyFor {
+	for k, s := range v.ok {
+		if time.Since(s.at) >= verifyFor {
 			delete(v.ok, k)
 		}
 	}
-	v.ok[id] = time.Now()
+	v.ok[id] = verified{vm: vm, at: time.Now()}
 	v.mu.Unlock()
-	return info, nil
+	return info(vm), nil
 }

@@ -6,7 +6,10 @@
 // caller. The server holds no state of its own.
 //
 // A server is scoped to one VM (Config.VM): its tools act on that VM and
-// take no VM argument. Without a scope, each tool names its VM.
+// take no VM argument, and it lists that VM's resources (its audit
+// timeline and console). Without a scope, each tool names its VM and the
+// resources are templates. Over HTTP, each session is scoped to its
+// token's VM.
 package mcpserver
 
 import (
@@ -77,14 +80,17 @@ func New(c *client.Client, cfg Config) *mcp.Server {
 	mcp.AddTool(s, &mcp.Tool{Name: "move", Description: "Move or rename a file or directory within the VM."}, t.move)
 	mcp.AddTool(s, &mcp.Tool{Name: "vm_list", Description: "List the VMs the caller may see, with their state."}, t.vmList)
 	addMore(s, t)
+	addResources(s, t)
 	return s
 }
 
 func instructions(vm string) string {
 	if vm != "" {
-		return fmt.Sprintf("These tools act on the carrel VM %q: a Linux computer of its own. Every call is decided by the VM's policy and recorded in its audit log; a denied call says which rule denied it.", vm)
+		return fmt.Sprintf("These tools act on the carrel VM %q: a Linux computer of its own. Every call is decided by the VM's policy and recorded in its audit log; a denied call says which rule denied it. "+
+			"The resources %s and %s hold the VM's recent audit timeline and the end of its serial console.", vm, ResourceURI(vm, auditResource), ResourceURI(vm, consoleResource))
 	}
-	return "These tools act on carrel VMs (Linux computers of their own); each call names its VM (vm_list shows them). Every call is decided by the VM's policy and recorded in its audit log; a denied call says which rule denied it."
+	return "These tools act on carrel VMs (Linux computers of their own); each call names its VM (vm_list shows them). Every call is decided by the VM's policy and recorded in its audit log; a denied call says which rule denied it. " +
+		"The resources carrel://vm/NAME/audit and carrel://vm/NAME/console hold a VM's recent audit timeline and the end of its serial console."
 }
 
 type tools struct {
@@ -443,15 +449,23 @@ type VMListOut struct {
 }
 
 func (t *tools) vmList(ctx context.Context, _ *mcp.CallToolRequest, _ VMListIn) (*mcp.CallToolResult, VMListOut, error) {
-	resp, err := t.c.VMs.ListVMs(ctx, connect.NewRequest(&apiv1.ListVMsRequest{}))
-	if err != nil {
-		return nil, VMListOut{}, explain(err)
+	var vms []*apiv1.VM
+	if t.vm != "" {
+		// Its own VM only: a token may read that, not the list.
+		resp, err := t.c.VMs.GetVM(ctx, connect.NewRequest(&apiv1.GetVMRequest{Name: t.vm}))
+		if err != nil {
+			return nil, VMListOut{}, explain(err)
+		}
+		vms = []*apiv1.VM{resp.Msg.Vm}
+	} else {
+		resp, err := t.c.VMs.ListVMs(ctx, connect.NewRequest(&apiv1.ListVMsRequest{}))
+		if err != nil {
+			return nil, VMListOut{}, explain(err)
+		}
+		vms = resp.Msg.Vms
 	}
 	out := VMListOut{VMs: []VMInfo{}}
-	for _, v := range resp.Msg.Vms {
-		if t.vm != "" && v.Name != t.vm {
-			continue
-		}
+	for _, v := range vms {
 		out.VMs = append(out.VMs, VMInfo{
 			Name: v.Name, State: lower(v.State.String(), "VM_STATE_"), Agent: lower(v.AgentState.String(), "AGENT_STATE_"),
 			Paused: v.Paused, Image: v.ImageDigest, Policy: v.Policy,

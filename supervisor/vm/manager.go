@@ -485,7 +485,7 @@ func (m *Manager) boot(ctx context.Context, mc *machine, from *startPoint) error
 	if err := m.persist(mc, func(r *registry.Record) { r.Instance = &inst }); err != nil {
 		return fail(err)
 	}
-	rc, err = console.Record(live, m.cfg.Driver.ConsoleDialer(inst), filepath.Join(spec.Dir, "console.log"))
+	rc, err = console.Record(live, m.cfg.Driver.ConsoleDialer(inst), filepath.Join(spec.Dir, console.LogName))
 	if err != nil {
 		return fail(err)
 	}
@@ -703,5 +703,5 @@ func (m *Manager) releaseCID(mc *machine) {
 }
 
 func consoleRecord(ctx context.Context, m *Manager, inst driver.Instance, name string) (*console.Recorder, error) {
-	return console.Record(ctx, m.cfg.Driver.ConsoleDialer(inst), filepath.Join(m.cfg.Registry.Dir(name), "console.log"))
+	return console.Record(ctx, m.cfg.Driver.ConsoleDialer(inst), filepath.Join(m.cfg.Registry.Dir(name), console.LogName))
 }

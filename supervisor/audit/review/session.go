@@ -98,6 +98,67 @@ func ScanVM(r *audit.Reader, vm string, fn func(Entry) error) (audit.ScanEnd, er
 	return end, err
 }
 
+// RecentVM calls fn for the last n records that name vm, oldest first.
+// It reads the log back from its end, a window at a time, and no further
+// than maxBytes from it, so that its cost does not grow with the log:
+// partial says that fewer than n were found there and older ones were
+// not looked for.
+func RecentVM(r *audit.Reader, vm string, n int, maxBytes int64, fn func(Entry) error) (partial bool, err error) {
+	if n <= 0 {
+		return false, nil
+	}
+	size, err := r.Size()
+	if err != nil {
+		return false, err
+	}
+	need := quoted(vm)
+	window := min(int64(1<<20), maxBytes)
+	var offs []int64 // the last n found, oldest first
+	for {
+		from := max(size-window, 0)
+		offs = offs[:0]
+		if _, err := r.ScanFrom(from, func(_ uint64, off int64, p []byte) error {
+			if !bytes.Contains(p, need) {
+				return nil
+			}
+			rec, err := audit.Decode(p)
+			if err != nil {
+				return fmt.Errorf("record at offset %d: %w (run carrel audit verify)", off, err)
+			}
+			if rec.VM == vm {
+				if len(offs) == n {
+					offs = offs[1:]
+				}
+				offs = append(offs, off)
+			}
+			return nil
+		}); err != nil {
+			return false, err
+		}
+		if len(offs) == n || from == 0 || window >= maxBytes {
+			partial = len(offs) < n && from > 0
+			break
+		}
+		window = min(window*4, maxBytes)
+	}
+	// Read again only the records returned: a window's records are not
+	// all kept in memory.
+	for _, off := range offs {
+		p, err := r.ReadRecord(off)
+		if err != nil {
+			return false, err
+		}
+		rec, err := audit.Decode(p)
+		if err != nil {
+			return false, fmt.Errorf("record at offset %d: %w (run carrel audit verify)", off, err)
+		}
+		if err := fn(Entry{Record: rec, Offset: off, Payload: p}); err != nil {
+			return false, err
+		}
+	}
+	return partial, nil
+}
+
 // decode decodes the record at position seq, which must say so.
 func decode(seq uint64, p []byte) (audit.Record, error) {
 	rec, err := audit.Decode(p)

@@ -1,12 +1,15 @@
 package review
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
@@ -89,6 +92,59 @@ func TestScanVM(t *testing.T) {
 	}
 	if _, err := ScanVM(r, "nope", func(Entry) error { return nil }); !errors.Is(err, ErrNotFound) {
 		t.Errorf("unknown vm: %v", err)
+	}
+}
+
+// TestRecentVM: the last records of a VM, read back from the log's end,
+// further back when the VM's records are not near it, and no further than
+// asked.
+func TestRecentVM(t *testing.T) {
+	s := newSampleLog(t)
+	var all []uint64
+	if _, err := ScanVM(openReader(t, s.dir), testVM, func(e Entry) error { all = append(all, e.Seq); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	recent := func(n int, maxBytes int64) ([]uint64, bool) {
+		t.Helper()
+		var seqs []uint64
+		partial, err := RecentVM(openReader(t, s.dir), testVM, n, maxBytes, func(e Entry) error {
+			if e.VM != testVM || Summary(&e) == "" {
+				t.Errorf("record %d: vm %q, summary %q", e.Seq, e.VM, Summary(&e))
+			}
+			seqs = append(seqs, e.Seq)
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return seqs, partial
+	}
+	if got, partial := recent(3, 64<<20); !slices.Equal(got, all[len(all)-3:]) || partial {
+		t.Errorf("last 3: %v (partial %v), want %v", got, partial, all[len(all)-3:])
+	}
+	if got, partial := recent(1000, 64<<20); !slices.Equal(got, all) || partial {
+		t.Errorf("all: %v (partial %v), want %v", got, partial, all)
+	}
+	// 3 MiB of another VM's records after the VM's last.
+	l, err := audit.Open(s.dir, audit.Options{Logger: quiet, CheckpointInterval: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := &writer{t: t, l: l, ctx: context.Background()}
+	for range 100 {
+		w.append(audit.Record{Kind: audit.KindAPICall, VM: "other", Data: w.data(map[string]any{"procedure": strings.Repeat("x", 30<<10)})})
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if got, partial := recent(3, 64<<20); !slices.Equal(got, all[len(all)-3:]) || partial {
+		t.Errorf("last 3 behind another vm's: %v (partial %v), want %v", got, partial, all[len(all)-3:])
+	}
+	if got, partial := recent(3, 1<<20); len(got) != 0 || !partial {
+		t.Errorf("last 3 from 1 MiB of another vm's: %v, partial %v", got, partial)
+	}
+	if got, partial := recent(0, 64<<20); len(got) != 0 || partial {
+		t.Errorf("none asked: %v, partial %v", got, partial)
 	}
 }
 

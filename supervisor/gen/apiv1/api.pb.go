@@ -3002,6 +3002,312 @@ func (x *ImportImageResponse) GetAlready() bool {
 	return false
 }
 
+type GetConsoleRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The last this many bytes; 0 means 64 KiB, and 1 MiB is the most.
+	MaxBytes      uint32 `protobuf:"varint,2,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetConsoleRequest) Reset() {
+	*x = GetConsoleRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetConsoleRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetConsoleRequest) ProtoMessage() {}
+
+func (x *GetConsoleRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetConsoleRequest.ProtoReflect.Descriptor instead.
+func (*GetConsoleRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{45}
+}
+
+func (x *GetConsoleRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *GetConsoleRequest) GetMaxBytes() uint32 {
+	if x != nil {
+		return x.MaxBytes
+	}
+	return 0
+}
+
+type GetConsoleResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The guest's bytes as it printed them: not necessarily text, and not
+	// to be trusted.
+	Data []byte `protobuf:"bytes,1,opt,name=data,proto3" json:"data,omitempty"`
+	// The log holds bytes before data.
+	Truncated     bool `protobuf:"varint,2,opt,name=truncated,proto3" json:"truncated,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetConsoleResponse) Reset() {
+	*x = GetConsoleResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetConsoleResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetConsoleResponse) ProtoMessage() {}
+
+func (x *GetConsoleResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetConsoleResponse.ProtoReflect.Descriptor instead.
+func (*GetConsoleResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{46}
+}
+
+func (x *GetConsoleResponse) GetData() []byte {
+	if x != nil {
+		return x.Data
+	}
+	return nil
+}
+
+func (x *GetConsoleResponse) GetTruncated() bool {
+	if x != nil {
+		return x.Truncated
+	}
+	return false
+}
+
+type ListAuditRecordsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The last this many; 0 means 100, and 1000 is the most.
+	Limit         uint32 `protobuf:"varint,2,opt,name=limit,proto3" json:"limit,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAuditRecordsRequest) Reset() {
+	*x = ListAuditRecordsRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAuditRecordsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAuditRecordsRequest) ProtoMessage() {}
+
+func (x *ListAuditRecordsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAuditRecordsRequest.ProtoReflect.Descriptor instead.
+func (*ListAuditRecordsRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{47}
+}
+
+func (x *ListAuditRecordsRequest) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ListAuditRecordsRequest) GetLimit() uint32 {
+	if x != nil {
+		return x.Limit
+	}
+	return 0
+}
+
+type ListAuditRecordsResponse struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Records []*AuditRecord         `protobuf:"bytes,1,rep,name=records,proto3" json:"records,omitempty"`
+	// Fewer than limit were found in the end of the log that was read (its
+	// last 64 MiB), and earlier ones were not looked for: `carrel audit show
+	// VM` reads the whole log.
+	Partial       bool `protobuf:"varint,2,opt,name=partial,proto3" json:"partial,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListAuditRecordsResponse) Reset() {
+	*x = ListAuditRecordsResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListAuditRecordsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListAuditRecordsResponse) ProtoMessage() {}
+
+func (x *ListAuditRecordsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListAuditRecordsResponse.ProtoReflect.Descriptor instead.
+func (*ListAuditRecordsResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{48}
+}
+
+func (x *ListAuditRecordsResponse) GetRecords() []*AuditRecord {
+	if x != nil {
+		return x.Records
+	}
+	return nil
+}
+
+func (x *ListAuditRecordsResponse) GetPartial() bool {
+	if x != nil {
+		return x.Partial
+	}
+	return false
+}
+
+// AuditRecord is one record of the audit log, summed up.
+type AuditRecord struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Seq   uint64                 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	// RFC 3339, UTC.
+	Time string `protobuf:"bytes,2,opt,name=time,proto3" json:"time,omitempty"`
+	// "exec.exit", "policy.decision", ... (docs/audit.md).
+	Kind string `protobuf:"bytes,3,opt,name=kind,proto3" json:"kind,omitempty"`
+	// "host": carreld saw it; "guest": the VM's agent reported it.
+	Provenance string `protobuf:"bytes,4,opt,name=provenance,proto3" json:"provenance,omitempty"`
+	// The session it belongs to; "" for none.
+	Session string `protobuf:"bytes,5,opt,name=session,proto3" json:"session,omitempty"`
+	// One line, its control characters escaped.
+	Summary       string `protobuf:"bytes,6,opt,name=summary,proto3" json:"summary,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AuditRecord) Reset() {
+	*x = AuditRecord{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[49]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AuditRecord) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AuditRecord) ProtoMessage() {}
+
+func (x *AuditRecord) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[49]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AuditRecord.ProtoReflect.Descriptor instead.
+func (*AuditRecord) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{49}
+}
+
+func (x *AuditRecord) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *AuditRecord) GetTime() string {
+	if x != nil {
+		return x.Time
+	}
+	return ""
+}
+
+func (x *AuditRecord) GetKind() string {
+	if x != nil {
+		return x.Kind
+	}
+	return ""
+}
+
+func (x *AuditRecord) GetProvenance() string {
+	if x != nil {
+		return x.Provenance
+	}
+	return ""
+}
+
+func (x *AuditRecord) GetSession() string {
+	if x != nil {
+		return x.Session
+	}
+	return ""
+}
+
+func (x *AuditRecord) GetSummary() string {
+	if x != nil {
+		return x.Summary
+	}
+	return ""
+}
+
 type GetInfoRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -3010,7 +3316,7 @@ type GetInfoRequest struct {
 
 func (x *GetInfoRequest) Reset() {
 	*x = GetInfoRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3022,7 +3328,7 @@ func (x *GetInfoRequest) String() string {
 func (*GetInfoRequest) ProtoMessage() {}
 
 func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[45]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3035,7 +3341,7 @@ func (x *GetInfoRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoRequest.ProtoReflect.Descriptor instead.
 func (*GetInfoRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{45}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{50}
 }
 
 type GetInfoResponse struct {
@@ -3051,7 +3357,7 @@ type GetInfoResponse struct {
 
 func (x *GetInfoResponse) Reset() {
 	*x = GetInfoResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[51]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3063,7 +3369,7 @@ func (x *GetInfoResponse) String() string {
 func (*GetInfoResponse) ProtoMessage() {}
 
 func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[46]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[51]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3076,7 +3382,7 @@ func (x *GetInfoResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetInfoResponse.ProtoReflect.Descriptor instead.
 func (*GetInfoResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{46}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{51}
 }
 
 func (x *GetInfoResponse) GetVersion() string {
@@ -3114,6 +3420,121 @@ func (x *GetInfoResponse) GetVsock() bool {
 	return false
 }
 
+type GetCallerRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetCallerRequest) Reset() {
+	*x = GetCallerRequest{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[52]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCallerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCallerRequest) ProtoMessage() {}
+
+func (x *GetCallerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[52]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCallerRequest.ProtoReflect.Descriptor instead.
+func (*GetCallerRequest) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{52}
+}
+
+type GetCallerResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "peer" or "token".
+	Type string `protobuf:"bytes,1,opt,name=type,proto3" json:"type,omitempty"`
+	// A peer's.
+	Uid uint32 `protobuf:"varint,2,opt,name=uid,proto3" json:"uid,omitempty"`
+	Gid uint32 `protobuf:"varint,3,opt,name=gid,proto3" json:"gid,omitempty"`
+	// A token's: its id, and the one VM it acts on.
+	TokenId       string `protobuf:"bytes,4,opt,name=token_id,json=tokenId,proto3" json:"token_id,omitempty"`
+	Vm            string `protobuf:"bytes,5,opt,name=vm,proto3" json:"vm,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetCallerResponse) Reset() {
+	*x = GetCallerResponse{}
+	mi := &file_carrel_api_v1_api_proto_msgTypes[53]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetCallerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetCallerResponse) ProtoMessage() {}
+
+func (x *GetCallerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_api_proto_msgTypes[53]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetCallerResponse.ProtoReflect.Descriptor instead.
+func (*GetCallerResponse) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{53}
+}
+
+func (x *GetCallerResponse) GetType() string {
+	if x != nil {
+		return x.Type
+	}
+	return ""
+}
+
+func (x *GetCallerResponse) GetUid() uint32 {
+	if x != nil {
+		return x.Uid
+	}
+	return 0
+}
+
+func (x *GetCallerResponse) GetGid() uint32 {
+	if x != nil {
+		return x.Gid
+	}
+	return 0
+}
+
+func (x *GetCallerResponse) GetTokenId() string {
+	if x != nil {
+		return x.TokenId
+	}
+	return ""
+}
+
+func (x *GetCallerResponse) GetVm() string {
+	if x != nil {
+		return x.Vm
+	}
+	return ""
+}
+
 type ListGPUsRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields
@@ -3122,7 +3543,7 @@ type ListGPUsRequest struct {
 
 func (x *ListGPUsRequest) Reset() {
 	*x = ListGPUsRequest{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[54]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3134,7 +3555,7 @@ func (x *ListGPUsRequest) String() string {
 func (*ListGPUsRequest) ProtoMessage() {}
 
 func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[47]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[54]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3147,7 +3568,7 @@ func (x *ListGPUsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsRequest.ProtoReflect.Descriptor instead.
 func (*ListGPUsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{47}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{54}
 }
 
 type ListGPUsResponse struct {
@@ -3161,7 +3582,7 @@ type ListGPUsResponse struct {
 
 func (x *ListGPUsResponse) Reset() {
 	*x = ListGPUsResponse{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[55]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3173,7 +3594,7 @@ func (x *ListGPUsResponse) String() string {
 func (*ListGPUsResponse) ProtoMessage() {}
 
 func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[48]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[55]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3186,7 +3607,7 @@ func (x *ListGPUsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListGPUsResponse.ProtoReflect.Descriptor instead.
 func (*ListGPUsResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{48}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{55}
 }
 
 func (x *ListGPUsResponse) GetIommu() bool {
@@ -3237,7 +3658,7 @@ type GPU struct {
 
 func (x *GPU) Reset() {
 	*x = GPU{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[49]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[56]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3249,7 +3670,7 @@ func (x *GPU) String() string {
 func (*GPU) ProtoMessage() {}
 
 func (x *GPU) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[49]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[56]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3262,7 +3683,7 @@ func (x *GPU) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GPU.ProtoReflect.Descriptor instead.
 func (*GPU) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{49}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{56}
 }
 
 func (x *GPU) GetAddress() string {
@@ -3366,7 +3787,7 @@ type PCIDevice struct {
 
 func (x *PCIDevice) Reset() {
 	*x = PCIDevice{}
-	mi := &file_carrel_api_v1_api_proto_msgTypes[50]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[57]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3378,7 +3799,7 @@ func (x *PCIDevice) String() string {
 func (*PCIDevice) ProtoMessage() {}
 
 func (x *PCIDevice) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_api_proto_msgTypes[50]
+	mi := &file_carrel_api_v1_api_proto_msgTypes[57]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3391,7 +3812,7 @@ func (x *PCIDevice) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PCIDevice.ProtoReflect.Descriptor instead.
 func (*PCIDevice) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{50}
+	return file_carrel_api_v1_api_proto_rawDescGZIP(), []int{57}
 }
 
 func (x *PCIDevice) GetAddress() string {
@@ -3634,14 +4055,42 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x03tag\x18\x02 \x01(\tR\x03tag\"[\n" +
 	"\x13ImportImageResponse\x12*\n" +
 	"\x05image\x18\x01 \x01(\v2\x14.carrel.api.v1.ImageR\x05image\x12\x18\n" +
-	"\aalready\x18\x02 \x01(\bR\aalready\"\x10\n" +
+	"\aalready\x18\x02 \x01(\bR\aalready\"D\n" +
+	"\x11GetConsoleRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
+	"\tmax_bytes\x18\x02 \x01(\rR\bmaxBytes\"F\n" +
+	"\x12GetConsoleResponse\x12\x12\n" +
+	"\x04data\x18\x01 \x01(\fR\x04data\x12\x1c\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"C\n" +
+	"\x17ListAuditRecordsRequest\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x14\n" +
+	"\x05limit\x18\x02 \x01(\rR\x05limit\"j\n" +
+	"\x18ListAuditRecordsResponse\x124\n" +
+	"\arecords\x18\x01 \x03(\v2\x1a.carrel.api.v1.AuditRecordR\arecords\x12\x18\n" +
+	"\apartial\x18\x02 \x01(\bR\apartial\"\x9b\x01\n" +
+	"\vAuditRecord\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x12\n" +
+	"\x04time\x18\x02 \x01(\tR\x04time\x12\x12\n" +
+	"\x04kind\x18\x03 \x01(\tR\x04kind\x12\x1e\n" +
+	"\n" +
+	"provenance\x18\x04 \x01(\tR\n" +
+	"provenance\x12\x18\n" +
+	"\asession\x18\x05 \x01(\tR\asession\x12\x18\n" +
+	"\asummary\x18\x06 \x01(\tR\asummary\"\x10\n" +
 	"\x0eGetInfoRequest\"\x92\x01\n" +
 	"\x0fGetInfoResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12 \n" +
 	"\vaccelerator\x18\x02 \x01(\tR\vaccelerator\x12\x1b\n" +
 	"\tstate_dir\x18\x03 \x01(\tR\bstateDir\x12\x10\n" +
 	"\x03vms\x18\x04 \x01(\rR\x03vms\x12\x14\n" +
-	"\x05vsock\x18\x05 \x01(\bR\x05vsock\"\x11\n" +
+	"\x05vsock\x18\x05 \x01(\bR\x05vsock\"\x12\n" +
+	"\x10GetCallerRequest\"v\n" +
+	"\x11GetCallerResponse\x12\x12\n" +
+	"\x04type\x18\x01 \x01(\tR\x04type\x12\x10\n" +
+	"\x03uid\x18\x02 \x01(\rR\x03uid\x12\x10\n" +
+	"\x03gid\x18\x03 \x01(\rR\x03gid\x12\x19\n" +
+	"\btoken_id\x18\x04 \x01(\tR\atokenId\x12\x0e\n" +
+	"\x02vm\x18\x05 \x01(\tR\x02vm\"\x11\n" +
 	"\x0fListGPUsRequest\"P\n" +
 	"\x10ListGPUsResponse\x12\x14\n" +
 	"\x05iommu\x18\x01 \x01(\bR\x05iommu\x12&\n" +
@@ -3685,7 +4134,7 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\fExpiryAction\x12\x1d\n" +
 	"\x19EXPIRY_ACTION_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14EXPIRY_ACTION_DELETE\x10\x01\x12\x16\n" +
-	"\x12EXPIRY_ACTION_STOP\x10\x022\xe3\t\n" +
+	"\x12EXPIRY_ACTION_STOP\x10\x022\x9b\v\n" +
 	"\tVMService\x12K\n" +
 	"\bCreateVM\x12\x1e.carrel.api.v1.CreateVMRequest\x1a\x1f.carrel.api.v1.CreateVMResponse\x12B\n" +
 	"\x05GetVM\x12\x1b.carrel.api.v1.GetVMRequest\x1a\x1c.carrel.api.v1.GetVMResponse\x12H\n" +
@@ -3703,16 +4152,20 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x0eDeleteSnapshot\x12$.carrel.api.v1.DeleteSnapshotRequest\x1a%.carrel.api.v1.DeleteSnapshotResponse\x12E\n" +
 	"\x06ForkVM\x12\x1c.carrel.api.v1.ForkVMRequest\x1a\x1d.carrel.api.v1.ForkVMResponse\x12T\n" +
 	"\vSetVMExpiry\x12!.carrel.api.v1.SetVMExpiryRequest\x1a\".carrel.api.v1.SetVMExpiryResponse\x12A\n" +
-	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x012\xe3\x02\n" +
+	"\x04Exec\x12\x1a.carrel.api.v1.ExecRequest\x1a\x1b.carrel.api.v1.ExecResponse0\x01\x12Q\n" +
+	"\n" +
+	"GetConsole\x12 .carrel.api.v1.GetConsoleRequest\x1a!.carrel.api.v1.GetConsoleResponse\x12c\n" +
+	"\x10ListAuditRecords\x12&.carrel.api.v1.ListAuditRecordsRequest\x1a'.carrel.api.v1.ListAuditRecordsResponse2\xe3\x02\n" +
 	"\fImageService\x12Q\n" +
 	"\n" +
 	"BuildImage\x12 .carrel.api.v1.BuildImageRequest\x1a!.carrel.api.v1.BuildImageResponse\x12Q\n" +
 	"\n" +
 	"ListImages\x12 .carrel.api.v1.ListImagesRequest\x1a!.carrel.api.v1.ListImagesResponse\x12W\n" +
 	"\fInspectImage\x12\".carrel.api.v1.InspectImageRequest\x1a#.carrel.api.v1.InspectImageResponse\x12T\n" +
-	"\vImportImage\x12!.carrel.api.v1.ImportImageRequest\x1a\".carrel.api.v1.ImportImageResponse2Y\n" +
+	"\vImportImage\x12!.carrel.api.v1.ImportImageRequest\x1a\".carrel.api.v1.ImportImageResponse2\xa9\x01\n" +
 	"\rSystemService\x12H\n" +
-	"\aGetInfo\x12\x1d.carrel.api.v1.GetInfoRequest\x1a\x1e.carrel.api.v1.GetInfoResponse2Y\n" +
+	"\aGetInfo\x12\x1d.carrel.api.v1.GetInfoRequest\x1a\x1e.carrel.api.v1.GetInfoResponse\x12N\n" +
+	"\tGetCaller\x12\x1f.carrel.api.v1.GetCallerRequest\x1a .carrel.api.v1.GetCallerResponse2Y\n" +
 	"\n" +
 	"GPUService\x12K\n" +
 	"\bListGPUs\x12\x1e.carrel.api.v1.ListGPUsRequest\x1a\x1f.carrel.api.v1.ListGPUsResponseB8Z6github.com/carrel-os/carrel/supervisor/gen/apiv1;apiv1b\x06proto3"
@@ -3730,78 +4183,85 @@ func file_carrel_api_v1_api_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_api_v1_api_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 54)
+var file_carrel_api_v1_api_proto_msgTypes = make([]protoimpl.MessageInfo, 61)
 var file_carrel_api_v1_api_proto_goTypes = []any{
-	(VMState)(0),                   // 0: carrel.api.v1.VMState
-	(AgentState)(0),                // 1: carrel.api.v1.AgentState
-	(ExpiryAction)(0),              // 2: carrel.api.v1.ExpiryAction
-	(*VM)(nil),                     // 3: carrel.api.v1.VM
-	(*Origin)(nil),                 // 4: carrel.api.v1.Origin
-	(*CreateVMRequest)(nil),        // 5: carrel.api.v1.CreateVMRequest
-	(*SetVMExpiryRequest)(nil),     // 6: carrel.api.v1.SetVMExpiryRequest
-	(*SetVMExpiryResponse)(nil),    // 7: carrel.api.v1.SetVMExpiryResponse
-	(*CreateVMResponse)(nil),       // 8: carrel.api.v1.CreateVMResponse
-	(*GetVMRequest)(nil),           // 9: carrel.api.v1.GetVMRequest
-	(*GetVMResponse)(nil),          // 10: carrel.api.v1.GetVMResponse
-	(*ListVMsRequest)(nil),         // 11: carrel.api.v1.ListVMsRequest
-	(*ListVMsResponse)(nil),        // 12: carrel.api.v1.ListVMsResponse
-	(*StartVMRequest)(nil),         // 13: carrel.api.v1.StartVMRequest
-	(*StartVMResponse)(nil),        // 14: carrel.api.v1.StartVMResponse
-	(*StopVMRequest)(nil),          // 15: carrel.api.v1.StopVMRequest
-	(*StopVMResponse)(nil),         // 16: carrel.api.v1.StopVMResponse
-	(*DeleteVMRequest)(nil),        // 17: carrel.api.v1.DeleteVMRequest
-	(*DeleteVMResponse)(nil),       // 18: carrel.api.v1.DeleteVMResponse
-	(*ResetVMRequest)(nil),         // 19: carrel.api.v1.ResetVMRequest
-	(*ResetVMResponse)(nil),        // 20: carrel.api.v1.ResetVMResponse
-	(*PauseVMRequest)(nil),         // 21: carrel.api.v1.PauseVMRequest
-	(*PauseVMResponse)(nil),        // 22: carrel.api.v1.PauseVMResponse
-	(*ResumeVMRequest)(nil),        // 23: carrel.api.v1.ResumeVMRequest
-	(*ResumeVMResponse)(nil),       // 24: carrel.api.v1.ResumeVMResponse
-	(*Snapshot)(nil),               // 25: carrel.api.v1.Snapshot
-	(*SnapshotVMRequest)(nil),      // 26: carrel.api.v1.SnapshotVMRequest
-	(*SnapshotVMResponse)(nil),     // 27: carrel.api.v1.SnapshotVMResponse
-	(*ListSnapshotsRequest)(nil),   // 28: carrel.api.v1.ListSnapshotsRequest
-	(*ListSnapshotsResponse)(nil),  // 29: carrel.api.v1.ListSnapshotsResponse
-	(*RestoreVMRequest)(nil),       // 30: carrel.api.v1.RestoreVMRequest
-	(*RestoreVMResponse)(nil),      // 31: carrel.api.v1.RestoreVMResponse
-	(*DeleteSnapshotRequest)(nil),  // 32: carrel.api.v1.DeleteSnapshotRequest
-	(*DeleteSnapshotResponse)(nil), // 33: carrel.api.v1.DeleteSnapshotResponse
-	(*ForkVMRequest)(nil),          // 34: carrel.api.v1.ForkVMRequest
-	(*ForkVMResponse)(nil),         // 35: carrel.api.v1.ForkVMResponse
-	(*ExecRequest)(nil),            // 36: carrel.api.v1.ExecRequest
-	(*ExecResponse)(nil),           // 37: carrel.api.v1.ExecResponse
-	(*ExitStatus)(nil),             // 38: carrel.api.v1.ExitStatus
-	(*BuildImageRequest)(nil),      // 39: carrel.api.v1.BuildImageRequest
-	(*BuildImageResponse)(nil),     // 40: carrel.api.v1.BuildImageResponse
-	(*ListImagesRequest)(nil),      // 41: carrel.api.v1.ListImagesRequest
-	(*ListImagesResponse)(nil),     // 42: carrel.api.v1.ListImagesResponse
-	(*Image)(nil),                  // 43: carrel.api.v1.Image
-	(*InspectImageRequest)(nil),    // 44: carrel.api.v1.InspectImageRequest
-	(*InspectImageResponse)(nil),   // 45: carrel.api.v1.InspectImageResponse
-	(*ImportImageRequest)(nil),     // 46: carrel.api.v1.ImportImageRequest
-	(*ImportImageResponse)(nil),    // 47: carrel.api.v1.ImportImageResponse
-	(*GetInfoRequest)(nil),         // 48: carrel.api.v1.GetInfoRequest
-	(*GetInfoResponse)(nil),        // 49: carrel.api.v1.GetInfoResponse
-	(*ListGPUsRequest)(nil),        // 50: carrel.api.v1.ListGPUsRequest
-	(*ListGPUsResponse)(nil),       // 51: carrel.api.v1.ListGPUsResponse
-	(*GPU)(nil),                    // 52: carrel.api.v1.GPU
-	(*PCIDevice)(nil),              // 53: carrel.api.v1.PCIDevice
-	nil,                            // 54: carrel.api.v1.VM.LabelsEntry
-	nil,                            // 55: carrel.api.v1.CreateVMRequest.LabelsEntry
-	nil,                            // 56: carrel.api.v1.ListVMsRequest.LabelsEntry
+	(VMState)(0),                     // 0: carrel.api.v1.VMState
+	(AgentState)(0),                  // 1: carrel.api.v1.AgentState
+	(ExpiryAction)(0),                // 2: carrel.api.v1.ExpiryAction
+	(*VM)(nil),                       // 3: carrel.api.v1.VM
+	(*Origin)(nil),                   // 4: carrel.api.v1.Origin
+	(*CreateVMRequest)(nil),          // 5: carrel.api.v1.CreateVMRequest
+	(*SetVMExpiryRequest)(nil),       // 6: carrel.api.v1.SetVMExpiryRequest
+	(*SetVMExpiryResponse)(nil),      // 7: carrel.api.v1.SetVMExpiryResponse
+	(*CreateVMResponse)(nil),         // 8: carrel.api.v1.CreateVMResponse
+	(*GetVMRequest)(nil),             // 9: carrel.api.v1.GetVMRequest
+	(*GetVMResponse)(nil),            // 10: carrel.api.v1.GetVMResponse
+	(*ListVMsRequest)(nil),           // 11: carrel.api.v1.ListVMsRequest
+	(*ListVMsResponse)(nil),          // 12: carrel.api.v1.ListVMsResponse
+	(*StartVMRequest)(nil),           // 13: carrel.api.v1.StartVMRequest
+	(*StartVMResponse)(nil),          // 14: carrel.api.v1.StartVMResponse
+	(*StopVMRequest)(nil),            // 15: carrel.api.v1.StopVMRequest
+	(*StopVMResponse)(nil),           // 16: carrel.api.v1.StopVMResponse
+	(*DeleteVMRequest)(nil),          // 17: carrel.api.v1.DeleteVMRequest
+	(*DeleteVMResponse)(nil),         // 18: carrel.api.v1.DeleteVMResponse
+	(*ResetVMRequest)(nil),           // 19: carrel.api.v1.ResetVMRequest
+	(*ResetVMResponse)(nil),          // 20: carrel.api.v1.ResetVMResponse
+	(*PauseVMRequest)(nil),           // 21: carrel.api.v1.PauseVMRequest
+	(*PauseVMResponse)(nil),          // 22: carrel.api.v1.PauseVMResponse
+	(*ResumeVMRequest)(nil),          // 23: carrel.api.v1.ResumeVMRequest
+	(*ResumeVMResponse)(nil),         // 24: carrel.api.v1.ResumeVMResponse
+	(*Snapshot)(nil),                 // 25: carrel.api.v1.Snapshot
+	(*SnapshotVMRequest)(nil),        // 26: carrel.api.v1.SnapshotVMRequest
+	(*SnapshotVMResponse)(nil),       // 27: carrel.api.v1.SnapshotVMResponse
+	(*ListSnapshotsRequest)(nil),     // 28: carrel.api.v1.ListSnapshotsRequest
+	(*ListSnapshotsResponse)(nil),    // 29: carrel.api.v1.ListSnapshotsResponse
+	(*RestoreVMRequest)(nil),         // 30: carrel.api.v1.RestoreVMRequest
+	(*RestoreVMResponse)(nil),        // 31: carrel.api.v1.RestoreVMResponse
+	(*DeleteSnapshotRequest)(nil),    // 32: carrel.api.v1.DeleteSnapshotRequest
+	(*DeleteSnapshotResponse)(nil),   // 33: carrel.api.v1.DeleteSnapshotResponse
+	(*ForkVMRequest)(nil),            // 34: carrel.api.v1.ForkVMRequest
+	(*ForkVMResponse)(nil),           // 35: carrel.api.v1.ForkVMResponse
+	(*ExecRequest)(nil),              // 36: carrel.api.v1.ExecRequest
+	(*ExecResponse)(nil),             // 37: carrel.api.v1.ExecResponse
+	(*ExitStatus)(nil),               // 38: carrel.api.v1.ExitStatus
+	(*BuildImageRequest)(nil),        // 39: carrel.api.v1.BuildImageRequest
+	(*BuildImageResponse)(nil),       // 40: carrel.api.v1.BuildImageResponse
+	(*ListImagesRequest)(nil),        // 41: carrel.api.v1.ListImagesRequest
+	(*ListImagesResponse)(nil),       // 42: carrel.api.v1.ListImagesResponse
+	(*Image)(nil),                    // 43: carrel.api.v1.Image
+	(*InspectImageRequest)(nil),      // 44: carrel.api.v1.InspectImageRequest
+	(*InspectImageResponse)(nil),     // 45: carrel.api.v1.InspectImageResponse
+	(*ImportImageRequest)(nil),       // 46: carrel.api.v1.ImportImageRequest
+	(*ImportImageResponse)(nil),      // 47: carrel.api.v1.ImportImageResponse
+	(*GetConsoleRequest)(nil),        // 48: carrel.api.v1.GetConsoleRequest
+	(*GetConsoleResponse)(nil),       // 49: carrel.api.v1.GetConsoleResponse
+	(*ListAuditRecordsRequest)(nil),  // 50: carrel.api.v1.ListAuditRecordsRequest
+	(*ListAuditRecordsResponse)(nil), // 51: carrel.api.v1.ListAuditRecordsResponse
+	(*AuditRecord)(nil),              // 52: carrel.api.v1.AuditRecord
+	(*GetInfoRequest)(nil),           // 53: carrel.api.v1.GetInfoRequest
+	(*GetInfoResponse)(nil),          // 54: carrel.api.v1.GetInfoResponse
+	(*GetCallerRequest)(nil),         // 55: carrel.api.v1.GetCallerRequest
+	(*GetCallerResponse)(nil),        // 56: carrel.api.v1.GetCallerResponse
+	(*ListGPUsRequest)(nil),          // 57: carrel.api.v1.ListGPUsRequest
+	(*ListGPUsResponse)(nil),         // 58: carrel.api.v1.ListGPUsResponse
+	(*GPU)(nil),                      // 59: carrel.api.v1.GPU
+	(*PCIDevice)(nil),                // 60: carrel.api.v1.PCIDevice
+	nil,                              // 61: carrel.api.v1.VM.LabelsEntry
+	nil,                              // 62: carrel.api.v1.CreateVMRequest.LabelsEntry
+	nil,                              // 63: carrel.api.v1.ListVMsRequest.LabelsEntry
 }
 var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	0,  // 0: carrel.api.v1.VM.state:type_name -> carrel.api.v1.VMState
 	1,  // 1: carrel.api.v1.VM.agent_state:type_name -> carrel.api.v1.AgentState
 	4,  // 2: carrel.api.v1.VM.origin:type_name -> carrel.api.v1.Origin
-	54, // 3: carrel.api.v1.VM.labels:type_name -> carrel.api.v1.VM.LabelsEntry
+	61, // 3: carrel.api.v1.VM.labels:type_name -> carrel.api.v1.VM.LabelsEntry
 	2,  // 4: carrel.api.v1.VM.expiry_action:type_name -> carrel.api.v1.ExpiryAction
-	55, // 5: carrel.api.v1.CreateVMRequest.labels:type_name -> carrel.api.v1.CreateVMRequest.LabelsEntry
+	62, // 5: carrel.api.v1.CreateVMRequest.labels:type_name -> carrel.api.v1.CreateVMRequest.LabelsEntry
 	2,  // 6: carrel.api.v1.CreateVMRequest.expiry_action:type_name -> carrel.api.v1.ExpiryAction
 	3,  // 7: carrel.api.v1.SetVMExpiryResponse.vm:type_name -> carrel.api.v1.VM
 	3,  // 8: carrel.api.v1.CreateVMResponse.vm:type_name -> carrel.api.v1.VM
 	3,  // 9: carrel.api.v1.GetVMResponse.vm:type_name -> carrel.api.v1.VM
-	56, // 10: carrel.api.v1.ListVMsRequest.labels:type_name -> carrel.api.v1.ListVMsRequest.LabelsEntry
+	63, // 10: carrel.api.v1.ListVMsRequest.labels:type_name -> carrel.api.v1.ListVMsRequest.LabelsEntry
 	3,  // 11: carrel.api.v1.ListVMsResponse.vms:type_name -> carrel.api.v1.VM
 	3,  // 12: carrel.api.v1.StartVMResponse.vm:type_name -> carrel.api.v1.VM
 	3,  // 13: carrel.api.v1.StopVMResponse.vm:type_name -> carrel.api.v1.VM
@@ -3817,57 +4277,64 @@ var file_carrel_api_v1_api_proto_depIdxs = []int32{
 	43, // 23: carrel.api.v1.ListImagesResponse.images:type_name -> carrel.api.v1.Image
 	43, // 24: carrel.api.v1.InspectImageResponse.image:type_name -> carrel.api.v1.Image
 	43, // 25: carrel.api.v1.ImportImageResponse.image:type_name -> carrel.api.v1.Image
-	52, // 26: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
-	53, // 27: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
-	5,  // 28: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
-	9,  // 29: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
-	11, // 30: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
-	13, // 31: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
-	15, // 32: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
-	17, // 33: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
-	19, // 34: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
-	21, // 35: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
-	23, // 36: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
-	26, // 37: carrel.api.v1.VMService.SnapshotVM:input_type -> carrel.api.v1.SnapshotVMRequest
-	28, // 38: carrel.api.v1.VMService.ListSnapshots:input_type -> carrel.api.v1.ListSnapshotsRequest
-	30, // 39: carrel.api.v1.VMService.RestoreVM:input_type -> carrel.api.v1.RestoreVMRequest
-	32, // 40: carrel.api.v1.VMService.DeleteSnapshot:input_type -> carrel.api.v1.DeleteSnapshotRequest
-	34, // 41: carrel.api.v1.VMService.ForkVM:input_type -> carrel.api.v1.ForkVMRequest
-	6,  // 42: carrel.api.v1.VMService.SetVMExpiry:input_type -> carrel.api.v1.SetVMExpiryRequest
-	36, // 43: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
-	39, // 44: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
-	41, // 45: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
-	44, // 46: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
-	46, // 47: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
-	48, // 48: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
-	50, // 49: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
-	8,  // 50: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
-	10, // 51: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
-	12, // 52: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
-	14, // 53: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
-	16, // 54: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
-	18, // 55: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
-	20, // 56: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
-	22, // 57: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
-	24, // 58: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
-	27, // 59: carrel.api.v1.VMService.SnapshotVM:output_type -> carrel.api.v1.SnapshotVMResponse
-	29, // 60: carrel.api.v1.VMService.ListSnapshots:output_type -> carrel.api.v1.ListSnapshotsResponse
-	31, // 61: carrel.api.v1.VMService.RestoreVM:output_type -> carrel.api.v1.RestoreVMResponse
-	33, // 62: carrel.api.v1.VMService.DeleteSnapshot:output_type -> carrel.api.v1.DeleteSnapshotResponse
-	35, // 63: carrel.api.v1.VMService.ForkVM:output_type -> carrel.api.v1.ForkVMResponse
-	7,  // 64: carrel.api.v1.VMService.SetVMExpiry:output_type -> carrel.api.v1.SetVMExpiryResponse
-	37, // 65: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
-	40, // 66: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
-	42, // 67: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
-	45, // 68: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
-	47, // 69: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
-	49, // 70: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
-	51, // 71: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
-	50, // [50:72] is the sub-list for method output_type
-	28, // [28:50] is the sub-list for method input_type
-	28, // [28:28] is the sub-list for extension type_name
-	28, // [28:28] is the sub-list for extension extendee
-	0,  // [0:28] is the sub-list for field type_name
+	52, // 26: carrel.api.v1.ListAuditRecordsResponse.records:type_name -> carrel.api.v1.AuditRecord
+	59, // 27: carrel.api.v1.ListGPUsResponse.gpus:type_name -> carrel.api.v1.GPU
+	60, // 28: carrel.api.v1.GPU.group:type_name -> carrel.api.v1.PCIDevice
+	5,  // 29: carrel.api.v1.VMService.CreateVM:input_type -> carrel.api.v1.CreateVMRequest
+	9,  // 30: carrel.api.v1.VMService.GetVM:input_type -> carrel.api.v1.GetVMRequest
+	11, // 31: carrel.api.v1.VMService.ListVMs:input_type -> carrel.api.v1.ListVMsRequest
+	13, // 32: carrel.api.v1.VMService.StartVM:input_type -> carrel.api.v1.StartVMRequest
+	15, // 33: carrel.api.v1.VMService.StopVM:input_type -> carrel.api.v1.StopVMRequest
+	17, // 34: carrel.api.v1.VMService.DeleteVM:input_type -> carrel.api.v1.DeleteVMRequest
+	19, // 35: carrel.api.v1.VMService.ResetVM:input_type -> carrel.api.v1.ResetVMRequest
+	21, // 36: carrel.api.v1.VMService.PauseVM:input_type -> carrel.api.v1.PauseVMRequest
+	23, // 37: carrel.api.v1.VMService.ResumeVM:input_type -> carrel.api.v1.ResumeVMRequest
+	26, // 38: carrel.api.v1.VMService.SnapshotVM:input_type -> carrel.api.v1.SnapshotVMRequest
+	28, // 39: carrel.api.v1.VMService.ListSnapshots:input_type -> carrel.api.v1.ListSnapshotsRequest
+	30, // 40: carrel.api.v1.VMService.RestoreVM:input_type -> carrel.api.v1.RestoreVMRequest
+	32, // 41: carrel.api.v1.VMService.DeleteSnapshot:input_type -> carrel.api.v1.DeleteSnapshotRequest
+	34, // 42: carrel.api.v1.VMService.ForkVM:input_type -> carrel.api.v1.ForkVMRequest
+	6,  // 43: carrel.api.v1.VMService.SetVMExpiry:input_type -> carrel.api.v1.SetVMExpiryRequest
+	36, // 44: carrel.api.v1.VMService.Exec:input_type -> carrel.api.v1.ExecRequest
+	48, // 45: carrel.api.v1.VMService.GetConsole:input_type -> carrel.api.v1.GetConsoleRequest
+	50, // 46: carrel.api.v1.VMService.ListAuditRecords:input_type -> carrel.api.v1.ListAuditRecordsRequest
+	39, // 47: carrel.api.v1.ImageService.BuildImage:input_type -> carrel.api.v1.BuildImageRequest
+	41, // 48: carrel.api.v1.ImageService.ListImages:input_type -> carrel.api.v1.ListImagesRequest
+	44, // 49: carrel.api.v1.ImageService.InspectImage:input_type -> carrel.api.v1.InspectImageRequest
+	46, // 50: carrel.api.v1.ImageService.ImportImage:input_type -> carrel.api.v1.ImportImageRequest
+	53, // 51: carrel.api.v1.SystemService.GetInfo:input_type -> carrel.api.v1.GetInfoRequest
+	55, // 52: carrel.api.v1.SystemService.GetCaller:input_type -> carrel.api.v1.GetCallerRequest
+	57, // 53: carrel.api.v1.GPUService.ListGPUs:input_type -> carrel.api.v1.ListGPUsRequest
+	8,  // 54: carrel.api.v1.VMService.CreateVM:output_type -> carrel.api.v1.CreateVMResponse
+	10, // 55: carrel.api.v1.VMService.GetVM:output_type -> carrel.api.v1.GetVMResponse
+	12, // 56: carrel.api.v1.VMService.ListVMs:output_type -> carrel.api.v1.ListVMsResponse
+	14, // 57: carrel.api.v1.VMService.StartVM:output_type -> carrel.api.v1.StartVMResponse
+	16, // 58: carrel.api.v1.VMService.StopVM:output_type -> carrel.api.v1.StopVMResponse
+	18, // 59: carrel.api.v1.VMService.DeleteVM:output_type -> carrel.api.v1.DeleteVMResponse
+	20, // 60: carrel.api.v1.VMService.ResetVM:output_type -> carrel.api.v1.ResetVMResponse
+	22, // 61: carrel.api.v1.VMService.PauseVM:output_type -> carrel.api.v1.PauseVMResponse
+	24, // 62: carrel.api.v1.VMService.ResumeVM:output_type -> carrel.api.v1.ResumeVMResponse
+	27, // 63: carrel.api.v1.VMService.SnapshotVM:output_type -> carrel.api.v1.SnapshotVMResponse
+	29, // 64: carrel.api.v1.VMService.ListSnapshots:output_type -> carrel.api.v1.ListSnapshotsResponse
+	31, // 65: carrel.api.v1.VMService.RestoreVM:output_type -> carrel.api.v1.RestoreVMResponse
+	33, // 66: carrel.api.v1.VMService.DeleteSnapshot:output_type -> carrel.api.v1.DeleteSnapshotResponse
+	35, // 67: carrel.api.v1.VMService.ForkVM:output_type -> carrel.api.v1.ForkVMResponse
+	7,  // 68: carrel.api.v1.VMService.SetVMExpiry:output_type -> carrel.api.v1.SetVMExpiryResponse
+	37, // 69: carrel.api.v1.VMService.Exec:output_type -> carrel.api.v1.ExecResponse
+	49, // 70: carrel.api.v1.VMService.GetConsole:output_type -> carrel.api.v1.GetConsoleResponse
+	51, // 71: carrel.api.v1.VMService.ListAuditRecords:output_type -> carrel.api.v1.ListAuditRecordsResponse
+	40, // 72: carrel.api.v1.ImageService.BuildImage:output_type -> carrel.api.v1.BuildImageResponse
+	42, // 73: carrel.api.v1.ImageService.ListImages:output_type -> carrel.api.v1.ListImagesResponse
+	45, // 74: carrel.api.v1.ImageService.InspectImage:output_type -> carrel.api.v1.InspectImageResponse
+	47, // 75: carrel.api.v1.ImageService.ImportImage:output_type -> carrel.api.v1.ImportImageResponse
+	54, // 76: carrel.api.v1.SystemService.GetInfo:output_type -> carrel.api.v1.GetInfoResponse
+	56, // 77: carrel.api.v1.SystemService.GetCaller:output_type -> carrel.api.v1.GetCallerResponse
+	58, // 78: carrel.api.v1.GPUService.ListGPUs:output_type -> carrel.api.v1.ListGPUsResponse
+	54, // [54:79] is the sub-list for method output_type
+	29, // [29:54] is the sub-list for method input_type
+	29, // [29:29] is the sub-list for extension type_name
+	29, // [29:29] is the sub-list for extension extendee
+	0,  // [0:29] is the sub-list for field type_name
 }
 
 func init() { file_carrel_api_v1_api_proto_init() }
@@ -3887,7 +4354,7 @@ func file_carrel_api_v1_api_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_api_v1_api_proto_rawDesc), len(file_carrel_api_v1_api_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   54,
+			NumMessages:   61,
 			NumExtensions: 0,
 			NumServices:   4,
 		},

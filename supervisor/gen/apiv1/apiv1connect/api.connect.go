@@ -79,6 +79,11 @@ const (
 	VMServiceSetVMExpiryProcedure = "/carrel.api.v1.VMService/SetVMExpiry"
 	// VMServiceExecProcedure is the fully-qualified name of the VMService's Exec RPC.
 	VMServiceExecProcedure = "/carrel.api.v1.VMService/Exec"
+	// VMServiceGetConsoleProcedure is the fully-qualified name of the VMService's GetConsole RPC.
+	VMServiceGetConsoleProcedure = "/carrel.api.v1.VMService/GetConsole"
+	// VMServiceListAuditRecordsProcedure is the fully-qualified name of the VMService's
+	// ListAuditRecords RPC.
+	VMServiceListAuditRecordsProcedure = "/carrel.api.v1.VMService/ListAuditRecords"
 	// ImageServiceBuildImageProcedure is the fully-qualified name of the ImageService's BuildImage RPC.
 	ImageServiceBuildImageProcedure = "/carrel.api.v1.ImageService/BuildImage"
 	// ImageServiceListImagesProcedure is the fully-qualified name of the ImageService's ListImages RPC.
@@ -91,6 +96,8 @@ const (
 	ImageServiceImportImageProcedure = "/carrel.api.v1.ImageService/ImportImage"
 	// SystemServiceGetInfoProcedure is the fully-qualified name of the SystemService's GetInfo RPC.
 	SystemServiceGetInfoProcedure = "/carrel.api.v1.SystemService/GetInfo"
+	// SystemServiceGetCallerProcedure is the fully-qualified name of the SystemService's GetCaller RPC.
+	SystemServiceGetCallerProcedure = "/carrel.api.v1.SystemService/GetCaller"
 	// GPUServiceListGPUsProcedure is the fully-qualified name of the GPUService's ListGPUs RPC.
 	GPUServiceListGPUsProcedure = "/carrel.api.v1.GPUService/ListGPUs"
 )
@@ -139,6 +146,12 @@ type VMServiceClient interface {
 	SetVMExpiry(context.Context, *connect.Request[apiv1.SetVMExpiryRequest]) (*connect.Response[apiv1.SetVMExpiryResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest]) (*connect.ServerStreamForClient[apiv1.ExecResponse], error)
+	// GetConsole returns the end of a VM's serial console log, across its
+	// boots: what the guest printed there, its kernel's messages included.
+	GetConsole(context.Context, *connect.Request[apiv1.GetConsoleRequest]) (*connect.Response[apiv1.GetConsoleResponse], error)
+	// ListAuditRecords returns the most recent audit records that name a
+	// VM, oldest first, each summed up as `carrel audit show` prints it.
+	ListAuditRecords(context.Context, *connect.Request[apiv1.ListAuditRecordsRequest]) (*connect.Response[apiv1.ListAuditRecordsResponse], error)
 }
 
 // NewVMServiceClient constructs a client for the carrel.api.v1.VMService service. By default, it
@@ -248,27 +261,41 @@ func NewVMServiceClient(httpClient connect.HTTPClient, baseURL string, opts ...c
 			connect.WithSchema(vMServiceMethods.ByName("Exec")),
 			connect.WithClientOptions(opts...),
 		),
+		getConsole: connect.NewClient[apiv1.GetConsoleRequest, apiv1.GetConsoleResponse](
+			httpClient,
+			baseURL+VMServiceGetConsoleProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("GetConsole")),
+			connect.WithClientOptions(opts...),
+		),
+		listAuditRecords: connect.NewClient[apiv1.ListAuditRecordsRequest, apiv1.ListAuditRecordsResponse](
+			httpClient,
+			baseURL+VMServiceListAuditRecordsProcedure,
+			connect.WithSchema(vMServiceMethods.ByName("ListAuditRecords")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // vMServiceClient implements VMServiceClient.
 type vMServiceClient struct {
-	createVM       *connect.Client[apiv1.CreateVMRequest, apiv1.CreateVMResponse]
-	getVM          *connect.Client[apiv1.GetVMRequest, apiv1.GetVMResponse]
-	listVMs        *connect.Client[apiv1.ListVMsRequest, apiv1.ListVMsResponse]
-	startVM        *connect.Client[apiv1.StartVMRequest, apiv1.StartVMResponse]
-	stopVM         *connect.Client[apiv1.StopVMRequest, apiv1.StopVMResponse]
-	deleteVM       *connect.Client[apiv1.DeleteVMRequest, apiv1.DeleteVMResponse]
-	resetVM        *connect.Client[apiv1.ResetVMRequest, apiv1.ResetVMResponse]
-	pauseVM        *connect.Client[apiv1.PauseVMRequest, apiv1.PauseVMResponse]
-	resumeVM       *connect.Client[apiv1.ResumeVMRequest, apiv1.ResumeVMResponse]
-	snapshotVM     *connect.Client[apiv1.SnapshotVMRequest, apiv1.SnapshotVMResponse]
-	listSnapshots  *connect.Client[apiv1.ListSnapshotsRequest, apiv1.ListSnapshotsResponse]
-	restoreVM      *connect.Client[apiv1.RestoreVMRequest, apiv1.RestoreVMResponse]
-	deleteSnapshot *connect.Client[apiv1.DeleteSnapshotRequest, apiv1.DeleteSnapshotResponse]
-	forkVM         *connect.Client[apiv1.ForkVMRequest, apiv1.ForkVMResponse]
-	setVMExpiry    *connect.Client[apiv1.SetVMExpiryRequest, apiv1.SetVMExpiryResponse]
-	exec           *connect.Client[apiv1.ExecRequest, apiv1.ExecResponse]
+	createVM         *connect.Client[apiv1.CreateVMRequest, apiv1.CreateVMResponse]
+	getVM            *connect.Client[apiv1.GetVMRequest, apiv1.GetVMResponse]
+	listVMs          *connect.Client[apiv1.ListVMsRequest, apiv1.ListVMsResponse]
+	startVM          *connect.Client[apiv1.StartVMRequest, apiv1.StartVMResponse]
+	stopVM           *connect.Client[apiv1.StopVMRequest, apiv1.StopVMResponse]
+	deleteVM         *connect.Client[apiv1.DeleteVMRequest, apiv1.DeleteVMResponse]
+	resetVM          *connect.Client[apiv1.ResetVMRequest, apiv1.ResetVMResponse]
+	pauseVM          *connect.Client[apiv1.PauseVMRequest, apiv1.PauseVMResponse]
+	resumeVM         *connect.Client[apiv1.ResumeVMRequest, apiv1.ResumeVMResponse]
+	snapshotVM       *connect.Client[apiv1.SnapshotVMRequest, apiv1.SnapshotVMResponse]
+	listSnapshots    *connect.Client[apiv1.ListSnapshotsRequest, apiv1.ListSnapshotsResponse]
+	restoreVM        *connect.Client[apiv1.RestoreVMRequest, apiv1.RestoreVMResponse]
+	deleteSnapshot   *connect.Client[apiv1.DeleteSnapshotRequest, apiv1.DeleteSnapshotResponse]
+	forkVM           *connect.Client[apiv1.ForkVMRequest, apiv1.ForkVMResponse]
+	setVMExpiry      *connect.Client[apiv1.SetVMExpiryRequest, apiv1.SetVMExpiryResponse]
+	exec             *connect.Client[apiv1.ExecRequest, apiv1.ExecResponse]
+	getConsole       *connect.Client[apiv1.GetConsoleRequest, apiv1.GetConsoleResponse]
+	listAuditRecords *connect.Client[apiv1.ListAuditRecordsRequest, apiv1.ListAuditRecordsResponse]
 }
 
 // CreateVM calls carrel.api.v1.VMService.CreateVM.
@@ -351,6 +378,16 @@ func (c *vMServiceClient) Exec(ctx context.Context, req *connect.Request[apiv1.E
 	return c.exec.CallServerStream(ctx, req)
 }
 
+// GetConsole calls carrel.api.v1.VMService.GetConsole.
+func (c *vMServiceClient) GetConsole(ctx context.Context, req *connect.Request[apiv1.GetConsoleRequest]) (*connect.Response[apiv1.GetConsoleResponse], error) {
+	return c.getConsole.CallUnary(ctx, req)
+}
+
+// ListAuditRecords calls carrel.api.v1.VMService.ListAuditRecords.
+func (c *vMServiceClient) ListAuditRecords(ctx context.Context, req *connect.Request[apiv1.ListAuditRecordsRequest]) (*connect.Response[apiv1.ListAuditRecordsResponse], error) {
+	return c.listAuditRecords.CallUnary(ctx, req)
+}
+
 // VMServiceHandler is an implementation of the carrel.api.v1.VMService service.
 type VMServiceHandler interface {
 	// CreateVM defines a VM, boots it and returns once its agent is ready.
@@ -395,6 +432,12 @@ type VMServiceHandler interface {
 	SetVMExpiry(context.Context, *connect.Request[apiv1.SetVMExpiryRequest]) (*connect.Response[apiv1.SetVMExpiryResponse], error)
 	// Exec runs a command in a VM and streams its output and exit status.
 	Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error
+	// GetConsole returns the end of a VM's serial console log, across its
+	// boots: what the guest printed there, its kernel's messages included.
+	GetConsole(context.Context, *connect.Request[apiv1.GetConsoleRequest]) (*connect.Response[apiv1.GetConsoleResponse], error)
+	// ListAuditRecords returns the most recent audit records that name a
+	// VM, oldest first, each summed up as `carrel audit show` prints it.
+	ListAuditRecords(context.Context, *connect.Request[apiv1.ListAuditRecordsRequest]) (*connect.Response[apiv1.ListAuditRecordsResponse], error)
 }
 
 // NewVMServiceHandler builds an HTTP handler from the service implementation. It returns the path
@@ -500,6 +543,18 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 		connect.WithSchema(vMServiceMethods.ByName("Exec")),
 		connect.WithHandlerOptions(opts...),
 	)
+	vMServiceGetConsoleHandler := connect.NewUnaryHandler(
+		VMServiceGetConsoleProcedure,
+		svc.GetConsole,
+		connect.WithSchema(vMServiceMethods.ByName("GetConsole")),
+		connect.WithHandlerOptions(opts...),
+	)
+	vMServiceListAuditRecordsHandler := connect.NewUnaryHandler(
+		VMServiceListAuditRecordsProcedure,
+		svc.ListAuditRecords,
+		connect.WithSchema(vMServiceMethods.ByName("ListAuditRecords")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.api.v1.VMService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case VMServiceCreateVMProcedure:
@@ -534,6 +589,10 @@ func NewVMServiceHandler(svc VMServiceHandler, opts ...connect.HandlerOption) (s
 			vMServiceSetVMExpiryHandler.ServeHTTP(w, r)
 		case VMServiceExecProcedure:
 			vMServiceExecHandler.ServeHTTP(w, r)
+		case VMServiceGetConsoleProcedure:
+			vMServiceGetConsoleHandler.ServeHTTP(w, r)
+		case VMServiceListAuditRecordsProcedure:
+			vMServiceListAuditRecordsHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -605,6 +664,14 @@ func (UnimplementedVMServiceHandler) SetVMExpiry(context.Context, *connect.Reque
 
 func (UnimplementedVMServiceHandler) Exec(context.Context, *connect.Request[apiv1.ExecRequest], *connect.ServerStream[apiv1.ExecResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.Exec is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) GetConsole(context.Context, *connect.Request[apiv1.GetConsoleRequest]) (*connect.Response[apiv1.GetConsoleResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.GetConsole is not implemented"))
+}
+
+func (UnimplementedVMServiceHandler) ListAuditRecords(context.Context, *connect.Request[apiv1.ListAuditRecordsRequest]) (*connect.Response[apiv1.ListAuditRecordsResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.VMService.ListAuditRecords is not implemented"))
 }
 
 // ImageServiceClient is a client for the carrel.api.v1.ImageService service.
@@ -770,6 +837,10 @@ func (UnimplementedImageServiceHandler) ImportImage(context.Context, *connect.Re
 // SystemServiceClient is a client for the carrel.api.v1.SystemService service.
 type SystemServiceClient interface {
 	GetInfo(context.Context, *connect.Request[apiv1.GetInfoRequest]) (*connect.Response[apiv1.GetInfoResponse], error)
+	// GetCaller returns who carreld takes the caller for: a local process,
+	// by its peer credentials, or a token's holder, with the token's VM
+	// (which a token's call to GetCaller names, for policy).
+	GetCaller(context.Context, *connect.Request[apiv1.GetCallerRequest]) (*connect.Response[apiv1.GetCallerResponse], error)
 }
 
 // NewSystemServiceClient constructs a client for the carrel.api.v1.SystemService service. By
@@ -789,12 +860,19 @@ func NewSystemServiceClient(httpClient connect.HTTPClient, baseURL string, opts 
 			connect.WithSchema(systemServiceMethods.ByName("GetInfo")),
 			connect.WithClientOptions(opts...),
 		),
+		getCaller: connect.NewClient[apiv1.GetCallerRequest, apiv1.GetCallerResponse](
+			httpClient,
+			baseURL+SystemServiceGetCallerProcedure,
+			connect.WithSchema(systemServiceMethods.ByName("GetCaller")),
+			connect.WithClientOptions(opts...),
+		),
 	}
 }
 
 // systemServiceClient implements SystemServiceClient.
 type systemServiceClient struct {
-	getInfo *connect.Client[apiv1.GetInfoRequest, apiv1.GetInfoResponse]
+	getInfo   *connect.Client[apiv1.GetInfoRequest, apiv1.GetInfoResponse]
+	getCaller *connect.Client[apiv1.GetCallerRequest, apiv1.GetCallerResponse]
 }
 
 // GetInfo calls carrel.api.v1.SystemService.GetInfo.
@@ -802,9 +880,18 @@ func (c *systemServiceClient) GetInfo(ctx context.Context, req *connect.Request[
 	return c.getInfo.CallUnary(ctx, req)
 }
 
+// GetCaller calls carrel.api.v1.SystemService.GetCaller.
+func (c *systemServiceClient) GetCaller(ctx context.Context, req *connect.Request[apiv1.GetCallerRequest]) (*connect.Response[apiv1.GetCallerResponse], error) {
+	return c.getCaller.CallUnary(ctx, req)
+}
+
 // SystemServiceHandler is an implementation of the carrel.api.v1.SystemService service.
 type SystemServiceHandler interface {
 	GetInfo(context.Context, *connect.Request[apiv1.GetInfoRequest]) (*connect.Response[apiv1.GetInfoResponse], error)
+	// GetCaller returns who carreld takes the caller for: a local process,
+	// by its peer credentials, or a token's holder, with the token's VM
+	// (which a token's call to GetCaller names, for policy).
+	GetCaller(context.Context, *connect.Request[apiv1.GetCallerRequest]) (*connect.Response[apiv1.GetCallerResponse], error)
 }
 
 // NewSystemServiceHandler builds an HTTP handler from the service implementation. It returns the
@@ -820,10 +907,18 @@ func NewSystemServiceHandler(svc SystemServiceHandler, opts ...connect.HandlerOp
 		connect.WithSchema(systemServiceMethods.ByName("GetInfo")),
 		connect.WithHandlerOptions(opts...),
 	)
+	systemServiceGetCallerHandler := connect.NewUnaryHandler(
+		SystemServiceGetCallerProcedure,
+		svc.GetCaller,
+		connect.WithSchema(systemServiceMethods.ByName("GetCaller")),
+		connect.WithHandlerOptions(opts...),
+	)
 	return "/carrel.api.v1.SystemService/", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case SystemServiceGetInfoProcedure:
 			systemServiceGetInfoHandler.ServeHTTP(w, r)
+		case SystemServiceGetCallerProcedure:
+			systemServiceGetCallerHandler.ServeHTTP(w, r)
 		default:
 			http.NotFound(w, r)
 		}
@@ -835,6 +930,10 @@ type UnimplementedSystemServiceHandler struct{}
 
 func (UnimplementedSystemServiceHandler) GetInfo(context.Context, *connect.Request[apiv1.GetInfoRequest]) (*connect.Response[apiv1.GetInfoResponse], error) {
 	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.SystemService.GetInfo is not implemented"))
+}
+
+func (UnimplementedSystemServiceHandler) GetCaller(context.Context, *connect.Request[apiv1.GetCallerRequest]) (*connect.Response[apiv1.GetCallerResponse], error) {
+	return nil, connect.NewError(connect.CodeUnimplemented, errors.New("carrel.api.v1.SystemService.GetCaller is not implemented"))
 }
 
 // GPUServiceClient is a client for the carrel.api.v1.GPUService service.
