@@ -127,6 +127,7 @@ func main() {
 	doSnapshot := flag.Bool("snapshot", true, "snapshots: restore to agent-ready against a cold boot, fork, snapshot time and size, host memory of forks against cold boots")
 	snapForks := flag.Int("snapshot-forks", 5, "forks (and cold boots) -snapshot measures host memory with")
 	snapLibvirt := flag.Bool("snapshot-libvirt", true, "with -snapshot, measure through the libvirt driver too (a second carreld; starts libvirtd if need be)")
+	doAgents := flag.Bool("agents", true, "agent doors: the e2b SDK's commands.run through the e2b API against carrel's Go client, MCP's exec against the CLI's")
 	doLoad := flag.Bool("load", false, "load: -load-vms VMs x -load-clients clients for -load-duration, with pass/fail checks; alone, turns the default sections off")
 	doFault := flag.Bool("fault", false, "fault injection: the load (its flags), with one VM's QEMU stopped for -fault-stop midway")
 	doSoak := flag.Bool("soak", false, "soak: a lower-rate load for -soak-duration with carreld killed and restarted every -soak-restart")
@@ -153,7 +154,7 @@ func main() {
 		flag.Visit(func(f *flag.Flag) { named[f.Name] = true })
 		for name, on := range map[string]*bool{"boot": doBoot, "warm-exec": doWarm, "qga-exec": doQGAExec, "qga-files": doQGAFiles,
 			"policy": doPolicy, "audit": doAudit, "egress": doEgress, "overhead": doOverhead, "image": doImage, "verity": doVerity,
-			"snapshot": doSnapshot} {
+			"snapshot": doSnapshot, "agents": doAgents} {
 			if !named[name] {
 				*on = false
 			}
@@ -188,7 +189,7 @@ func main() {
 		}
 	}
 	loadMode := *doLoad || *doFault || *doSoak
-	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity && !*doSnapshot && !loadMode {
+	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity && !*doSnapshot && !*doAgents && !loadMode {
 		return // no VM needed
 	}
 
@@ -262,6 +263,9 @@ func main() {
 				lv.Stop()
 			}
 		}
+	}
+	if *doAgents {
+		benchAgents(t, *execs)
 	}
 	if *doEgress {
 		benchEgress(t, d, *egressMiB<<20, *egressRounds)
