@@ -2,6 +2,7 @@ package tests
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -15,6 +16,10 @@ import (
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
+
+	filesystempb "github.com/carrel-os/carrel/supervisor/gen/envdpb/filesystem"
+	"github.com/carrel-os/carrel/supervisor/gen/envdpb/filesystem/filesystempbconnect"
 	"github.com/carrel-os/carrel/tests/harness"
 )
 
@@ -223,6 +228,42 @@ func TestE2BSDK(t *testing.T) {
 		}
 	})
 
+	// The Python SDK's polling watcher, through a Connect client of
+	// envd's own wire names (the JS SDK streams WatchDir instead).
+	t.Run("polling watcher", func(t *testing.T) {
+		fsc := filesystempbconnect.NewFilesystemClient(http.DefaultClient, base, connect.WithProtoJSON(),
+			connect.WithInterceptors(headers(envd)))
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		w, err := fsc.CreateWatcher(ctx, connect.NewRequest(&filesystempb.CreateWatcherRequest{Path: "/workspace"}))
+		if err != nil {
+			t.Fatalf("CreateWatcher: %v", err)
+		}
+		id := w.Msg.WatcherId
+		if r := e2bCall(t, "POST", base+"/files?path=/workspace/polled.txt", withType(envd, "application/octet-stream"), "polled"); r.status != http.StatusOK {
+			t.Fatalf("upload: %d %s", r.status, r.body)
+		}
+		var got []string
+		for deadline := time.Now().Add(30 * time.Second); !slices.Contains(got, "polled.txt create") && time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+			evs, err := fsc.GetWatcherEvents(ctx, connect.NewRequest(&filesystempb.GetWatcherEventsRequest{WatcherId: id}))
+			if err != nil {
+				t.Fatalf("GetWatcherEvents: %v", err)
+			}
+			for _, ev := range evs.Msg.Events {
+				got = append(got, ev.Name+" "+strings.ToLower(strings.TrimPrefix(ev.Type.String(), "EVENT_TYPE_")))
+			}
+		}
+		if !slices.Contains(got, "polled.txt create") || !slices.Contains(got, "polled.txt write") {
+			t.Errorf("watcher events %q, want polled.txt's create and write", got)
+		}
+		if _, err := fsc.RemoveWatcher(ctx, connect.NewRequest(&filesystempb.RemoveWatcherRequest{WatcherId: id})); err != nil {
+			t.Fatalf("RemoveWatcher: %v", err)
+		}
+		if _, err := fsc.GetWatcherEvents(ctx, connect.NewRequest(&filesystempb.GetWatcherEventsRequest{WatcherId: id})); connect.CodeOf(err) != connect.CodeNotFound {
+			t.Errorf("GetWatcherEvents after RemoveWatcher: %v, want not found", err)
+		}
+	})
+
 	t.Run("time to live", func(t *testing.T) {
 		if r := e2bCall(t, "POST", base+"/sandboxes/"+sbx.SandboxID+"/timeout", http.Header{"X-Api-Key": {alice}}, `{"timeout":1}`); r.status != http.StatusNoContent {
 			t.Fatalf("timeout: %d %s", r.status, r.body)
@@ -239,6 +280,18 @@ func TestE2BSDK(t *testing.T) {
 			t.Errorf("no expired record:\n%s", audit)
 		}
 	})
+}
+
+// headers sets h on every Connect call.
+func headers(h http.Header) connect.UnaryInterceptorFunc {
+	return func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			for k, v := range h {
+				req.Header()[k] = v
+			}
+			return next(ctx, req)
+		}
+	}
 }
 
 func withType(h http.Header, ct string) http.Header {
