@@ -43,7 +43,7 @@ buildGo126Module (finalAttrs: {
   # "hash mismatch in fixed-output derivation ... got: sha256-...", and the
   # "got" value is the one to put here. `nix/update-vendor-hash.sh --check`
   # fails when it is stale (for CI).
-  vendorHash = "sha256-Y6OsTZpyvBj8UL8lx3Zx6A/IqNOZhIaVrLCgWWKHynA=";
+  vendorHash = "sha256-I6pvMunkECfn7puvWiVyPJhg4oaTwZeNdZhhJyV62lU=";
 
   subPackages = [
     "cmd/carreld"

@@ -98,6 +98,18 @@ in
       '';
     };
 
+    e2bListen = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "127.0.0.1:3000";
+      description = ''
+        TCP address to serve the e2b API on (carreld's `--e2b-listen`): the
+        control plane and envd, for unmodified e2b SDKs, authenticated by
+        API keys (`carrel key create`). Plain HTTP: keep it on loopback, or
+        put TLS in front of it. Off when null.
+      '';
+    };
+
     extraArgs = mkOption {
       type = types.listOf types.str;
       default = [ ];
@@ -178,6 +190,10 @@ in
             "--import-image"
             "${image}"
           ]) cfg.images
+          ++ lib.optionals (cfg.e2bListen != null) [
+            "--e2b-listen"
+            cfg.e2bListen
+          ]
           ++ cfg.extraArgs
         );
         # carreld pings the watchdog at half this interval while healthy; a
@@ -234,11 +250,14 @@ in
         # DevicePolicy narrows device access instead.
 
         # AF_UNIX: the API, QMP, agent and console sockets; AF_VSOCK: the
-        # guest agents. VMs have no NIC. (carreld's egress proxy, when it
-        # lands, will need AF_INET and AF_INET6 here.)
+        # guest agents. VMs have no NIC: AF_INET and AF_INET6 are carreld's
+        # own, for the egress it carries for them (decided per connection by
+        # their policies) and the e2b API's listener.
         RestrictAddressFamilies = [
           "AF_UNIX"
           "AF_VSOCK"
+          "AF_INET"
+          "AF_INET6"
         ];
 
         DevicePolicy = "closed";
