@@ -99,6 +99,12 @@ func TestE2BSDK(t *testing.T) {
 				Echoed, Waited string
 				Listed, Killed bool
 			}
+			Paused, PausedAgain bool
+			PausedState         string
+			Resumed             struct {
+				SleeperAlive bool
+				Read         string
+			}
 			Listed []string
 			Info   struct {
 				TemplateID string `json:"templateId"`
@@ -130,6 +136,8 @@ func TestE2BSDK(t *testing.T) {
 			!slices.ContainsFunc(got.Watched, func(e struct{ Name, Type string }) bool { return strings.HasPrefix(e.Name, ".carrel") }))
 		check("background: stdin echoed, listed, killed", got.Background.Pid > 0 && got.Background.Echoed == "ping over stdin\n" &&
 			got.Background.Listed && got.Background.Killed && got.Background.Waited == "exit -1")
+		check("pause keeps the memory: a command runs on after the resume", got.Paused && got.PausedState == "paused" && !got.PausedAgain &&
+			got.Resumed.SleeperAlive && got.Resumed.Read == "hello, carrel")
 		check("list by metadata", slices.Contains(got.Listed, got.SandboxID))
 		check("info", got.Info.TemplateID == "agent" && got.Info.State == "running" && got.Info.Metadata["purpose"] == "carrel-test")
 		check("running, then killed once", got.Running && got.Killed && !got.KilledAgain)

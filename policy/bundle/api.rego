@@ -259,7 +259,7 @@ key_lifecycle := {
 	"/carrel.api.v1.VMService/SetVMExpiry",
 }
 
-key_classes := object.get(settings, "key_classes", ["read", "exec", "files_read", "files_write", "ports", "audit"])
+key_classes := object.get(settings, "key_classes", ["read", "exec", "files_read", "files_write", "ports", "audit", "snapshot"])
 
 key_prefix := concat("", ["e2b-", object.get(input.caller, "name", ""), "-"])
 

@@ -259,11 +259,29 @@ func (s *server) setExpiry(ctx context.Context, name string, seconds uint64) err
 	return notFound(err, name)
 }
 
-// pause stops the sandbox's VM: its disks and workspace stay, its memory
-// does not (e2b's filesystem-only pause), and a paused sandbox does not
-// expire. connect starts it again.
+// pauseSnapshot is the snapshot a pause that keeps memory takes of its
+// sandbox; connect restores it, then deletes it.
+const pauseSnapshot = "e2b-paused"
+
+// pauseBody is a pause's body: memory false asks for e2b's file-system
+// pause (a reboot at resume); otherwise the memory is kept.
+type pauseBody struct {
+	Memory *bool `json:"memory"`
+}
+
+// pause ends the sandbox's run. By default it keeps its memory: a carrel
+// snapshot of the running VM (memory, devices, disks) is taken, then the
+// VM is stopped, and connect restores it, processes and all. With
+// memory false it only stops the VM (its disks and /workspace stay). A
+// paused sandbox does not expire.
 func (s *server) pause(w http.ResponseWriter, r *http.Request, c call) {
-	vm, err := s.getVM(r.Context(), c.vm)
+	var body pauseBody
+	if err := decodeJSON(r, &body); err != nil {
+		writeError(w, http.StatusBadRequest, err.Error())
+		return
+	}
+	ctx := r.Context()
+	vm, err := s.getVM(ctx, c.vm)
 	if err != nil {
 		writeCarrelError(w, err)
 		return
@@ -272,22 +290,59 @@ func (s *server) pause(w http.ResponseWriter, r *http.Request, c call) {
 		writeError(w, http.StatusConflict, "sandbox "+c.vm+" is already paused")
 		return
 	}
-	if _, err := s.c.VMs.StopVM(r.Context(), connect.NewRequest(&apiv1.StopVMRequest{Name: c.vm})); err != nil {
+	// A snapshot of an earlier pause must not be what the next connect
+	// restores.
+	if err := s.dropPauseSnapshot(ctx, c.vm); err != nil {
+		writeCarrelError(w, err)
+		return
+	}
+	keep := body.Memory == nil || *body.Memory
+	if keep {
+		_, err := s.c.VMs.SnapshotVM(ctx, connect.NewRequest(&apiv1.SnapshotVMRequest{Name: c.vm, Snapshot: pauseSnapshot, Note: "e2b pause"}))
+		if err != nil {
+			writeCarrelError(w, notFound(err, c.vm))
+			return
+		}
+	}
+	// With the memory saved, what the VM does after it is thrown away at
+	// the restore: it may as well be stopped at once.
+	if _, err := s.c.VMs.StopVM(ctx, connect.NewRequest(&apiv1.StopVMRequest{Name: c.vm, Force: keep})); err != nil {
 		writeCarrelError(w, notFound(err, c.vm))
 		return
 	}
 	s.procs.forget(c.vm)
-	if err := s.setExpiry(r.Context(), c.vm, 0); err != nil {
+	if err := s.setExpiry(ctx, c.vm, 0); err != nil {
 		writeCarrelError(w, err)
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// connect resumes a paused sandbox (a start) and sets its time-out when
-// asked: 201 when it was resumed, 200 when it was running.
+// dropPauseSnapshot deletes the pause snapshot of vm, if it has one.
+func (s *server) dropPauseSnapshot(ctx context.Context, vm string) error {
+	list, err := s.c.VMs.ListSnapshots(ctx, connect.NewRequest(&apiv1.ListSnapshotsRequest{Name: vm}))
+	if err != nil {
+		return notFound(err, vm)
+	}
+	for _, snap := range list.Msg.Snapshots {
+		if snap.Name == pauseSnapshot {
+			_, err := s.c.VMs.DeleteSnapshot(ctx, connect.NewRequest(&apiv1.DeleteSnapshotRequest{Name: vm, Snapshot: pauseSnapshot}))
+			return err
+		}
+	}
+	return nil
+}
+
+// connect resumes a paused sandbox and sets its time-out when asked: 201
+// when it was resumed, 200 when it was running. A sandbox paused with its
+// memory is restored from its pause snapshot, which is then deleted; one
+// paused without boots again. memory false (the SDK's onResume
+// "reboot") boots it again either way.
 func (s *server) connect(w http.ResponseWriter, r *http.Request, c call) {
-	var body timeoutBody
+	var body struct {
+		Timeout *int64 `json:"timeout"`
+		Memory  *bool  `json:"memory"`
+	}
 	if err := decodeJSON(r, &body); err != nil {
 		writeError(w, http.StatusBadRequest, err.Error())
 		return
@@ -296,27 +351,58 @@ func (s *server) connect(w http.ResponseWriter, r *http.Request, c call) {
 		writeError(w, http.StatusBadRequest, "timeout must not be negative")
 		return
 	}
-	vm, err := s.getVM(r.Context(), c.vm)
+	ctx := r.Context()
+	vm, err := s.getVM(ctx, c.vm)
 	if err != nil {
 		writeCarrelError(w, err)
 		return
 	}
 	status := http.StatusOK
 	if vm.State == apiv1.VMState_VM_STATE_STOPPED {
-		resp, err := s.c.VMs.StartVM(r.Context(), connect.NewRequest(&apiv1.StartVMRequest{Name: c.vm}))
+		vm, err = s.resume(ctx, c.vm, body.Memory == nil || *body.Memory)
 		if err != nil {
 			writeCarrelError(w, notFound(err, c.vm))
 			return
 		}
-		vm, status = resp.Msg.Vm, http.StatusCreated
+		status = http.StatusCreated
 	}
 	if body.Timeout != nil {
-		if err := s.setExpiry(r.Context(), c.vm, uint64(*body.Timeout)); err != nil {
+		if err := s.setExpiry(ctx, c.vm, uint64(*body.Timeout)); err != nil {
 			writeCarrelError(w, err)
 			return
 		}
 	}
 	writeJSON(w, status, s.sandboxReply(c, vm))
+}
+
+// resume starts a paused sandbox: from its pause snapshot when it has one
+// and memory is wanted, else by booting it.
+func (s *server) resume(ctx context.Context, name string, memory bool) (*apiv1.VM, error) {
+	list, err := s.c.VMs.ListSnapshots(ctx, connect.NewRequest(&apiv1.ListSnapshotsRequest{Name: name}))
+	if err != nil {
+		return nil, err
+	}
+	if memory && slices.ContainsFunc(list.Msg.Snapshots, func(sn *apiv1.Snapshot) bool { return sn.Name == pauseSnapshot }) {
+		resp, err := s.c.VMs.RestoreVM(ctx, connect.NewRequest(&apiv1.RestoreVMRequest{Name: name, Snapshot: pauseSnapshot}))
+		if err != nil {
+			return nil, err
+		}
+		// The restored run stands on the snapshot's layers, which carreld
+		// keeps while they are in use: deleting it frees only its record
+		// and saved memory.
+		if err := s.dropPauseSnapshot(ctx, name); err != nil {
+			s.log.Warn("e2b: pause snapshot not deleted after the resume", "vm", name, "err", err)
+		}
+		return resp.Msg.Vm, nil
+	}
+	if err := s.dropPauseSnapshot(ctx, name); err != nil {
+		return nil, err
+	}
+	resp, err := s.c.VMs.StartVM(ctx, connect.NewRequest(&apiv1.StartVMRequest{Name: name}))
+	if err != nil {
+		return nil, err
+	}
+	return resp.Msg.Vm, nil
 }
 
 // decodeJSON reads a JSON body of at most maxJSONBody bytes; an empty

@@ -60,6 +60,18 @@ async function main () {
     out.background.waited = e instanceof CommandExitError ? `exit ${e.exitCode}` : String(e)
   }
 
+  // A pause keeps the memory: a command still runs after the resume.
+  const sleeper = await sbx.commands.run('sleep 600', { background: true })
+  out.paused = await sbx.pause()
+  out.pausedState = (await Sandbox.getInfo(sbx.sandboxId)).state
+  out.pausedAgain = await sbx.pause()
+  await sbx.connect()
+  out.resumed = {
+    sleeperAlive: (await sbx.commands.list()).some(p => p.pid === sleeper.pid),
+    read: await sbx.files.read('/workspace/hello.txt')
+  }
+  await sbx.commands.kill(sleeper.pid)
+
   const listed = await Sandbox.list({ query: { metadata: { purpose: 'carrel-test' } } }).nextItems()
   out.listed = listed.map(s => s.sandboxId)
   const info = await sbx.getInfo()
