@@ -37,11 +37,16 @@ func newTokenCreateCmd(g *globals) *cobra.Command {
 }
 
 func newTokenListCmd(g *globals) *cobra.Command {
+	return newListTokensCmd(g, false, "List tokens (ids and scopes; never secrets)")
+}
+
+// newListTokensCmd lists the VM tokens, or, with keys, the API keys.
+func newListTokensCmd(g *globals, keys bool, short string) *cobra.Command {
 	var output string
 	c := &cobra.Command{
 		Use:     "ls",
 		Aliases: []string{"list"},
-		Short:   "List tokens (ids and scopes; never secrets)",
+		Short:   short,
 		Args:    cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := checkOutput(output); err != nil {
@@ -51,16 +56,27 @@ func newTokenListCmd(g *globals) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			var list []*apiv1.Token
+			for _, t := range resp.Msg.Tokens {
+				if (t.KeyName != "") == keys {
+					list = append(list, t)
+				}
+			}
 			if output == "json" {
-				return printJSON(cmd.OutOrStdout(), resp.Msg)
+				return printJSON(cmd.OutOrStdout(), &apiv1.ListTokensResponse{Tokens: list})
 			}
 			w := newTable()
-			fmt.Fprintln(w, "ID\tVM\tCREATED\tEXPIRES")
-			for _, t := range resp.Msg.Tokens {
-				if t.KeyName != "" {
-					continue // carrel key ls
+			if keys {
+				fmt.Fprintln(w, "ID\tNAME\tIMAGES\tPOLICY\tCREATED\tEXPIRES")
+			} else {
+				fmt.Fprintln(w, "ID\tVM\tCREATED\tEXPIRES")
+			}
+			for _, t := range list {
+				if keys {
+					fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", t.Id, t.KeyName, strings.Join(t.Images, ","), dash(t.Policy), t.CreatedAt, dash(t.ExpiresAt))
+				} else {
+					fmt.Fprintf(w, "%s\t%s\t%s\t%s\n", t.Id, t.Vm, t.CreatedAt, dash(t.ExpiresAt))
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\n", t.Id, t.Vm, t.CreatedAt, dash(t.ExpiresAt))
 			}
 			return w.Flush()
 		},
@@ -115,39 +131,7 @@ func newKeyCreateCmd(g *globals) *cobra.Command {
 }
 
 func newKeyListCmd(g *globals) *cobra.Command {
-	var output string
-	c := &cobra.Command{
-		Use:     "ls",
-		Aliases: []string{"list"},
-		Short:   "List API keys (ids, names and grants; never secrets)",
-		Args:    cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := checkOutput(output); err != nil {
-				return err
-			}
-			resp, err := g.client().Tokens.ListTokens(cmd.Context(), connect.NewRequest(&apiv1.ListTokensRequest{}))
-			if err != nil {
-				return err
-			}
-			var keys []*apiv1.Token
-			for _, t := range resp.Msg.Tokens {
-				if t.KeyName != "" {
-					keys = append(keys, t)
-				}
-			}
-			if output == "json" {
-				return printJSON(cmd.OutOrStdout(), &apiv1.ListTokensResponse{Tokens: keys})
-			}
-			w := newTable()
-			fmt.Fprintln(w, "ID\tNAME\tIMAGES\tPOLICY\tCREATED\tEXPIRES")
-			for _, t := range keys {
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", t.Id, t.KeyName, strings.Join(t.Images, ","), dash(t.Policy), t.CreatedAt, dash(t.ExpiresAt))
-			}
-			return w.Flush()
-		},
-	}
-	addOutputFlag(c, &output)
-	return c
+	return newListTokensCmd(g, true, "List API keys (ids, names and grants; never secrets)")
 }
 
 func newKeyRevokeCmd(g *globals) *cobra.Command {

@@ -366,19 +366,11 @@ func Signal(n int32) (unix.Signal, error) {
 func (t *Table) SignalCommand(id string, sig unix.Signal) error {
 	p := t.runner.Lookup(id)
 	if p != nil {
-		err := p.Signal(sig)
-		if !errors.Is(err, os.ErrProcessDone) {
+		if err := p.Signal(sig); !errors.Is(err, os.ErrProcessDone) {
 			return internal(err)
 		}
-	} else {
-		t.mu.Lock()
-		_, ok := t.detached[id]
-		t.mu.Unlock()
-		if !ok {
-			return connect.NewError(connect.CodeNotFound, fmt.Errorf("signal: no command %q", truncate(id)))
-		}
 	}
-	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("signal: command %s has exited", id))
+	return t.notRunning("signal", id, p != nil)
 }
 
 // Input applies one message of a Process call's kind (stdin, close_stdin
@@ -392,15 +384,24 @@ func (t *Table) Input(id string, m *agentv1.ProcessInput) error {
 	}
 	p := t.runner.Lookup(id)
 	if p == nil {
-		t.mu.Lock()
-		_, ok := t.detached[id]
-		t.mu.Unlock()
-		if !ok {
-			return connect.NewError(connect.CodeNotFound, fmt.Errorf("input: no command %q", truncate(id)))
-		}
-		return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("input: command %s has exited", id))
+		return t.notRunning("input", id, false)
 	}
 	return apply(p, m)
+}
+
+// notRunning is op's error for a command id with no running command:
+// CodeFailedPrecondition for one that has exited (known, or a detached
+// command still kept), CodeNotFound for one the agent does not have.
+func (t *Table) notRunning(op, id string, known bool) error {
+	if !known {
+		t.mu.Lock()
+		_, known = t.detached[id]
+		t.mu.Unlock()
+	}
+	if !known {
+		return connect.NewError(connect.CodeNotFound, fmt.Errorf("%s: no command %q", op, truncate(id)))
+	}
+	return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("%s: command %s has exited", op, id))
 }
 
 // internal wraps an unexpected error; nil stays nil.

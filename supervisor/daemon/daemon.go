@@ -223,7 +223,9 @@ func Run(ctx context.Context, cfg Config) error {
 	return err
 }
 
-// serveE2B serves the e2b API on cfg.E2BListen. It calls carreld's API
+// serveE2B serves the e2b API on cfg.E2BListen, as carreld's own API is
+// served (HTTP/1.1 and cleartext HTTP/2: Connect's streams work on both,
+// and the Python SDK speaks HTTP/1.1 to a plain-text URL). It calls carreld's API
 // handler h over an in-process pipe whose calls carry no peer
 // credentials: each is made with its own caller's key or sandbox token.
 func serveE2B(ctx context.Context, cfg Config, h http.Handler, tokens *identity.Tokens, log *slog.Logger) error {
@@ -238,7 +240,7 @@ func serveE2B(ctx context.Context, cfg Config, h http.Handler, tokens *identity.
 	go func() { _ = api.Serve(ctx, pipe, h) }()
 	eh := e2b.Handler(e2b.Config{Dial: pipe.Dial, Tokens: tokens, MaxUpload: cfg.E2BMaxUpload, Logger: log.With("subsystem", "e2b")})
 	go func() {
-		if err := e2b.Serve(ctx, l, eh); err != nil && ctx.Err() == nil {
+		if err := api.Serve(ctx, l, eh); err != nil && ctx.Err() == nil {
 			log.Error("e2b API stopped", "err", err)
 		}
 	}()

@@ -27,7 +27,6 @@ import (
 	"net"
 	"net/http"
 	"strings"
-	"time"
 
 	"connectrpc.com/connect"
 
@@ -113,27 +112,6 @@ func Handler(cfg Config) http.Handler {
 	mux.HandleFunc("POST /files", s.sandboxed(s.upload))
 	mux.HandleFunc("GET /health", s.sandboxed(s.health))
 	return mux
-}
-
-// Serve serves h on l until ctx ends. Connect's streams run over
-// HTTP/1.1 as well as HTTP/2 (the Python SDK speaks HTTP/1.1 to a
-// plain-text URL).
-func Serve(ctx context.Context, l net.Listener, h http.Handler) error {
-	p := new(http.Protocols)
-	p.SetHTTP1(true)
-	p.SetUnencryptedHTTP2(true)
-	srv := &http.Server{Handler: h, Protocols: p, ReadHeaderTimeout: 10 * time.Second, MaxHeaderBytes: 64 << 10}
-	errc := make(chan error, 1)
-	go func() { errc <- srv.Serve(l) }()
-	select {
-	case err := <-errc:
-		return err
-	case <-ctx.Done():
-	}
-	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	_ = srv.Shutdown(sctx)
-	return nil
 }
 
 // call is who a request is for: the credential carreld is called with,
