@@ -92,9 +92,9 @@ func (t *Tokens) sandboxMAC(id, vm string) string {
 
 // VerifySandbox checks a sandbox token for vm and returns its key.
 func (t *Tokens) VerifySandbox(full, vm string) (Token, error) {
-	rest, _ := strings.CutPrefix(full, sandboxPrefix)
-	id, mac, ok := strings.Cut(rest, "_")
-	if !ok || len(id) != 16 || len(mac) != 64 || vm == "" {
+	rest, ok := strings.CutPrefix(full, sandboxPrefix)
+	id, mac, ok2 := strings.Cut(rest, "_")
+	if !ok || !ok2 || len(id) != 16 || len(mac) != 64 || vm == "" {
 		return Token{}, errors.Join(ErrUnauthenticated, errors.New("malformed sandbox token, or no VM named"))
 	}
 	if !hmac.Equal([]byte(mac), []byte(t.sandboxMAC(id, vm))) {
