@@ -115,7 +115,8 @@ func (m *Manager) SetExpiry(ctx context.Context, name string, ttl time.Duration)
 
 // ReapExpired ends, until ctx ends, every VM whose time is up, as its
 // record says: deleted, or stopped (its expiry then cleared, so that a
-// later start is not ended at once). Each gets an "expired" lifecycle
+// later start is not ended at once). A VM to delete that forks stand on
+// is stopped instead. Each gets an "expired" lifecycle
 // record first. A VM busy with another operation is tried again at the
 // next tick.
 func (m *Manager) ReapExpired(ctx context.Context) {
@@ -172,11 +173,16 @@ func (m *Manager) expire(ctx context.Context, name string) error {
 		mc.unlock() // moved meanwhile
 		return nil
 	}
-	action := rec.ExpiryAction
+	action, why := rec.ExpiryAction, ""
 	if action == "" {
 		action = registry.ExpireDelete
 	}
-	_ = m.event(ctx, mc, EventExpired, "its time to live ended at "+rec.ExpiresAt.Format(time.RFC3339)+"; "+action)
+	// A VM that forks stand on cannot be deleted: it is stopped instead,
+	// so that it runs no longer than it was meant to, and nothing is lost.
+	if deps := m.dependents(name); action == registry.ExpireDelete && len(deps) > 0 {
+		action, why = registry.ExpireStop, " (not delete: "+strings.Join(deps, ", ")+" stand on its disk layers)"
+	}
+	_ = m.event(ctx, mc, EventExpired, "its time to live ended at "+rec.ExpiresAt.Format(time.RFC3339)+"; "+action+why)
 	m.log.Info("vm expired", "vm", name, "action", action)
 	defer mc.unlock()
 	ctx = context.WithoutCancel(ctx)

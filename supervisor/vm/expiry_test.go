@@ -366,3 +366,43 @@ func TestReapExpired(t *testing.T) {
 		t.Errorf("b: %v", err)
 	}
 }
+
+// TestExpireWithForks: a VM to delete at expiry that forks stand on is
+// stopped instead, once, with the reason on record; the fork runs on.
+func TestExpireWithForks(t *testing.T) {
+	e := newEnv(t)
+	l := &eventLog{}
+	e.withEvents(l)
+	e.withSystemImage(t, true)
+	ctx := context.Background()
+	if _, err := e.m.Create(ctx, CreateParams{Name: "a", Image: "sys", TTL: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.m.Snapshot(ctx, "a", SnapshotParams{Name: "s1"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.m.Fork(ctx, "a", "b", "s1"); err != nil {
+		t.Fatal(err)
+	}
+	e.endNow(t, "a")
+	if err := e.m.expire(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	st, err := e.m.Get("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.State != registry.StateStopped || !st.ExpiresAt.IsZero() {
+		t.Errorf("a after expiry: state %s, expires at %s; want stopped, no expiry", st.State, st.ExpiresAt)
+	}
+	if got := e.m.expired(time.Now().Add(time.Hour)); len(got) != 0 {
+		t.Errorf("still expired: %q", got)
+	}
+	ev, _ := l.find(EventExpired)
+	if !strings.Contains(ev.Reason, "not delete: b stand on its disk layers") {
+		t.Errorf("expired event reason %q", ev.Reason)
+	}
+	if b, err := e.m.Get("b"); err != nil || b.State != registry.StateRunning {
+		t.Errorf("the fork: %+v, %v", b, err)
+	}
+}
