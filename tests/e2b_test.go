@@ -99,6 +99,12 @@ func TestE2BSDK(t *testing.T) {
 				Echoed, Waited string
 				Listed, Killed bool
 			}
+			Connected string
+			Pty       struct{ Answered, Resized, Killed bool }
+			Moved     struct {
+				Path, Read string
+				NotesGone  bool
+			}
 			Paused, PausedAgain bool
 			PausedState         string
 			Resumed             struct {
@@ -136,6 +142,9 @@ func TestE2BSDK(t *testing.T) {
 			!slices.ContainsFunc(got.Watched, func(e struct{ Name, Type string }) bool { return strings.HasPrefix(e.Name, ".carrel") }))
 		check("background: stdin echoed, listed, killed", got.Background.Pid > 0 && got.Background.Echoed == "ping over stdin\n" &&
 			got.Background.Listed && got.Background.Killed && got.Background.Waited == "exit -1")
+		check("connect follows a command to its end", got.Connected == "done later\n")
+		check("a terminal: input, resize, kill", got.Pty.Answered && got.Pty.Resized && got.Pty.Killed)
+		check("rename and remove", got.Moved.Path == "/workspace/moved.txt" && got.Moved.Read == "relative path" && got.Moved.NotesGone)
 		check("pause keeps the memory: a command runs on after the resume", got.Paused && got.PausedState == "paused" && !got.PausedAgain &&
 			got.Resumed.SleeperAlive && got.Resumed.Read == "hello, carrel")
 		check("list by metadata", slices.Contains(got.Listed, got.SandboxID))

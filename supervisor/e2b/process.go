@@ -15,7 +15,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
-	"github.com/carrel-os/carrel/guest-agent/protocol"
 	processpb "github.com/carrel-os/carrel/supervisor/gen/envdpb/process"
 	"github.com/carrel-os/carrel/supervisor/gen/envdpb/process/processpbconnect"
 )
@@ -86,7 +85,11 @@ func (p procService) Start(ctx context.Context, req *connect.Request[processpb.S
 	// stdin: false gives the command a stdin at its end at once.
 	closeStdin := m.Stdin != nil && !*m.Stdin
 	info := procInfo{config: cfg, tag: m.GetTag(), tty: start.Tty}
-	return p.s.follow(ctx, first, closeStdin, info, keepaliveEvery(req.Header()), func(ev *processpb.ProcessEvent) error {
+	f, sub, err := p.s.follow(ctx, first, closeStdin, info)
+	if err != nil {
+		return err
+	}
+	return f.relay(ctx, sub, keepaliveEvery(req.Header()), func(ev *processpb.ProcessEvent) error {
 		return out.Send(&processpb.StartResponse{Event: ev})
 	})
 }
@@ -97,93 +100,22 @@ func (p procService) Connect(ctx context.Context, req *connect.Request[processpb
 	if err != nil {
 		return err
 	}
-	first := &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Attach{Attach: &agentv1.AttachRequest{Id: e.id}}}
-	return p.s.follow(ctx, first, false, e, keepaliveEvery(req.Header()), func(ev *processpb.ProcessEvent) error {
-		return out.Send(&processpb.ConnectResponse{Event: ev})
-	})
-}
-
-// follow opens a carrel Process call with first (a start or an attach)
-// and relays its events as envd's until the command ends or the client
-// goes (the command keeps running: it is detached).
-func (s *server) follow(ctx context.Context, first *agentv1.ProcessInput, closeStdin bool, info procInfo, keepalive time.Duration, send func(*processpb.ProcessEvent) error) error {
-	vm := callOf(ctx).vm
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	stream := s.c.Agent.Process(ctx)
-	stream.RequestHeader().Set(protocol.VMHeader, vm)
-	defer stream.CloseResponse()
-	if err := stream.Send(first); err != nil {
-		return receiveErr(stream.Receive())
+	// A command the façade follows already gets another client; one it
+	// does not (started elsewhere, or before carreld restarted) is
+	// attached to, its buffered output replayed first.
+	f, sub := e.follower, (*subscriber)(nil)
+	if f != nil {
+		sub = f.subscribe()
 	}
-	if closeStdin {
-		_ = stream.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_CloseStdin{CloseStdin: &agentv1.CloseStdin{}}})
-	}
-	// The end of what this side sends changes nothing for the command.
-	_ = stream.CloseRequest()
-
-	events := make(chan *agentv1.ExecResponse)
-	errc := make(chan error, 1)
-	go func() {
-		for {
-			ev, err := stream.Receive()
-			if err != nil {
-				errc <- err
-				return
-			}
-			select {
-			case events <- ev:
-			case <-ctx.Done():
-				return
-			}
-		}
-	}()
-	var tick <-chan time.Time
-	if keepalive > 0 {
-		t := time.NewTicker(keepalive)
-		defer t.Stop()
-		tick = t.C
-	}
-	var pid uint32
-	for {
-		var ev *agentv1.ExecResponse
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case err := <-errc:
-			return mapErr(err)
-		case <-tick:
-			if err := send(&processpb.ProcessEvent{Event: &processpb.ProcessEvent_Keepalive{Keepalive: &processpb.ProcessEvent_KeepAlive{}}}); err != nil {
-				return err
-			}
-			continue
-		case ev = <-events:
-		}
-		out := &processpb.ProcessEvent{}
-		switch e := ev.Event.(type) {
-		case *agentv1.ExecResponse_Started:
-			pid = uint32(e.Started.Pid)
-			info.id = e.Started.Id
-			s.procs.put(vm, pid, info)
-			out.Event = &processpb.ProcessEvent_Start{Start: &processpb.ProcessEvent_StartEvent{Pid: pid}}
-		case *agentv1.ExecResponse_Stdout:
-			data := &processpb.ProcessEvent_DataEvent{Output: &processpb.ProcessEvent_DataEvent_Stdout{Stdout: e.Stdout}}
-			if info.tty {
-				data.Output = &processpb.ProcessEvent_DataEvent_Pty{Pty: e.Stdout}
-			}
-			out.Event = &processpb.ProcessEvent_Data{Data: data}
-		case *agentv1.ExecResponse_Stderr:
-			out.Event = &processpb.ProcessEvent_Data{Data: &processpb.ProcessEvent_DataEvent{Output: &processpb.ProcessEvent_DataEvent_Stderr{Stderr: e.Stderr}}}
-		case *agentv1.ExecResponse_Exit:
-			s.procs.remove(vm, pid)
-			return send(&processpb.ProcessEvent{Event: &processpb.ProcessEvent_End{End: endEvent(e.Exit)}})
-		default:
-			continue
-		}
-		if err := send(out); err != nil {
+	if sub == nil {
+		first := &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Attach{Attach: &agentv1.AttachRequest{Id: e.id}}}
+		if f, sub, err = p.s.follow(ctx, first, false, e); err != nil {
 			return err
 		}
 	}
+	return f.relay(ctx, sub, keepaliveEvery(req.Header()), func(ev *processpb.ProcessEvent) error {
+		return out.Send(&processpb.ConnectResponse{Event: ev})
+	})
 }
 
 // endEvent is envd's form of an exit status: as Go's os.ProcessState
@@ -197,13 +129,6 @@ func endEvent(x *agentv1.ExitStatus) *processpb.ProcessEvent_EndEvent {
 		name = unix.Signal(n).String()
 	}
 	return &processpb.ProcessEvent_EndEvent{ExitCode: -1, Exited: false, Status: "signal: " + name}
-}
-
-func receiveErr(_ *agentv1.ExecResponse, err error) error {
-	if err == nil {
-		return connect.NewError(connect.CodeInternal, errors.New("process: the call ended early"))
-	}
-	return mapErr(err)
 }
 
 func (p procService) List(ctx context.Context, req *connect.Request[processpb.ListRequest]) (*connect.Response[processpb.ListResponse], error) {
@@ -351,10 +276,11 @@ type procTable struct {
 }
 
 type procInfo struct {
-	id     string
-	tag    string
-	tty    bool
-	config *processpb.ProcessConfig
+	id       string
+	tag      string
+	tty      bool
+	config   *processpb.ProcessConfig
+	follower *follower // while the façade follows it
 }
 
 const maxProcsPerVM = 1024
@@ -396,18 +322,28 @@ func (t *procTable) byTag(vm, tag string) (procInfo, bool) {
 	return procInfo{}, false
 }
 
-func (t *procTable) remove(vm string, pid uint32) {
+// ended forgets a command the follower f followed to its end (or its
+// stream's), unless the pid names another command since.
+func (t *procTable) ended(vm string, pid uint32, f *follower) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	delete(t.byVM[vm], pid)
-	if len(t.byVM[vm]) == 0 {
-		delete(t.byVM, vm)
+	if e, ok := t.byVM[vm][pid]; ok && e.follower == f {
+		delete(t.byVM[vm], pid)
+		if len(t.byVM[vm]) == 0 {
+			delete(t.byVM, vm)
+		}
 	}
 }
 
-// forget drops a sandbox's commands (it stopped or was removed).
+// forget drops a sandbox's commands (it stopped or was removed), and
+// stops following them.
 func (t *procTable) forget(vm string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	for _, e := range t.byVM[vm] {
+		if e.follower != nil {
+			e.follower.cancel()
+		}
+	}
 	delete(t.byVM, vm)
 }

@@ -60,6 +60,26 @@ async function main () {
     out.background.waited = e instanceof CommandExitError ? `exit ${e.exitCode}` : String(e)
   }
 
+  // Connect follows a command started earlier to its end.
+  const later = await sbx.commands.run('sleep 1; echo done later', { background: true })
+  const followed = await sbx.commands.connect(later.pid)
+  out.connected = (await followed.wait()).stdout
+
+  // A terminal: input, a resize, output, kill.
+  let screen = ''
+  const term = await sbx.pty.create({ cols: 80, rows: 24, onData: d => { screen += Buffer.from(d).toString() } })
+  await sbx.pty.resize(term.pid, { cols: 100, rows: 30 })
+  await sbx.pty.sendInput(term.pid, Buffer.from('stty size; echo pty-$((6*7))\n'))
+  for (let i = 0; i < 100 && !screen.includes('pty-42'); i++) {
+    await new Promise(resolve => setTimeout(resolve, 100))
+  }
+  out.pty = { answered: screen.includes('pty-42'), resized: screen.includes('30 100'), killed: await sbx.pty.kill(term.pid) }
+
+  // Rename and remove.
+  const moved = await sbx.files.rename('/workspace/notes/relative.txt', '/workspace/moved.txt')
+  await sbx.files.remove('/workspace/notes')
+  out.moved = { path: moved.path, notesGone: !(await sbx.files.exists('/workspace/notes')), read: await sbx.files.read('/workspace/moved.txt') }
+
   // A pause keeps the memory: a command still runs after the resume.
   const sleeper = await sbx.commands.run('sleep 600', { background: true })
   out.paused = await sbx.pause()
