@@ -93,6 +93,7 @@ type egressRecord struct {
 	Decisions []string `json:"decisions"`
 	IP        string   `json:"ip"`
 	SNI       string   `json:"sni"`
+	HTTPHost  string   `json:"http_host"`
 	PID       int      `json:"pid"`
 	BytesUp   int64    `json:"bytes_up"`
 	BytesDown int64    `json:"bytes_down"`
@@ -253,6 +254,7 @@ func TestEgress(t *testing.T) {
 			{"private address", []string{"get", fmt.Sprintf("http://private.test:%d/", srv.httpPort)}, "carrel.net.address_refused"},
 			{"SNI mismatch", []string{"get", "-ca", "/workspace/ca.pem", "-sni", "other.test", httpsURL}, "tls: access denied"},
 			{"port", []string{"get", "http://allowed.test:1/"}, "carrel.net.default_deny"},
+			{"Host header of another name", []string{"tunnel", fmt.Sprintf("allowed.test:%d", srv.httpPort), "other.test"}, "response HTTP/1.1 403"},
 		} {
 			start := time.Now()
 			r := run(c.args...)
@@ -328,6 +330,9 @@ func TestEgress(t *testing.T) {
 			return r.SNI == "other.test" && r.Outcome == "denied" && strings.Contains(r.Error, "does not match") && r.BytesUp == 0
 		})
 		find("the port", func(r egressRecord) bool { return r.Port == 1 && r.Rule == "carrel.net.default_deny" })
+		find("the Host header mismatch", func(r egressRecord) bool {
+			return r.HTTPHost == "other.test" && r.Outcome == "denied" && strings.Contains(r.Error, "does not match") && r.BytesUp == 0
+		})
 		for _, r := range recs {
 			if r.Outcome == "denied" && r.Error == "" {
 				t.Errorf("a denied record without its reason: %+v", r)

@@ -311,13 +311,16 @@ type Egress struct {
 	Decisions []string `json:"decisions,omitempty"`
 	Rule      string   `json:"rule,omitempty"`
 	// Addresses are what the name resolved to; IP the one connected to.
-	Addresses  []string `json:"addresses,omitempty"`
-	IP         string   `json:"ip,omitempty"`
-	SNI        string   `json:"sni,omitempty"`
-	BytesUp    int64    `json:"bytes_up"`
-	BytesDown  int64    `json:"bytes_down"`
-	DurationNs int64    `json:"duration_ns"`
-	Error      string   `json:"error,omitempty"`
+	Addresses []string `json:"addresses,omitempty"`
+	IP        string   `json:"ip,omitempty"`
+	SNI       string   `json:"sni,omitempty"`
+	// HTTPHost is the Host header of a plain HTTP request the connection
+	// carried (checked against Host, as SNI is).
+	HTTPHost   string `json:"http_host,omitempty"`
+	BytesUp    int64  `json:"bytes_up"`
+	BytesDown  int64  `json:"bytes_down"`
+	DurationNs int64  `json:"duration_ns"`
+	Error      string `json:"error,omitempty"`
 }
 
 // ForwardIntent is the data of a port-forward's "action.intent".

@@ -502,7 +502,8 @@ func TestHostileGuest(t *testing.T) {
 		{make([]byte, maxChunk+1)},
 		{"close", "close"},
 		{"close", []byte("x")},
-		{[]byte("x")}, // then the end of the call without a close
+		// A request, then the end of the call without a close.
+		{[]byte("GET / HTTP/1.1\r\nHost: allowed.test\r\n\r\n")},
 	} {
 		up, far := net.Pipe()
 		go io.Copy(io.Discard, far)

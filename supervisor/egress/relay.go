@@ -203,20 +203,14 @@ func (c *conn) copyUp(ctx context.Context, bs guestStream, up net.Conn, g *toGue
 			b := m.Data
 			if gate {
 				held = append(held, b...)
-				h, err := ParseClientHello(held)
-				switch {
-				case errors.Is(err, ErrNeedMore):
-					continue
-				case errors.Is(err, ErrNotTLS):
-				case err != nil:
-					return c.refuseHello(g, fmt.Sprintf("the tunnel's first bytes are TLS but not a well-formed ClientHello: %v", err))
-				default:
-					c.rec.SNI = protocol.CleanText(h.ServerName, 255)
-					if why := c.checkSNI(h); why != "" {
-						return c.refuseHello(g, why)
-					}
+				out, done, err := c.checkFirstBytes(held, g)
+				if err != nil {
+					return err
 				}
-				gate, b, held = false, held, nil
+				if !done {
+					continue
+				}
+				gate, b, held = false, out, nil
 			}
 			if err := c.v.up.take(ctx, len(b)); err != nil {
 				return err
@@ -230,6 +224,9 @@ func (c *conn) copyUp(ctx context.Context, bs guestStream, up net.Conn, g *toGue
 				return errGuest("a second close")
 			}
 			if gate && len(held) > 0 {
+				if _, err := ParseClientHello(held); errors.Is(err, ErrNotTLS) {
+					return c.refuseHTTP(g, "the connection closed in the middle of an HTTP request's head")
+				}
 				return c.refuseHello(g, "the tunnel closed in the middle of a TLS ClientHello")
 			}
 			closed = true
@@ -240,6 +237,53 @@ func (c *conn) copyUp(ctx context.Context, bs guestStream, up net.Conn, g *toGue
 			return errGuest("unexpected message %T", msg.Msg)
 		}
 	}
+}
+
+// checkFirstBytes checks the first bytes of a connection, held until they
+// are known: a TLS ClientHello's server name, or a plain HTTP request's
+// Host. It returns what to send upstream once done; not done means more
+// bytes are needed. A plain-HTTP connection (the proxy's "http" kind)
+// must carry an HTTP request; another kind may carry any protocol.
+func (c *conn) checkFirstBytes(held []byte, g *toGuest) (out []byte, done bool, err error) {
+	h, err := ParseClientHello(held)
+	switch {
+	case errors.Is(err, ErrNeedMore):
+		return nil, false, nil
+	case errors.Is(err, ErrNotTLS):
+	case err != nil:
+		return nil, false, c.refuseHello(g, fmt.Sprintf("the tunnel's first bytes are TLS but not a well-formed ClientHello: %v", err))
+	default:
+		c.rec.SNI = protocol.CleanText(h.ServerName, 255)
+		if why := c.checkSNI(h); why != "" {
+			return nil, false, c.refuseHello(g, why)
+		}
+		return held, true, nil
+	}
+	head, err := ParseRequestHead(held)
+	switch {
+	case errors.Is(err, ErrHeadNeedMore):
+		return nil, false, nil
+	case errors.Is(err, ErrNotHTTP):
+		if c.req.Kind == agentv1.EgressKind_EGRESS_KIND_HTTP {
+			return nil, false, c.refuseHTTP(g, "a plain-HTTP connection whose first bytes are not an HTTP/1.x request")
+		}
+		return held, true, nil
+	case err != nil:
+		return nil, false, c.refuseHTTP(g, err.Error())
+	}
+	c.rec.HTTPHost = protocol.CleanText(head.Hosts0(), 255)
+	if why := checkHead(head, c.rec.Host, c.rec.Port); why != "" {
+		return nil, false, c.refuseHTTP(g, why)
+	}
+	return append(closeHead(head), held[head.Len:]...), true, nil
+}
+
+// refuseHTTP answers a refused HTTP request with 403 and a close, before
+// anything of it went upstream.
+func (c *conn) refuseHTTP(g *toGuest, why string) error {
+	g.data(httpForbidden(why))
+	g.close()
+	return &refusal{msg: why}
 }
 
 // checkSNI returns why h may not go to the host decided on, or "".

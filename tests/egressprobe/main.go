@@ -9,6 +9,10 @@
 //	egressprobe socks HOST PORT
 //	    a SOCKS5 CONNECT through ALL_PROXY (a client written here), then
 //	    "GET / HTTP/1.0"; prints "reply N" and the response's status line.
+//	egressprobe tunnel HOST:PORT HOSTHEADER
+//	    a CONNECT to HOST:PORT through HTTP_PROXY, then a plain
+//	    "GET / HTTP/1.1" with "Host: HOSTHEADER" inside the tunnel; prints
+//	    "tunnel N" and the response's status line.
 //	egressprobe direct HOST:PORT
 //	    a plain TCP connect, no proxy; prints "connected" or the error.
 //
@@ -44,6 +48,8 @@ func main() {
 		err = socks(os.Args[2:])
 	case "direct":
 		err = direct(os.Args[2:])
+	case "tunnel":
+		err = tunnel(os.Args[2:])
 	default:
 		err = fmt.Errorf("unknown command %q", os.Args[1])
 	}
@@ -157,6 +163,51 @@ func socks(args []string) error {
 	line, err := bufio.NewReader(c).ReadString('\n')
 	fmt.Printf("response %s", line)
 	return err
+}
+
+func tunnel(args []string) error {
+	if len(args) != 2 {
+		return errors.New("usage: egressprobe tunnel HOST:PORT HOSTHEADER")
+	}
+	proxy, err := url.Parse(os.Getenv("HTTP_PROXY"))
+	if err != nil || proxy.Host == "" {
+		return fmt.Errorf("HTTP_PROXY %q: %v", os.Getenv("HTTP_PROXY"), err)
+	}
+	c, err := net.DialTimeout("tcp", proxy.Host, 10*time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	fmt.Fprintf(c, "CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n", args[0], args[0])
+	br := bufio.NewReader(c)
+	line, err := br.ReadString('\n')
+	if err != nil {
+		return fmt.Errorf("CONNECT: %w", err)
+	}
+	f := strings.Fields(line)
+	if len(f) < 2 {
+		return fmt.Errorf("CONNECT answered %q", line)
+	}
+	fmt.Printf("tunnel %s\n", f[1])
+	for { // the rest of the proxy's answer
+		l, err := br.ReadString('\n')
+		if err != nil {
+			return err
+		}
+		if strings.TrimSpace(l) == "" {
+			break
+		}
+	}
+	fmt.Fprintf(c, "GET / HTTP/1.1\r\nHost: %s\r\n\r\n", args[1])
+	line, err = br.ReadString('\n')
+	if err != nil {
+		return fmt.Errorf("the request in the tunnel: %w", err)
+	}
+	fmt.Printf("response %s\n", strings.TrimSpace(line))
+	rest, _ := io.ReadAll(io.LimitReader(br, 4096))
+	fmt.Printf("%s\n", rest)
+	return nil
 }
 
 func direct(args []string) error {
