@@ -59,6 +59,22 @@ func (h *Host) Bind(devs []Address) (moved []Address, err error) {
 	return moved, nil
 }
 
+// Movable returns the devices of devs that Bind would move: those not on
+// vfio-pci now.
+func (h *Host) Movable(devs []Address) ([]Address, error) {
+	var out []Address
+	for _, a := range devs {
+		cur, err := linkBase(filepath.Join(h.pciDir(a), "driver"))
+		if err != nil {
+			return nil, err
+		}
+		if cur != VFIODriver {
+			out = append(out, a)
+		}
+	}
+	return out, nil
+}
+
 // Release gives devices Bind moved back to the host, as libvirt does when
 // a managed hostdev's domain ends (virPCIDeviceUnbindFromStub): it unbinds
 // each from vfio-pci, clears the driver_override Bind set, and has the

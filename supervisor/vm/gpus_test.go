@@ -153,6 +153,14 @@ type killSpy struct {
 	driver.Driver
 	mu     sync.Mutex
 	killed []int
+	swept  []string
+}
+
+func (k *killSpy) Sweep(ctx context.Context, dir string) error {
+	k.mu.Lock()
+	k.swept = append(k.swept, dir)
+	k.mu.Unlock()
+	return k.Driver.Sweep(ctx, dir)
 }
 
 func (k *killSpy) Kill(ctx context.Context, inst driver.Instance) error {
@@ -187,5 +195,32 @@ func TestReconcileReleasesDeadVMsGPUs(t *testing.T) {
 	}
 	if st, _ := e.m.Get("g"); st.State != registry.StateStopped || !reflect.DeepEqual(st.GPUs, []string{testGPU}) {
 		t.Errorf("after reconcile: %+v", st)
+	}
+}
+
+// TestReconcileInterruptedCreateWithGPUs: a create with GPUs that a
+// carreld death cut short is removed at the next start, after its
+// leftovers are swept (the driver gives back what it bound), with its
+// gpu.detach record.
+func TestReconcileInterruptedCreateWithGPUs(t *testing.T) {
+	e := newEnv(t)
+	e.reg.Put(&registry.Record{Name: "g", State: registry.StateCreating, GPUs: []string{testGPU}, CreatedAt: time.Now()})
+	l, spy := &eventLog{}, &killSpy{Driver: e.drv}
+	e.withGPUs(l, &gpuChecker{}, spy)
+	if err := e.m.Reconcile(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Contains(spy.swept, e.reg.Dir("g")) {
+		t.Errorf("sweeps %v: the interrupted create's directory was not swept", spy.swept)
+	}
+	if got := l.kinds(); got != "gpu-detach" {
+		t.Errorf("events %s, want gpu-detach", got)
+	}
+	ev, _ := l.find(EventGPUDetach)
+	if ev.Record.Name != "g" || !strings.Contains(ev.Reason, "create interrupted") {
+		t.Errorf("gpu-detach %+v", ev)
+	}
+	if _, err := e.reg.Get("g"); !errors.Is(err, registry.ErrNotFound) {
+		t.Errorf("the record is still there: %v", err)
 	}
 }

@@ -421,6 +421,14 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 		if err := m.killLeftovers(ctx, rec); err != nil {
 			return err // keep the record: the next start tries again
 		}
+		if len(rec.GPUs) > 0 {
+			// Its boot may have recorded their attach: the devices are the
+			// host's again (killLeftovers gave back what the start bound),
+			// and the log says so.
+			mc := newMachine(*rec)
+			mc.gpusOn = true
+			m.gpusOff(ctx, mc, "create interrupted by a carreld restart")
+		}
 		return m.cfg.Registry.Delete(rec.Name)
 	case rec.State == registry.StateStarting, rec.Instance == nil:
 		mc := newMachine(*rec)

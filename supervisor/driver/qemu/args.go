@@ -30,6 +30,7 @@ const (
 	consoleSocketName = "console.sock"
 	logFileName       = "qemu.log"
 	pidFileName       = "qemu.pid"
+	vfioFileName      = "vfio-moved"
 )
 
 // File descriptors of the pre-opened listening sockets in the QEMU process
@@ -47,6 +48,8 @@ const maxSocketPath = 107
 // layout is where a VM's sockets live.
 type layout struct {
 	qmp, agent, console, log, pidfile string
+	// vfio lists the devices a start may have moved to vfio-pci (vfio.go).
+	vfio string
 }
 
 func newLayout(dir string) (layout, error) {
@@ -56,6 +59,7 @@ func newLayout(dir string) (layout, error) {
 		console: filepath.Join(dir, consoleSocketName),
 		log:     filepath.Join(dir, logFileName),
 		pidfile: filepath.Join(dir, pidFileName),
+		vfio:    filepath.Join(dir, vfioFileName),
 	}
 	for _, p := range []string{l.qmp, l.agent, l.console} {
 		if len(p) > maxSocketPath {

@@ -121,13 +121,13 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance
 	}
 	// GPUs first, so that a host that cannot hand them over fails the
 	// start before anything runs; from here on a failure gives them back.
-	gpus, err := d.bindGPUs(spec)
+	gpus, err := d.bindGPUs(spec, l)
 	if err != nil {
 		return driver.Instance{}, err
 	}
 	defer func() {
 		if err != nil {
-			err = errors.Join(err, d.releaseGPUs(gpu.Strings(gpus.moved)))
+			err = errors.Join(err, d.releaseGPUs(gpu.Strings(gpus.moved), l.vfio))
 		}
 	}()
 	files, err := listenAll(l.qmp, l.agent, l.console)
@@ -383,7 +383,7 @@ func (d *Driver) Wait(ctx context.Context, inst driver.Instance) error {
 func (d *Driver) Kill(ctx context.Context, inst driver.Instance) (err error) {
 	defer func() {
 		if err == nil {
-			err = errors.Join(removeCgroup(inst.Cgroup), d.releaseGPUs(inst.VFIO))
+			err = errors.Join(removeCgroup(inst.Cgroup), d.releaseGPUs(inst.VFIO, filepath.Join(filepath.Dir(inst.QMPSocket), vfioFileName)))
 		}
 	}()
 	if !alive(inst.PID, inst.StartTime) {
@@ -404,15 +404,26 @@ func (d *Driver) Kill(ctx context.Context, inst driver.Instance) (err error) {
 	return nil
 }
 
-// Sweep implements driver.Lifecycle.
+// Sweep implements driver.Lifecycle. It also gives back the devices a
+// start moved to vfio-pci, or was about to, before a carreld died.
 func (d *Driver) Sweep(ctx context.Context, dir string) error {
 	l, err := newLayout(dir)
 	if err != nil {
 		return err
 	}
+	moved, err := readMoved(l.vfio)
+	if err != nil {
+		return err
+	}
+	release := func() error {
+		if len(moved) > 0 {
+			d.cfg.Logger.Warn("giving back gpus an interrupted start bound to vfio-pci", "dir", dir, "devices", moved)
+		}
+		return d.releaseGPUs(moved, l.vfio)
+	}
 	b, err := os.ReadFile(l.pidfile)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil
+		return release()
 	}
 	if err != nil {
 		return fmt.Errorf("read qemu pid file: %w", err)
@@ -425,18 +436,18 @@ func (d *Driver) Sweep(ctx context.Context, dir string) error {
 	// have been reused since.
 	cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
 	if err != nil || !strings.Contains(string(cmdline), "\x00"+l.pidfile+"\x00") {
-		return nil
+		return release()
 	}
 	start, zombie, err := procStartTime(pid)
 	if err != nil || zombie {
-		return nil
+		return release()
 	}
 	d.cfg.Logger.Warn("killing qemu left by an interrupted start", "pid", pid, "dir", dir)
-	inst := driver.Instance{PID: pid, StartTime: start, QMPSocket: l.qmp}
+	inst := driver.Instance{PID: pid, StartTime: start, QMPSocket: l.qmp, VFIO: moved}
 	if d.cg != nil {
 		inst.Cgroup = filepath.Join(d.cg.base, vmCgroupName(dir))
 	}
-	return d.Kill(ctx, inst)
+	return d.Kill(ctx, inst) // gives moved back once QEMU is gone
 }
 
 func lastLines(s string, n int) string {

@@ -1,8 +1,12 @@
 package qemu
 
 import (
+	"errors"
 	"fmt"
+	"os"
+	"strings"
 
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 )
@@ -26,7 +30,12 @@ func (p gpuPlan) machine(def string) string {
 // the VM was created (rebooted without the IOMMU, a card moved), binds
 // every device that goes to the VM to vfio-pci, as libvirt does for a
 // managed hostdev, and returns QEMU's arguments for them.
-func (d *Driver) bindGPUs(spec driver.Spec) (gpuPlan, error) {
+//
+// Before it moves anything, it writes the devices it may move to the VM's
+// directory (l.vfio), and after, the ones it did: a carreld that dies
+// before the VM's record has them finds them there at its next start
+// (Sweep), and gives them back.
+func (d *Driver) bindGPUs(spec driver.Spec, l layout) (gpuPlan, error) {
 	if len(spec.GPUs) == 0 {
 		return gpuPlan{}, nil
 	}
@@ -35,7 +44,17 @@ func (d *Driver) bindGPUs(spec driver.Spec) (gpuPlan, error) {
 		return gpuPlan{}, fmt.Errorf("vm %q: %w", spec.Name, err)
 	}
 	devs := p.Addresses()
+	movable, err := d.cfg.GPUs.Movable(devs)
+	if err == nil {
+		err = writeMoved(l.vfio, movable)
+	}
+	if err != nil {
+		return gpuPlan{}, fmt.Errorf("vm %q: record its gpus before binding them: %w", spec.Name, err)
+	}
 	moved, err := d.cfg.GPUs.Bind(devs)
+	if err == nil {
+		err = writeMoved(l.vfio, moved)
+	}
 	if err != nil {
 		return gpuPlan{}, fmt.Errorf("vm %q: %w", spec.Name, err)
 	}
@@ -44,20 +63,51 @@ func (d *Driver) bindGPUs(spec driver.Spec) (gpuPlan, error) {
 }
 
 // releaseGPUs gives the devices a VM's start moved to vfio-pci back to
-// their host drivers. Its QEMU must be gone.
-func (d *Driver) releaseGPUs(devs []string) error {
+// their host drivers, then forgets them (the file at path). Its QEMU must
+// be gone.
+func (d *Driver) releaseGPUs(devs []string, path string) error {
+	if len(devs) > 0 {
+		as, err := gpu.ParseAddresses(devs)
+		if err != nil {
+			return err
+		}
+		if err := d.cfg.GPUs.Release(as); err != nil {
+			return err
+		}
+		d.cfg.Logger.Info("gpus given back to the host", "devices", devs)
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// writeMoved records devs as the devices a start moved (or may move) to
+// vfio-pci, one a line; none removes the record.
+func writeMoved(path string, devs []gpu.Address) error {
 	if len(devs) == 0 {
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
 		return nil
 	}
-	as, err := gpu.ParseAddresses(devs)
+	return atomicfile.WriteFile(path, []byte(strings.Join(gpu.Strings(devs), "\n")+"\n"), 0o600)
+}
+
+// readMoved reads what writeMoved wrote; nil when there is nothing.
+func readMoved(path string) ([]string, error) {
+	b, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
 	if err != nil {
-		return err
+		return nil, err
 	}
-	if err := d.cfg.GPUs.Release(as); err != nil {
-		return err
+	devs := strings.Fields(string(b))
+	if _, err := gpu.ParseAddresses(devs); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
-	d.cfg.Logger.Info("gpus given back to the host", "devices", devs)
-	return nil
+	return devs, nil
 }
 
 // vfioArgs passes devs (sorted, as a gpu.Plan has them) through to the

@@ -96,6 +96,9 @@ func TestStartWithGPU(t *testing.T) {
 			t.Errorf("%s after a failed start: driver %q, override %q", a, s.Driver(a), s.Override(a))
 		}
 	}
+	if _, err := os.Stat(filepath.Join(spec.Dir, vfioFileName)); !os.IsNotExist(err) {
+		t.Errorf("the list of moved devices outlived the failed start: %v", err)
+	}
 }
 
 // A GPU the host cannot hand over fails the start before QEMU runs, with
@@ -138,5 +141,64 @@ func TestKillGivesGPUsBack(t *testing.T) {
 	}
 	if s.Driver(gputest.NVIDIAGPU) != "nvidia" || s.Driver(gputest.NVIDIAAudio) != "snd_hda_intel" {
 		t.Errorf("after Kill: %q, %q", s.Driver(gputest.NVIDIAGPU), s.Driver(gputest.NVIDIAAudio))
+	}
+}
+
+// TestSweepGivesBackGPUsOfAnInterruptedStart: a carreld that died after
+// a start bound its VM's devices to vfio-pci, before the VM's record had
+// them, leaves them listed in the VM's directory; Sweep, at the next
+// start, gives them back. A device that was on vfio-pci before (an
+// operator's) is not listed, and keeps vfio-pci.
+func TestSweepGivesBackGPUsOfAnInterruptedStart(t *testing.T) {
+	t.Log("fake sysfs tree: real VFIO passthrough is not exercised here")
+	s := gputest.New(t, gputest.Drivers...)
+	s.Add(gputest.NVIDIAWithAudio()...)
+	h := gpu.New(gpu.Config{Sysfs: s.Root, Write: s.Write})
+	// The operator bound the audio function to vfio-pci beforehand.
+	pre, err := gpu.ParseAddresses([]string{gputest.NVIDIAAudio})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := h.Bind(pre); err != nil {
+		t.Fatal(err)
+	}
+	d := New(Config{Accelerator: "tcg", GPUs: h})
+	spec := testSpec(t.TempDir())
+	spec.GPUs = []string{gputest.NVIDIAGPU}
+	l, err := newLayout(spec.Dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	plan, err := d.bindGPUs(spec, l) // ... and carreld died here
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := gpu.Strings(plan.moved); len(got) != 1 || got[0] != gputest.NVIDIAGPU {
+		t.Fatalf("moved %v, want the GPU alone", got)
+	}
+	if b, err := os.ReadFile(l.vfio); err != nil || strings.TrimSpace(string(b)) != gputest.NVIDIAGPU {
+		t.Fatalf("%s: %q, %v", l.vfio, b, err)
+	}
+	if s.Driver(gputest.NVIDIAGPU) != gpu.VFIODriver {
+		t.Fatalf("the GPU is on %q", s.Driver(gputest.NVIDIAGPU))
+	}
+	if err := d.Sweep(context.Background(), spec.Dir); err != nil {
+		t.Fatal(err)
+	}
+	if s.Driver(gputest.NVIDIAGPU) != "nvidia" || s.Override(gputest.NVIDIAGPU) != "" {
+		t.Errorf("the GPU after Sweep: driver %q, override %q", s.Driver(gputest.NVIDIAGPU), s.Override(gputest.NVIDIAGPU))
+	}
+	if s.Driver(gputest.NVIDIAAudio) != gpu.VFIODriver {
+		t.Errorf("the operator's device left vfio-pci: %q", s.Driver(gputest.NVIDIAAudio))
+	}
+	if _, err := os.Stat(l.vfio); !os.IsNotExist(err) {
+		t.Errorf("%s is still there: %v", l.vfio, err)
+	}
+	// A damaged list is an error, not a guess.
+	if err := os.WriteFile(l.vfio, []byte("not-an-address\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Sweep(context.Background(), spec.Dir); err == nil {
+		t.Error("Sweep took a damaged list")
 	}
 }
