@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/witness"
 )
 
 // defaultAuditDir is the audit log of a carreld with the default state
@@ -44,16 +45,21 @@ func newAuditKeyCmd() *cobra.Command {
 
 func newAuditVerifyCmd() *cobra.Command {
 	var dir, key, output, bundle string
-	var checkpoints []string
+	var checkpoints, witnesses []string
+	var quorum int
 	var packages bool
 	c := &cobra.Command{
-		Use:   "verify [--key KEY] [--checkpoint FILE]... | verify --bundle FILE [--key KEY] [--packages]",
+		Use:   "verify [--key KEY] [--checkpoint FILE]... [--witness KEY... [--quorum N]] | verify --bundle FILE [--key KEY] [--packages]",
 		Short: "Recompute the Merkle tree, check every checkpoint's signature and root, and every blob",
 		Long: "Reports every flipped, dropped, reordered or truncated record, replaced blob and forged\n" +
 			"checkpoint, with its position. Exits 1 when there is any. Without --key the log's own\n" +
 			"key.pub is used, which proves less: pass the key you kept (carrel audit key).\n" +
 			"--checkpoint holds the log to a checkpoint you kept from earlier, so a log cut back\n" +
 			"below it is caught even if its own checkpoints were cut too.\n" +
+			"--witness requires the checkpoints to carry that witness's cosignatures: every one of them\n" +
+			"must verify, and the newest checkpoint must have --quorum of them (default 1); this catches a\n" +
+			"log its own host rewrote and signed again with its own key. It lists the checkpoints that\n" +
+			"lack cosignatures.\n" +
 			"--bundle checks an evidence bundle (carrel audit export) instead of a log: the checkpoint's\n" +
 			"signature, each record's inclusion proof, each blob, and the manifest; it names the image the\n" +
 			"session ran on, and --packages lists the packages of the image manifest the bundle holds.",
@@ -71,7 +77,17 @@ func newAuditVerifyCmd() *cobra.Command {
 			if packages {
 				return fmt.Errorf("--packages lists the image's packages from a bundle: it needs --bundle (or use carrel audit show SESSION --packages)")
 			}
-			opts := audit.VerifyOptions{Key: strings.TrimSpace(key)}
+			opts := audit.VerifyOptions{Key: strings.TrimSpace(key), Quorum: quorum}
+			for _, k := range witnesses {
+				v, err := witness.NewVerifier(k)
+				if err != nil {
+					return fmt.Errorf("--witness: %w", err)
+				}
+				opts.Witnesses = append(opts.Witnesses, v)
+			}
+			if quorum > len(witnesses) {
+				return fmt.Errorf("--quorum %d: only %d witnesses given", quorum, len(witnesses))
+			}
 			for _, f := range checkpoints {
 				b, err := os.ReadFile(f)
 				if err != nil {
@@ -95,6 +111,13 @@ func newAuditVerifyCmd() *cobra.Command {
 				if rep.KeyFromLog {
 					fmt.Println("note: checked against the log's own key.pub; pass --key with the key you kept")
 				}
+				if len(opts.Witnesses) > 0 {
+					fmt.Printf("witnessed up to %d records", rep.Witnessed)
+					if len(rep.Unwitnessed) > 0 {
+						fmt.Printf("; checkpoints without %d cosignatures: %s", max(quorum, 1), sizesText(rep.Unwitnessed))
+					}
+					fmt.Println()
+				}
 				for _, p := range rep.Problems {
 					fmt.Println(describeProblem(p))
 				}
@@ -117,10 +140,25 @@ func newAuditVerifyCmd() *cobra.Command {
 	c.Flags().StringVar(&dir, "dir", defaultAuditDir, "the audit log's directory (carreld's state dir + /audit, or a copy)")
 	c.Flags().StringVar(&key, "key", "", "the verifier key to hold checkpoints to (from carrel audit key)")
 	c.Flags().StringArrayVar(&checkpoints, "checkpoint", nil, "a signed checkpoint kept from earlier (repeatable)")
+	c.Flags().StringArrayVar(&witnesses, "witness", nil, "a witness's cosignature/v1 key whose cosignatures the checkpoints must carry (repeatable)")
+	c.Flags().IntVar(&quorum, "quorum", 0, "with --witness: how many witnesses' valid cosignatures the newest checkpoint needs (default 1)")
 	c.Flags().StringVar(&bundle, "bundle", "", "check this evidence bundle (from carrel audit export) instead of a log")
 	c.Flags().BoolVar(&packages, "packages", false, "with --bundle: also list the packages of the session's image")
 	addOutputFlag(c, &output)
 	return c
+}
+
+// sizesText lists checkpoint sizes, the first few.
+func sizesText(sizes []uint64) string {
+	var s []string
+	for i, n := range sizes {
+		if i == 10 {
+			s = append(s, fmt.Sprintf("and %d more", len(sizes)-10))
+			break
+		}
+		s = append(s, fmt.Sprint(n))
+	}
+	return strings.Join(s, ", ")
 }
 
 func describeProblem(p audit.Problem) string {

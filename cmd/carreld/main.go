@@ -37,6 +37,10 @@ func main() {
 	})
 	flag.StringVar(&cfg.E2BListen, "e2b-listen", "", "serve the e2b API (control plane and envd, for unmodified e2b SDKs) on this TCP address, e.g. 127.0.0.1:3000; off when empty")
 	flag.Int64Var(&cfg.E2BMaxUpload, "e2b-max-upload", 0, "largest file upload the e2b API takes, in bytes (0: 1 GiB)")
+	flag.Func("witness", "a witness that cosigns the audit log's checkpoints, as URL,KEY (its C2SP tlog-witness URL and cosignature/v1 key, e.g. from carrel witness keygen); repeat for more", func(v string) error {
+		cfg.Witnesses = append(cfg.Witnesses, v)
+		return nil
+	})
 	flag.StringVar(&level, "log-level", "info", "debug, info, warn or error")
 	var debugSocket string
 	flag.StringVar(&debugSocket, "debug-socket", "", "serve Go's runtime profiles (net/http/pprof: goroutines, heap, CPU) on this unix socket, mode 0600, for load tests and leak hunts; off when empty. Put it in a directory only root can reach")

@@ -13,6 +13,8 @@ import (
 
 	"golang.org/x/mod/sumdb/note"
 	"golang.org/x/mod/sumdb/tlog"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 const checkpointDir = "checkpoints"
@@ -123,6 +125,7 @@ type checkpointer struct {
 	signer    note.Signer
 	hashes    file
 	writeFile func(string, []byte, os.FileMode) error
+	written   func(Checkpoint) // Options.OnCheckpoint
 
 	mu     sync.Mutex
 	want   Checkpoint // the latest asked for
@@ -166,7 +169,41 @@ func (c *checkpointer) flush() error {
 		return fmt.Errorf("write checkpoint %d: %w", w.Size, err)
 	}
 	c.latest = &Checkpoint{Size: w.Size, Root: w.Root, Note: msg}
+	if c.written != nil {
+		c.written(*c.latest)
+	}
 	return nil
+}
+
+// AddCosignatures adds a witness's signature lines to the checkpoint of
+// size in the log in dir: its note then carries the log's signature and
+// the cosignatures together. The checkpoint must still open with key (the
+// log's), and sigs must be signature lines; the file is replaced
+// atomically.
+func AddCosignatures(dir string, size uint64, key note.Verifier, sigs []byte) error {
+	path := filepath.Join(dir, checkpointDir, checkpointName(size))
+	msg, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	n, err := note.Open(msg, note.VerifierList(key))
+	if err != nil {
+		return fmt.Errorf("checkpoint %d: %w", size, err)
+	}
+	if !strings.HasSuffix(string(msg), "\n") || len(sigs) == 0 || !strings.HasSuffix(string(sigs), "\n") {
+		return fmt.Errorf("checkpoint %d: cosignatures are whole signature lines", size)
+	}
+	for _, line := range strings.SplitAfter(strings.TrimSuffix(string(sigs), "\n"), "\n") {
+		if !strings.HasPrefix(line, "\u2014 ") {
+			return fmt.Errorf("checkpoint %d: %.80q is not a signature line", size, line)
+		}
+	}
+	out := append(msg[:len(msg):len(msg)], sigs...)
+	if _, err := note.Open(out, note.VerifierList(key)); err != nil {
+		return fmt.Errorf("checkpoint %d with the cosignatures: %w", size, err)
+	}
+	_ = n
+	return atomicfile.WriteFile(path, out, 0o644)
 }
 
 func (c *checkpointer) current() *Checkpoint {

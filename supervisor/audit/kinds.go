@@ -397,6 +397,8 @@ func DecodeIntent(data []byte) (any, error) {
 		v = &ExecIntent{}
 	case head.Action == ActionForward:
 		v = &ForwardIntent{}
+	case head.Action == ActionInput:
+		v = &InputIntent{}
 	default:
 		v = &FileIntent{}
 	}
@@ -404,4 +406,16 @@ func DecodeIntent(data []byte) (any, error) {
 		return nil, err
 	}
 	return v, nil
+}
+
+// WitnessEvent is the data of an "audit.witness" record: a witness of the
+// log's checkpoints started to fail ("failed": unreachable, slow, an answer
+// that is not its cosignature; "refused": it would not cosign the
+// checkpoint, which does not extend what it saw) or cosigns again
+// ("cosigning"), at the checkpoint of Size records.
+type WitnessEvent struct {
+	Witness string `json:"witness"`
+	Size    uint64 `json:"size"`
+	Outcome string `json:"outcome"`
+	Error   string `json:"error,omitempty"`
 }

@@ -27,6 +27,7 @@ var dataTypes = map[string][]any{
 		ExecIntentTruncated{Action: ActionExec},
 		FileIntent{Action: "file.write"},
 		ForwardIntent{Action: ActionForward},
+		InputIntent{Action: ActionInput},
 	},
 	KindExecExit:     {ExecExit{}},
 	KindExecOutput:   {ExecOutput{}},
@@ -34,10 +35,11 @@ var dataTypes = map[string][]any{
 	KindWatchEvent:   {Watch{}},
 	KindFileActivity: {Activity{}},
 	KindNetEgress:    {Egress{}},
-	KindOutcome:      {ForwardOutcome{}, OutcomeData{}},
+	KindOutcome:      {ForwardOutcome{}, OutcomeData{}, InputOutcome{}},
 	KindGPUAttach:    {GPU{}},
 	KindGPUDetach:    {GPU{}},
 	KindRecovery:     {RecoveryData{}},
+	KindWitness:      {WitnessEvent{}},
 }
 
 // notWritten are the kinds carreld writes no data of, and why.

@@ -36,6 +36,10 @@ type Options struct {
 	// Close).
 	OnFault   func(error)
 	OnRecover func()
+	// OnCheckpoint is called with each checkpoint once it is written and
+	// synced, on the log's goroutine: it must not block or call the Log's
+	// methods that wait. carreld hands it to its witnesses.
+	OnCheckpoint func(Checkpoint)
 
 	// Tests replace how files are opened and written.
 	open      openFunc
@@ -188,7 +192,7 @@ func (l *Log) openFiles() error {
 	if l.hash, err = l.opts.open(filepath.Join(l.dir, hashesFile)); err != nil {
 		return fmt.Errorf("open audit log: %w", err)
 	}
-	l.ckpt = checkpointer{dir: l.dir, signer: signer, hashes: l.hash, writeFile: l.opts.writeFile, kick: make(chan struct{}, 1)}
+	l.ckpt = checkpointer{dir: l.dir, signer: signer, hashes: l.hash, writeFile: l.opts.writeFile, kick: make(chan struct{}, 1), written: l.opts.OnCheckpoint}
 	return nil
 }
 

@@ -44,6 +44,9 @@ const (
 	// KindRecovery records what the log itself did to recover: a torn
 	// tail cut at Open, or a period of unavailability.
 	KindRecovery = "audit.recovery"
+	// KindWitness records a witness starting to fail (or refuse) to
+	// cosign the log's checkpoints, or cosigning again.
+	KindWitness = "audit.witness"
 )
 
 // Caps on one record.

@@ -28,6 +28,12 @@ type VerifyOptions struct {
 	// MaxProblems caps the problems listed (default 1000); the rest are
 	// counted in Report.Omitted.
 	MaxProblems int
+	// Witnesses are the keys of witnesses whose cosignatures the log's
+	// checkpoints must carry (witness.NewVerifier): every cosignature of
+	// theirs must verify, and the newest checkpoint must have Quorum of
+	// them (default: 1), or the log's end is reported unwitnessed.
+	Witnesses []note.Verifier
+	Quorum    int
 }
 
 // ProblemKind classifies what Verify found.
@@ -43,6 +49,8 @@ const (
 	ProblemTruncated           ProblemKind = "truncated"            // a checkpoint covers more records than there are
 	ProblemCheckpointSignature ProblemKind = "checkpoint-signature" // a checkpoint that does not verify or parse
 	ProblemCheckpointRoot      ProblemKind = "checkpoint-root"      // a checkpoint whose root the records do not reproduce
+	ProblemCosignature         ProblemKind = "cosignature"          // a witness's cosignature that does not verify: the checkpoint is not what it cosigned
+	ProblemUnwitnessed         ProblemKind = "unwitnessed"          // the log's newest checkpoint lacks a quorum of cosignatures
 	ProblemBlobMissing         ProblemKind = "blob-missing"
 	ProblemBlobMismatch        ProblemKind = "blob-mismatch" // a blob whose content does not hash to its name
 )
@@ -89,6 +97,10 @@ type Report struct {
 	KeyFromLog  bool      `json:"key_from_log"` // the key came from the log's own key.pub
 	Problems    []Problem `json:"problems"`
 	Omitted     int       `json:"omitted,omitempty"` // problems beyond MaxProblems
+	// With witnesses: the largest checkpoint with a quorum of valid
+	// cosignatures, and the checkpoints (sizes, at most 100) without one.
+	Witnessed   uint64   `json:"witnessed,omitempty"`
+	Unwitnessed []uint64 `json:"unwitnessed,omitempty"`
 }
 
 // OK reports whether Verify found nothing wrong.
@@ -127,6 +139,11 @@ func Verify(dir string, opts VerifyOptions) (*Report, error) {
 	cps, err := v.checkpoints(note.VerifierList(nv), opts.Checkpoints)
 	if err != nil {
 		return nil, err
+	}
+	if len(opts.Witnesses) > 0 {
+		if err := v.witnessed(nv, opts.Witnesses, max(opts.Quorum, 1), cps); err != nil {
+			return nil, err
+		}
 	}
 	f, err := os.Open(filepath.Join(dir, recordsFile))
 	if err != nil {
@@ -210,6 +227,59 @@ func (v *verifier) checkpoints(vs note.Verifiers, extra [][]byte) ([]verifyCheck
 	}
 	sort.SliceStable(cps, func(i, j int) bool { return cps[i].size < cps[j].size })
 	return cps, nil
+}
+
+// witnessed checks the witnesses' cosignatures on the log's checkpoints
+// that verified (cps): each must verify, and the newest must have a
+// quorum.
+func (v *verifier) witnessed(host note.Verifier, witnesses []note.Verifier, quorum int, cps []verifyCheckpoint) error {
+	all := note.VerifierList(append([]note.Verifier{host}, witnesses...)...)
+	isWitness := map[string]bool{}
+	for _, w := range witnesses {
+		isWitness[w.Name()] = true
+	}
+	var newest uint64
+	for _, cp := range cps {
+		if cp.name != filepath.Join(checkpointDir, checkpointName(cp.size)) {
+			continue // one given by the reviewer, not the log's
+		}
+		newest = max(newest, cp.size)
+		msg, err := os.ReadFile(filepath.Join(v.dir, cp.name))
+		if err != nil {
+			return fmt.Errorf("verify audit log: %w", err)
+		}
+		n, err := note.Open(msg, all)
+		if err != nil {
+			var bad *note.InvalidSignatureError
+			if errors.As(err, &bad) {
+				v.add(Problem{Kind: ProblemCosignature, Checkpoint: ptr(cp.size), Detail: fmt.Sprintf(
+					"%s: the cosignature of witness %s does not match: the checkpoint is not the one the witness cosigned (rewritten and signed again?)", cp.name, bad.Name)})
+			} else {
+				v.add(Problem{Kind: ProblemCosignature, Checkpoint: ptr(cp.size), Detail: fmt.Sprintf("%s: %v", cp.name, err)})
+			}
+			continue
+		}
+		got := 0
+		for _, sig := range n.Sigs {
+			if isWitness[sig.Name] {
+				got++
+			}
+		}
+		if got >= quorum {
+			v.rep.Witnessed = max(v.rep.Witnessed, cp.size)
+		} else if len(v.rep.Unwitnessed) < 100 {
+			v.rep.Unwitnessed = append(v.rep.Unwitnessed, cp.size)
+		}
+	}
+	if newest > 0 && v.rep.Witnessed < newest {
+		from := "none of its checkpoints has"
+		if v.rep.Witnessed > 0 {
+			from = fmt.Sprintf("the last with %d is at %d records", quorum, v.rep.Witnessed)
+		}
+		v.add(Problem{Kind: ProblemUnwitnessed, Checkpoint: ptr(newest), Detail: fmt.Sprintf(
+			"the newest checkpoint, at %d records, lacks %d valid cosignatures (%s): what follows is vouched for by the host's key alone", newest, quorum, from)})
+	}
+	return nil
 }
 
 // blobs checks that every referenced blob is there, unchanged.

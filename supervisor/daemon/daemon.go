@@ -25,6 +25,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/activity"
 	"github.com/carrel-os/carrel/supervisor/api"
+	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/e2b"
 	"github.com/carrel-os/carrel/supervisor/egress"
 	"github.com/carrel-os/carrel/supervisor/gpu"
@@ -72,6 +73,9 @@ type Config struct {
 	// e2b.DefaultMaxUpload).
 	E2BListen    string
 	E2BMaxUpload int64
+	// Witnesses cosign the audit log's checkpoints: "URL,KEY" each, the
+	// witness's C2SP tlog-witness URL and its cosignature/v1 verifier key.
+	Witnesses []string
 }
 
 // Run serves until ctx ends. VMs keep running after it returns.
@@ -117,9 +121,22 @@ func Run(ctx context.Context, cfg Config) error {
 	// Every decision is on record before the action it admits: the api
 	// decision precedes every call, so no call goes ahead unrecorded.
 	faults := newFaultHandler(log)
-	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), log, faults)
+	witnesses, err := witnessPusher(cfg.Witnesses, log)
 	if err != nil {
 		return err
+	}
+	var onCheckpoint func(audit.Checkpoint)
+	if witnesses != nil {
+		onCheckpoint = witnesses.Checkpoint
+	}
+	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), log, faults, onCheckpoint)
+	if err != nil {
+		return err
+	}
+	if witnesses != nil {
+		if err := startWitnesses(ctx, witnesses, auditLog); err != nil {
+			return err
+		}
 	}
 	defer auditLog.Close()
 	rec := recorder.New(auditLog, log)

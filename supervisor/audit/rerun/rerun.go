@@ -112,6 +112,8 @@ func Build(s *review.Session) (*Plan, error) {
 				order = append(order, r.Seq)
 			case *audit.ForwardIntent:
 				p.Skipped = append(p.Skipped, fmt.Sprintf("record %d: %s %s is not replayed", r.Seq, d.Action, ""))
+			case *audit.InputIntent:
+				p.Skipped = append(p.Skipped, fmt.Sprintf("record %d: %s to command %s (input to a running command) is not replayed", r.Seq, d.Input, d.ExecID))
 			case *audit.FileIntent:
 				switch {
 				case d.Action == "file.write" && !d.Tar:

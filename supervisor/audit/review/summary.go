@@ -204,6 +204,12 @@ func summary(e *Entry) (string, bool) {
 			add("%s", f(d.Action))
 			add("port %d", d.Port)
 			caller = &d.Caller
+		case *audit.InputIntent:
+			add("%s %s to command %s", f(d.Action), f(d.Input), f(d.ExecID))
+			if d.Bytes > 0 {
+				add("%s", bytesText(int64(d.Bytes)))
+			}
+			caller = &d.Caller
 		case *audit.FileIntent:
 			if d.Action == "" {
 				return "", false
@@ -387,6 +393,15 @@ func summary(e *Entry) (string, bool) {
 		if d.Refused > 0 {
 			add("%d appends refused", d.Refused)
 		}
+		if d.Error != "" {
+			add("error: %s", f(d.Error))
+		}
+	case audit.KindWitness:
+		var d audit.WitnessEvent
+		if !decodeData(e, &d) || d.Witness == "" {
+			return "", false
+		}
+		add("witness %s %s at checkpoint %d", f(d.Witness), f(d.Outcome), d.Size)
 		if d.Error != "" {
 			add("error: %s", f(d.Error))
 		}
