@@ -233,11 +233,14 @@ func TestClientRefusesBadAnswers(t *testing.T) {
 	_, vkey, _ := GenerateKey("w1")
 	wv, _ := NewVerifier(vkey)
 	for name, h := range map[string]http.HandlerFunc{
-		"garbage":          func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("hello\n")) },
-		"a wrong cosig":    func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("— w1 AAAAAAAAAAAAAAAA\n")) },
-		"too much":         func(w http.ResponseWriter, r *http.Request) { w.Write(bytes.Repeat([]byte("x"), maxResponseBytes+10)) },
-		"409 without size": func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusConflict); w.Write([]byte("what")) },
-		"500":              func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down\x1b[31m", 500) },
+		"garbage":       func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("hello\n")) },
+		"a wrong cosig": func(w http.ResponseWriter, r *http.Request) { w.Write([]byte("— w1 AAAAAAAAAAAAAAAA\n")) },
+		"too much":      func(w http.ResponseWriter, r *http.Request) { w.Write(bytes.Repeat([]byte("x"), maxResponseBytes+10)) },
+		"409 without size": func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusConflict)
+			w.Write([]byte("what"))
+		},
+		"500": func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down\x1b[31m", 500) },
 	} {
 		srv := httptest.NewServer(h)
 		_, err := (&Client{URL: srv.URL, Key: wv}).AddCheckpoint(context.Background(), 0, nil, cp.Note)
@@ -355,4 +358,21 @@ func waitFor(t *testing.T, cond func() bool) {
 		}
 	}
 	t.Fatal("timed out")
+}
+
+// FuzzParseRequest: whatever a client sends the witness is refused or
+// read within the caps, never a panic.
+func FuzzParseRequest(f *testing.F) {
+	f.Add([]byte("old 0\n\norigin\n1\nAAAA\n\n— x AAAA\n"))
+	f.Add([]byte("old 5\n" + tlog.Hash{}.String() + "\n\nx"))
+	f.Add([]byte("old \n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		r, err := parseRequest(b)
+		if err != nil {
+			return
+		}
+		if len(r.proof) > maxProofHashes || len(r.checkpoint) > len(b) {
+			t.Fatalf("%d proof hashes, %d checkpoint bytes from %d", len(r.proof), len(r.checkpoint), len(b))
+		}
+	})
 }
