@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -20,7 +21,7 @@ const defaultAuditDir = "/var/lib/carrel/audit"
 
 func newAuditCmd(g *globals) *cobra.Command {
 	c := &cobra.Command{Use: "audit", Short: "Review the tamper-evident audit log: verify, show, replay, export, report (offline, on its files), and rerun a session"}
-	c.AddCommand(newAuditKeyCmd(), newAuditVerifyCmd(), newAuditShowCmd(), newAuditReplayCmd(), newAuditExportCmd(), newAuditReportCmd(), newAuditRerunCmd(g))
+	c.AddCommand(newAuditKeyCmd(), newAuditVerifyCmd(), newAuditRecoverCmd(), newAuditShowCmd(), newAuditReplayCmd(), newAuditExportCmd(), newAuditReportCmd(), newAuditRerunCmd(g))
 	return c
 }
 
@@ -111,6 +112,9 @@ func newAuditVerifyCmd() *cobra.Command {
 				if rep.KeyFromLog {
 					fmt.Println("note: checked against the log's own key.pub; pass --key with the key you kept")
 				}
+				for _, sl := range rep.Sealed {
+					fmt.Printf("sealed log %s: %d records (last good checkpoint: %d records), unreadable: %s\n", sl.Dir, sl.Records, sl.Latest, sizesText(sl.Unreadable))
+				}
 				if len(opts.Witnesses) > 0 {
 					fmt.Printf("witnessed up to %d records", rep.Witnessed)
 					if len(rep.Unwitnessed) > 0 {
@@ -146,6 +150,44 @@ func newAuditVerifyCmd() *cobra.Command {
 	c.Flags().BoolVar(&packages, "packages", false, "with --bundle: also list the packages of the session's image")
 	addOutputFlag(c, &output)
 	return c
+}
+
+func newAuditRecoverCmd() *cobra.Command {
+	var dir string
+	c := &cobra.Command{
+		Use:   "recover [--dir DIR]",
+		Short: "After damage that keeps carreld from starting: seal the damaged log as evidence and start a new one chained to it",
+		Long: "Run with carreld stopped, when it refuses to start because the audit log is damaged in the middle\n" +
+			"(\"audit log corrupt at offset ...\"). It verifies the log, moves its records, hashes and checkpoints\n" +
+			"to sealed/TIME/ under the log's directory, read-only, and starts a new log whose first record (an\n" +
+			"audit.recovery of cause corruption) names the sealed log, its unreadable records and its last good\n" +
+			"checkpoint. Nothing is deleted. carrel audit verify then checks the sealed log too, and names its\n" +
+			"unreadable records; carrel audit show --dir DIR/sealed/TIME reads it. A log that opens is refused.",
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			s, err := audit.RecoverCorrupt(dir, time.Now())
+			if err != nil {
+				return err
+			}
+			fmt.Printf("sealed the damaged log in %s: %d records, unreadable: %s; its last good checkpoint is at %d records\n",
+				s.Dir, s.Report.Records, sizesText(unreadableOf(s.Report)), s.Report.Latest)
+			fmt.Println("started a new log chained to it: carreld can start")
+			return nil
+		},
+	}
+	c.Flags().StringVar(&dir, "dir", defaultAuditDir, "the audit log's directory (carreld's state dir + /audit)")
+	return c
+}
+
+// unreadableOf lists the records a report found unreadable.
+func unreadableOf(rep *audit.Report) []uint64 {
+	var out []uint64
+	for _, p := range rep.Problems {
+		if p.Seq != nil && (p.Kind == audit.ProblemFrame || p.Kind == audit.ProblemCRC || p.Kind == audit.ProblemRecord) {
+			out = append(out, *p.Seq)
+		}
+	}
+	return out
 }
 
 // sizesText lists checkpoint sizes, the first few.

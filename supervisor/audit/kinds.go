@@ -375,6 +375,15 @@ type RecoveryData struct {
 	Error           string     `json:"error,omitempty"`
 	Since           *time.Time `json:"since,omitempty"`
 	Refused         uint64     `json:"refused,omitempty"`
+	// For cause "corruption", the first record of a log started again by
+	// carrel audit recover: where the damaged log was sealed (below the
+	// log's directory), how many records it held, the records that could
+	// not be read, and its last checkpoint that the readable records match
+	// (the note, signed), to which this log is chained.
+	Sealed             string   `json:"sealed,omitempty"`
+	SealedRecords      uint64   `json:"sealed_records,omitempty"`
+	Unreadable         []uint64 `json:"unreadable,omitempty"`
+	PreviousCheckpoint string   `json:"previous_checkpoint,omitempty"`
 }
 
 // DecodeIntent decodes an "action.intent" record's data into the type its

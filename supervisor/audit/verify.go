@@ -1,6 +1,7 @@
 package audit
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -51,6 +52,7 @@ const (
 	ProblemCheckpointRoot      ProblemKind = "checkpoint-root"      // a checkpoint whose root the records do not reproduce
 	ProblemCosignature         ProblemKind = "cosignature"          // a witness's cosignature that does not verify: the checkpoint is not what it cosigned
 	ProblemUnwitnessed         ProblemKind = "unwitnessed"          // the log's newest checkpoint lacks a quorum of cosignatures
+	ProblemSealed              ProblemKind = "sealed"               // a sealed log that does not match its recovery record
 	ProblemBlobMissing         ProblemKind = "blob-missing"
 	ProblemBlobMismatch        ProblemKind = "blob-mismatch" // a blob whose content does not hash to its name
 )
@@ -101,6 +103,17 @@ type Report struct {
 	// cosignatures, and the checkpoints (sizes, at most 100) without one.
 	Witnessed   uint64   `json:"witnessed,omitempty"`
 	Unwitnessed []uint64 `json:"unwitnessed,omitempty"`
+	// Sealed are the damaged logs carrel audit recover sealed (below
+	// sealed/), each checked: its records and the ones it cannot read.
+	Sealed []SealedReport `json:"sealed,omitempty"`
+}
+
+// SealedReport is a sealed log, as Verify found it.
+type SealedReport struct {
+	Dir        string   `json:"dir"` // relative to the log's directory
+	Records    uint64   `json:"records"`
+	Latest     uint64   `json:"latest"` // its last checkpoint that verified
+	Unreadable []uint64 `json:"unreadable"`
 }
 
 // OK reports whether Verify found nothing wrong.
@@ -161,7 +174,92 @@ func Verify(dir string, opts VerifyOptions) (*Report, error) {
 	if !opts.SkipBlobs {
 		v.blobs()
 	}
+	if err := v.sealed(key); err != nil {
+		return nil, err
+	}
 	return rep, nil
+}
+
+// sealed checks the logs carrel audit recover sealed, and the chain from
+// each to the log that followed it: the follower's first record is the
+// recovery that names it, with its last good checkpoint. Damage the
+// recovery recorded is reported as the sealed log's unreadable records;
+// anything else is a problem.
+func (v *verifier) sealed(key string) error {
+	ents, err := os.ReadDir(filepath.Join(v.dir, sealedDir))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("verify audit log: %w", err)
+	}
+	first, err := firstRecovery(v.dir)
+	if err != nil {
+		return err
+	}
+	for _, e := range ents {
+		rel := filepath.Join(sealedDir, e.Name())
+		rep, err := Verify(filepath.Join(v.dir, rel), VerifyOptions{Key: key, SkipBlobs: true})
+		if err != nil {
+			v.add(Problem{Kind: ProblemSealed, Detail: fmt.Sprintf("%s: %v", rel, err)})
+			continue
+		}
+		sr := SealedReport{Dir: rel, Records: rep.Records, Latest: rep.Latest, Unreadable: unreadable(rep)}
+		v.rep.Sealed = append(v.rep.Sealed, sr)
+		// Only the newest sealed log is the one the live log follows;
+		// older ones were followed by logs sealed since, which this
+		// verify does not chain (each says so in its own first record).
+		if first == nil || first.Sealed != rel {
+			continue
+		}
+		if !slices.Equal(first.Unreadable, sr.Unreadable) {
+			v.add(Problem{Kind: ProblemSealed, Detail: fmt.Sprintf("%s: records %v are unreadable now, %v were when it was sealed", rel, sr.Unreadable, first.Unreadable)})
+		}
+		if first.PreviousCheckpoint != "" {
+			cp, err := parseCheckpoint([]byte(first.PreviousCheckpoint), mustVerifiers(key))
+			switch {
+			case err != nil:
+				v.add(Problem{Kind: ProblemSealed, Detail: fmt.Sprintf("%s: the checkpoint the recovery chains to: %v", rel, err)})
+			case cp.Size != rep.Latest:
+				v.add(Problem{Kind: ProblemSealed, Detail: fmt.Sprintf("%s: the recovery chains to its checkpoint at %d records; its last good one is at %d", rel, cp.Size, rep.Latest)})
+			}
+		}
+	}
+	return nil
+}
+
+func mustVerifiers(key string) note.Verifiers {
+	nv, err := note.NewVerifier(key)
+	if err != nil {
+		return note.VerifierList()
+	}
+	return note.VerifierList(nv)
+}
+
+// firstRecovery is the log's first record's data when that is a recovery
+// of cause corruption, else nil.
+func firstRecovery(dir string) (*RecoveryData, error) {
+	r, err := OpenReader(dir)
+	if err != nil {
+		return nil, fmt.Errorf("verify audit log: %w", err)
+	}
+	defer r.Close()
+	var out *RecoveryData
+	stop := errors.New("stop")
+	_, err = r.Scan(func(seq uint64, _ int64, payload []byte) error {
+		rec, err := Decode(payload)
+		if err == nil && rec.Kind == KindRecovery {
+			var d RecoveryData
+			if json.Unmarshal(rec.Data, &d) == nil && d.Cause == "corruption" {
+				out = &d
+			}
+		}
+		return stop
+	})
+	if err != nil && !errors.Is(err, stop) {
+		return nil, fmt.Errorf("verify audit log: %w", err)
+	}
+	return out, nil
 }
 
 type verifier struct {

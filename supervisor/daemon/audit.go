@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"strings"
@@ -93,6 +94,9 @@ func openAudit(dir string, log *slog.Logger, faults *faultHandler, onCheckpoint 
 			faults.set(nil)
 		},
 	})
+	if errors.Is(err, audit.ErrCorrupt) || errors.Is(err, audit.ErrRecordsLost) {
+		return nil, fmt.Errorf("%w\nThe audit log is damaged, and carreld does not cut acknowledged records by itself. To go on, with carreld stopped, run:\n  carrel audit recover --dir %s\nIt seals the damaged log under %s/sealed/ as evidence, read-only, and starts a new log chained to its last good checkpoint; carrel audit verify then names the unreadable records (docs/audit.md, Damage and recovery)", err, dir, dir)
+	}
 	if err != nil {
 		return nil, err
 	}
