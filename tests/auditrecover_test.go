@@ -73,4 +73,3 @@ func TestAuditRecoverAfterDamage(t *testing.T) {
 		t.Errorf("verify of the sealed log itself: %+v", s)
 	}
 }
-
