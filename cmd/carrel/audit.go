@@ -170,24 +170,13 @@ func newAuditRecoverCmd() *cobra.Command {
 				return err
 			}
 			fmt.Printf("sealed the damaged log in %s: %d records, unreadable: %s; its last good checkpoint is at %d records\n",
-				s.Dir, s.Report.Records, sizesText(unreadableOf(s.Report)), s.Report.Latest)
+				s.Dir, s.Report.Records, sizesText(s.Report.Unreadable()), s.Report.Latest)
 			fmt.Println("started a new log chained to it: carreld can start")
 			return nil
 		},
 	}
 	c.Flags().StringVar(&dir, "dir", defaultAuditDir, "the audit log's directory (carreld's state dir + /audit)")
 	return c
-}
-
-// unreadableOf lists the records a report found unreadable.
-func unreadableOf(rep *audit.Report) []uint64 {
-	var out []uint64
-	for _, p := range rep.Problems {
-		if p.Seq != nil && (p.Kind == audit.ProblemFrame || p.Kind == audit.ProblemCRC || p.Kind == audit.ProblemRecord) {
-			out = append(out, *p.Seq)
-		}
-	}
-	return out
 }
 
 // sizesText lists checkpoint sizes, the first few.

@@ -97,7 +97,7 @@ func RecoverCorrupt(dir string, now time.Time) (*Sealed, error) {
 		return nil, fmt.Errorf("start the new log: %w", err)
 	}
 	data, err := json.Marshal(RecoveryData{Cause: "corruption", Sealed: rel, SealedRecords: rep.Records,
-		Unreadable: unreadable(rep), PreviousCheckpoint: string(cp)})
+		Unreadable: rep.Unreadable(), PreviousCheckpoint: string(cp)})
 	if err == nil {
 		_, err = l.Append(context.Background(), Record{Kind: KindRecovery, Provenance: Host, Data: data})
 	}
@@ -114,8 +114,9 @@ func RecoverCorrupt(dir string, now time.Time) (*Sealed, error) {
 // log starts it again.
 const witnessesDir = "witnesses"
 
-// unreadable lists the records a report found damaged, by seq.
-func unreadable(rep *Report) []uint64 {
+// Unreadable lists the records the report found damaged (a frame, its
+// CRC or its record unreadable), by seq.
+func (rep *Report) Unreadable() []uint64 {
 	var out []uint64
 	for _, p := range rep.Problems {
 		switch p.Kind {

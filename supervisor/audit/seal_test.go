@@ -37,7 +37,7 @@ func TestRecoverCorrupt(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := unreadable(s.Report); !slices.Equal(got, []uint64{25}) {
+	if got := s.Report.Unreadable(); !slices.Equal(got, []uint64{25}) {
 		t.Errorf("unreadable %v, want [25]", got)
 	}
 	rel := filepath.Join(sealedDir, "20261127T080000Z")

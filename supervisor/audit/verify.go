@@ -204,7 +204,7 @@ func (v *verifier) sealed(key string) error {
 			v.add(Problem{Kind: ProblemSealed, Detail: fmt.Sprintf("%s: %v", rel, err)})
 			continue
 		}
-		sr := SealedReport{Dir: rel, Records: rep.Records, Latest: rep.Latest, Unreadable: unreadable(rep)}
+		sr := SealedReport{Dir: rel, Records: rep.Records, Latest: rep.Latest, Unreadable: rep.Unreadable()}
 		v.rep.Sealed = append(v.rep.Sealed, sr)
 		// Only the newest sealed log is the one the live log follows;
 		// older ones were followed by logs sealed since, which this
