@@ -63,6 +63,9 @@ func verifyBundle(cmd *cobra.Command, path, key, output string, packages bool) e
 			sig = "signature verified with the bundle's own key.pub"
 		}
 		fmt.Fprintf(w, "%d records, %d blobs, checkpoint of %d records (%s)\n", rep.Records, rep.Blobs, rep.TreeSize, sig)
+		if rep.ManifestSigned {
+			fmt.Fprintln(w, "manifest signed by the log's key")
+		}
 		for _, n := range rep.Notes {
 			fmt.Fprintln(w, "note: "+n)
 		}

@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/carrel-os/carrel/supervisor/atomicfile"
+	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/audit/review"
 )
 
@@ -19,8 +20,8 @@ func newAuditExportCmd() *cobra.Command {
 		Short: "Write a session's evidence bundle: its records with inclusion proofs, blobs, the signed checkpoint and the key",
 		Long: "The bundle (a tar file) holds the session's records byte for byte, each with an RFC 6962\n" +
 			"inclusion proof against the log's latest signed checkpoint, the blobs they reference, that\n" +
-			"checkpoint, the log's verifier key and a manifest (session, VM, image digest, policy and\n" +
-			"revision). Records after the checkpoint are left out (the manifest counts them); carreld signs\n" +
+			"checkpoint (with the witnesses' cosignatures), the log's verifier key and a manifest (session,\n" +
+			"VM, image digest, policy and revision), signed by the log's key when it can be read here. Records after the checkpoint are left out (the manifest counts them); carreld signs\n" +
 			"one every 5 seconds while records arrive. Check a bundle anywhere with\n" +
 			"carrel audit verify --bundle FILE --key KEY. --key makes the export hold the checkpoint to the\n" +
 			"key you kept, instead of the log's key.pub.",
@@ -34,9 +35,16 @@ func newAuditExportCmd() *cobra.Command {
 				return err
 			}
 			defer r.Close()
+			// The manifest is signed with the log's key when this user can
+			// read it (root, on the log's host); a copy elsewhere exports
+			// an unsigned one, and says so.
+			signer, serr := audit.Signer(dir)
+			if serr != nil {
+				fmt.Fprintf(cmd.ErrOrStderr(), "note: the manifest is not signed: %v\n", serr)
+			}
 			var m *review.Manifest
 			if err := atomicfile.Write(out, 0o644, func(w io.Writer) error {
-				m, err = review.Export(w, r, s, review.ExportOptions{Key: strings.TrimSpace(key)})
+				m, err = review.Export(w, r, s, review.ExportOptions{Key: strings.TrimSpace(key), Signer: signer})
 				return err
 			}); err != nil {
 				return err

@@ -99,3 +99,14 @@ func PublicKey(dir string) (string, error) {
 	}
 	return vkey, nil
 }
+
+// Signer returns the signing key of the log in dir, without making one:
+// for signing what is made of the log (an evidence bundle's manifest).
+// Its file is readable by root alone.
+func Signer(dir string) (note.Signer, error) {
+	raw, err := os.ReadFile(filepath.Join(dir, keyFile))
+	if err != nil {
+		return nil, fmt.Errorf("the log's signing key: %w", err)
+	}
+	return note.NewSigner(strings.TrimSpace(string(raw)))
+}

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/mod/sumdb/note"
 	"golang.org/x/mod/sumdb/tlog"
 
 	"github.com/carrel-os/carrel/supervisor/audit"
@@ -21,7 +22,9 @@ import (
 // An evidence bundle is a tar file:
 //
 //	manifest.json                 what the bundle holds (Manifest)
+//	manifest.sig                  the manifest's SHA-256, signed by the log's key (a note)
 //	checkpoint                    the signed checkpoint the proofs are against
+//	                              (with the witnesses' cosignatures, when it has them)
 //	key.pub                       the verifier key of the log that signed it
 //	records/<seq %020d>.json      a record's payload, byte for byte as in records.log
 //	records/<seq %020d>.proof     its RFC 6962 inclusion proof: one base64 hash a line
@@ -30,16 +33,18 @@ import (
 // Every file but the blobs is small; names are fixed, so a verifier
 // rejects anything else.
 const (
-	BundleFormat     = "carrel-audit-bundle/1"
-	bundleManifest   = "manifest.json"
-	bundleCheckpoint = "checkpoint"
-	bundleKey        = "key.pub"
-	bundleRecords    = "records/"
-	bundleBlobs      = "blobs/sha256/"
+	BundleFormat      = "carrel-audit-bundle/1"
+	bundleManifest    = "manifest.json"
+	bundleManifestSig = "manifest.sig"
+	bundleCheckpoint  = "checkpoint"
+	bundleKey         = "key.pub"
+	bundleRecords     = "records/"
+	bundleBlobs       = "blobs/sha256/"
 )
 
-// Manifest describes a bundle. It is not signed: VerifyBundle recomputes
-// every field from the records and the checkpoint.
+// Manifest describes a bundle. VerifyBundle recomputes every field it can
+// from the records and the checkpoint, and checks manifest.sig, the log
+// key's signature of the manifest's bytes, when the bundle has one.
 type Manifest struct {
 	Format  string    `json:"format"`
 	Created time.Time `json:"created"`
@@ -139,6 +144,15 @@ type ExportOptions struct {
 	Key string
 	// Now is the bundle's creation time; default time.Now.
 	Now func() time.Time
+	// Signer, the log's own key (audit.Signer), signs the manifest; nil
+	// leaves it unsigned.
+	Signer note.Signer
+}
+
+// manifestSigText is the text of manifest.sig's note: what it signs.
+func manifestSigText(manifest []byte) string {
+	sum := sha256.Sum256(manifest)
+	return BundleFormat + " manifest\n" + hex.EncodeToString(sum[:]) + "\n"
 }
 
 // ErrNoCheckpoint means no signed checkpoint covers the session yet.
@@ -202,8 +216,18 @@ func Export(w io.Writer, r *audit.Reader, s *Session, opts ExportOptions) (*Mani
 	if err != nil {
 		return nil, err
 	}
-	if err := file(bundleManifest, append(mb, '\n')); err != nil {
+	mb = append(mb, '\n')
+	if err := file(bundleManifest, mb); err != nil {
 		return nil, err
+	}
+	if opts.Signer != nil {
+		sig, err := note.Sign(&note.Note{Text: manifestSigText(mb)}, opts.Signer)
+		if err != nil {
+			return nil, fmt.Errorf("sign the manifest: %w", err)
+		}
+		if err := file(bundleManifestSig, sig); err != nil {
+			return nil, err
+		}
 	}
 	if err := file(bundleCheckpoint, cp.Note); err != nil {
 		return nil, err

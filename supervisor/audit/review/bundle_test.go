@@ -509,3 +509,65 @@ func TestVerifyBundleNotATar(t *testing.T) {
 	expect(t, rep, problemWant{ProblemBundle, -1, "no key.pub"}, problemWant{ProblemBundle, -1, "no checkpoint"},
 		problemWant{ProblemBundle, -1, "no manifest.json"})
 }
+
+// TestBundleSignedManifest: a bundle exported with the log's key carries
+// its manifest's signature; the manifest changed after, or signed by
+// another key, is a problem; a bundle without one says so.
+func TestBundleSignedManifest(t *testing.T) {
+	s := newSampleLog(t)
+	r, sess := loadSample(t, s)
+	signer, err := audit.Signer(s.dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var buf bytes.Buffer
+	if _, err := Export(&buf, r, sess, ExportOptions{Now: func() time.Time { return created }, Signer: signer}); err != nil {
+		t.Fatal(err)
+	}
+	key := logKey(t, s.dir)
+	rep := verifyBundle(t, buf.Bytes(), key)
+	if !rep.OK() || !rep.ManifestSigned {
+		t.Fatalf("a signed bundle: %+v", rep)
+	}
+	fs := untar(t, buf.Bytes())
+	mb, _ := fs.get(bundleManifest)
+	changed := bytes.Replace(mb, []byte(`"vm": "`), []byte(`"vm": "x`), 1)
+	rep = verifyBundle(t, fs.set(bundleManifest, changed).tar(t), key)
+	if rep.ManifestSigned || !hasProblem(rep, ProblemManifest, "was changed") {
+		t.Errorf("a changed manifest: %+v", rep.Problems)
+	}
+	// Signed by another key (a forger's): it does not verify with the log's.
+	otherSkey, _, err := note.GenerateKey(rand.Reader, audit.KeyName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, _ := note.NewSigner(otherSkey)
+	forged, _ := note.Sign(&note.Note{Text: manifestSigText(changed)}, other)
+	rep = verifyBundle(t, fs.set(bundleManifest, changed).set(bundleManifestSig, forged).tar(t), key)
+	if rep.ManifestSigned || !hasProblem(rep, ProblemManifest, "does not verify with the key") {
+		t.Errorf("a manifest signed by another key: %+v", rep.Problems)
+	}
+	unsigned, _ := exportSample(t, s)
+	rep = verifyBundle(t, unsigned, key)
+	if rep.ManifestSigned || !slicesContainsPrefix(rep.Notes, "the manifest is not signed") {
+		t.Errorf("an unsigned bundle: signed %v, notes %q", rep.ManifestSigned, rep.Notes)
+	}
+}
+
+func hasProblem(rep *BundleReport, kind audit.ProblemKind, detail string) bool {
+	for _, p := range rep.Problems {
+		if p.Kind == kind && strings.Contains(p.Detail, detail) {
+			return true
+		}
+	}
+	return false
+}
+
+func slicesContainsPrefix(ss []string, prefix string) bool {
+	for _, s := range ss {
+		if strings.HasPrefix(s, prefix) {
+			return true
+		}
+	}
+	return false
+}

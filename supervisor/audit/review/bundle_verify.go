@@ -16,6 +16,7 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/mod/sumdb/note"
 	"golang.org/x/mod/sumdb/tlog"
 
 	"github.com/carrel-os/carrel/image/manifest"
@@ -65,8 +66,11 @@ type BundleReport struct {
 	TreeSize           uint64 `json:"tree_size"`
 	CheckpointVerified bool   `json:"checkpoint_verified"`
 	// KeyFromBundle: the checkpoint was checked with the bundle's own key.
-	KeyFromBundle bool     `json:"key_from_bundle"`
-	Notes         []string `json:"notes,omitempty"`
+	KeyFromBundle bool `json:"key_from_bundle"`
+	// ManifestSigned: manifest.sig is the key's valid signature of the
+	// manifest. A bundle without one says so in Notes.
+	ManifestSigned bool     `json:"manifest_signed"`
+	Notes          []string `json:"notes,omitempty"`
 	// Image is the image the session ran on, with the packages of the
 	// manifest its records keep, when the bundle holds them.
 	Image    *Image          `json:"image,omitempty"`
@@ -83,10 +87,10 @@ type bundleBlob struct {
 }
 
 type bundleFiles struct {
-	manifest, checkpoint, key []byte
-	records, proofs           map[uint64][]byte
-	blobs                     map[string]bundleBlob
-	seen                      map[string]bool
+	manifest, manifestSig, checkpoint, key []byte
+	records, proofs                        map[uint64][]byte
+	blobs                                  map[string]bundleBlob
+	seen                                   map[string]bool
 	// imageManifests are the blobs that vm.lifecycle records read before
 	// them keep as their image's manifest, up to maxKeptManifests bytes.
 	imageManifests map[string][]byte
@@ -283,6 +287,25 @@ func VerifyBundle(rd io.Reader, opts BundleVerifyOptions) (*BundleReport, error)
 	}
 	rep.Manifest = &m
 	v.manifest(&m, entries, files, cpSize, cpRoot, haveRoot, keyPub)
+	switch {
+	case files.manifestSig == nil:
+		rep.Notes = append(rep.Notes, "the manifest is not signed (the bundle was made without the log's key); its fields were checked against the records")
+	case key == "":
+	default:
+		nv, err := note.NewVerifier(key)
+		var n *note.Note
+		if err == nil {
+			n, err = note.Open(files.manifestSig, note.VerifierList(nv))
+		}
+		switch {
+		case err != nil:
+			v.add(audit.Problem{Kind: ProblemManifest, Detail: fmt.Sprintf("%s does not verify with the key: %v", bundleManifestSig, err)})
+		case n.Text != manifestSigText(files.manifest):
+			v.add(audit.Problem{Kind: ProblemManifest, Detail: bundleManifestSig + " signs another manifest: " + bundleManifest + " was changed"})
+		default:
+			rep.ManifestSigned = true
+		}
+	}
 	return rep, nil
 }
 
@@ -361,6 +384,8 @@ func (v *bundleVerifier) read(rd io.Reader) (*bundleFiles, error) {
 		switch {
 		case name == bundleManifest:
 			f.manifest, _ = small(maxManifestSize)
+		case name == bundleManifestSig:
+			f.manifestSig, _ = small(maxCheckpointSize)
 		case name == bundleCheckpoint:
 			f.checkpoint, _ = small(maxCheckpointSize)
 		case name == bundleKey:
