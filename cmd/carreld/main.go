@@ -37,6 +37,7 @@ func main() {
 	})
 	flag.StringVar(&cfg.E2BListen, "e2b-listen", "", "serve the e2b API (control plane and envd, for unmodified e2b SDKs) on this TCP address, e.g. 127.0.0.1:3000; off when empty")
 	flag.Int64Var(&cfg.E2BMaxUpload, "e2b-max-upload", 0, "largest file upload the e2b API takes, in bytes (0: 1 GiB)")
+	flag.StringVar(&cfg.AuditOrigin, "audit-origin", "", "the origin of a new audit log: its key's name and its checkpoints' first line, e.g. carrel.example.com/host1 (default carrel-audit); witnesses that serve several hosts need each host's own. An existing log keeps its own")
 	flag.Func("witness", "a witness that cosigns the audit log's checkpoints, as URL,KEY (its C2SP tlog-witness URL and cosignature/v1 key, e.g. from carrel witness keygen); repeat for more", func(v string) error {
 		cfg.Witnesses = append(cfg.Witnesses, v)
 		return nil

@@ -27,15 +27,18 @@ type Checkpoint struct {
 	Note []byte // the signed note, as stored in checkpoints/
 }
 
-// formatCheckpoint is the note text: a C2SP tlog checkpoint.
-func formatCheckpoint(size uint64, root tlog.Hash) string {
-	return fmt.Sprintf("%s\n%d\n%s\n", KeyName, size, root)
+// formatCheckpoint is the note text: a C2SP tlog checkpoint of the log
+// whose origin (its key's name) is origin.
+func formatCheckpoint(origin string, size uint64, root tlog.Hash) string {
+	return fmt.Sprintf("%s\n%d\n%s\n", origin, size, root)
 }
 
-func parseCheckpointText(text string) (uint64, tlog.Hash, error) {
+// parseCheckpointText reads a checkpoint of the log whose origin is
+// origin.
+func parseCheckpointText(text, origin string) (uint64, tlog.Hash, error) {
 	lines := strings.SplitN(text, "\n", 4)
-	if len(lines) < 4 || lines[0] != KeyName {
-		return 0, tlog.Hash{}, fmt.Errorf("not a %s checkpoint", KeyName)
+	if len(lines) < 4 || lines[0] != origin {
+		return 0, tlog.Hash{}, fmt.Errorf("not a checkpoint of %s", origin)
 	}
 	size, err := strconv.ParseUint(lines[1], 10, 64)
 	if err != nil || lines[1] != strconv.FormatUint(size, 10) {
@@ -63,7 +66,8 @@ func parseCheckpoint(msg []byte, vs note.Verifiers) (*Checkpoint, error) {
 	if err != nil {
 		return nil, fmt.Errorf("checkpoint signature: %w", err)
 	}
-	size, root, err := parseCheckpointText(n.Text)
+	// The log's origin is its key's name: the signature that verified.
+	size, root, err := parseCheckpointText(n.Text, n.Sigs[0].Name)
 	if err != nil {
 		return nil, err
 	}
@@ -160,7 +164,7 @@ func (c *checkpointer) flush() error {
 	if err := c.hashes.Sync(); err != nil {
 		return fmt.Errorf("sync hashes.db: %w", err)
 	}
-	msg, err := note.Sign(&note.Note{Text: formatCheckpoint(w.Size, w.Root)}, c.signer)
+	msg, err := note.Sign(&note.Note{Text: formatCheckpoint(c.signer.Name(), w.Size, w.Root)}, c.signer)
 	if err != nil {
 		return fmt.Errorf("sign checkpoint %d: %w", w.Size, err)
 	}

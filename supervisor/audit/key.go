@@ -16,8 +16,9 @@ import (
 	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
-// KeyName is the note key name of every log's checkpoint signer, and the
-// origin line of its checkpoints.
+// KeyName is the default name of a log's signing key, and so of its
+// origin: the first line of its checkpoints, which is how witnesses tell
+// logs apart. Options.Origin names a new log's key otherwise.
 const KeyName = "carrel-audit"
 
 const (
@@ -27,7 +28,7 @@ const (
 
 // loadKey reads the log's signing key, generating it (and key.pub) on
 // first use. key.pub must match key.
-func loadKey(dir string) (note.Signer, string, error) {
+func loadKey(dir, origin string) (note.Signer, string, error) {
 	path := filepath.Join(dir, keyFile)
 	raw, err := os.ReadFile(path)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -36,7 +37,7 @@ func loadKey(dir string) (note.Signer, string, error) {
 		if _, err := os.Stat(filepath.Join(dir, keyPubFile)); err == nil {
 			return nil, "", fmt.Errorf("audit key %s is missing but %s exists", path, keyPubFile)
 		}
-		skey, _, err := note.GenerateKey(rand.Reader, KeyName)
+		skey, _, err := note.GenerateKey(rand.Reader, origin)
 		if err != nil {
 			return nil, "", fmt.Errorf("generate audit key: %w", err)
 		}
@@ -68,6 +69,9 @@ func loadKey(dir string) (note.Signer, string, error) {
 		return nil, "", fmt.Errorf("read audit public key: %w", err)
 	case strings.TrimSpace(string(pub)) != vkey:
 		return nil, "", fmt.Errorf("audit public key %s does not belong to %s", keyPubFile, keyFile)
+	}
+	if signer.Name() != origin {
+		return nil, "", fmt.Errorf("the audit log's key, and so its origin, is named %q, not %q: the origin is set when a log is made", signer.Name(), origin)
 	}
 	return signer, vkey, nil
 }

@@ -36,6 +36,11 @@ type Options struct {
 	// Close).
 	OnFault   func(error)
 	OnRecover func()
+	// Origin names a new log's key, and so its checkpoints' origin line
+	// (default KeyName). Witnesses tell logs apart by it: give each host
+	// its own (its name, say) before its log is first made. An existing
+	// log's key decides; another Origin is an error.
+	Origin string
 	// OnCheckpoint is called with each checkpoint once it is written and
 	// synced, on the log's goroutine: it must not block or call the Log's
 	// methods that wait. carreld hands it to its witnesses.
@@ -181,7 +186,11 @@ func (l *Log) openFiles() error {
 			os.Remove(f)
 		}
 	}
-	signer, vkey, err := loadKey(l.dir)
+	origin := l.opts.Origin
+	if origin == "" {
+		origin = KeyName
+	}
+	signer, vkey, err := loadKey(l.dir, origin)
 	if err != nil {
 		return err
 	}

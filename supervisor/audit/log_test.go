@@ -272,3 +272,41 @@ func TestBlobs(t *testing.T) {
 		t.Errorf("bad digest: %v", err)
 	}
 }
+
+// TestOrigin: a new log's key, and so its checkpoints' first line, is
+// named by Options.Origin; the log verifies; reopened under another
+// origin it refuses, since the origin is set when the log is made.
+func TestOrigin(t *testing.T) {
+	dir := t.TempDir()
+	l := openLog(t, dir, Options{Origin: "carrel.example.com/host1"})
+	appendN(t, l, 3)
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	sizes, err := listCheckpoints(dir)
+	if err != nil || len(sizes) == 0 {
+		t.Fatalf("checkpoints %v %v", sizes, err)
+	}
+	cp := readFile(t, filepath.Join(dir, checkpointDir, checkpointName(sizes[len(sizes)-1])))
+	if !strings.HasPrefix(string(cp), "carrel.example.com/host1\n3\n") || !strings.HasPrefix(readPub(t, dir), "carrel.example.com/host1+") {
+		t.Errorf("checkpoint %q", cp)
+	}
+	mustVerify(t, dir)
+	if _, err := Open(dir, Options{Logger: quiet}); err == nil || !strings.Contains(err.Error(), `named "carrel.example.com/host1", not "carrel-audit"`) {
+		t.Errorf("reopened with the default origin: %v", err)
+	}
+	l, err = Open(dir, Options{Logger: quiet, Origin: "carrel.example.com/host1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Close()
+}
+
+func readPub(t *testing.T, dir string) string {
+	t.Helper()
+	k, err := PublicKey(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
+}

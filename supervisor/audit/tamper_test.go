@@ -231,7 +231,7 @@ func TestTamperForgedCheckpoint(t *testing.T) {
 
 	t.Run("signed with another key", func(t *testing.T) {
 		dir := copyDir(t, src)
-		writeFile(t, path(dir), sign(otherKey, formatCheckpoint(30, cp.Root)))
+		writeFile(t, path(dir), sign(otherKey, formatCheckpoint(KeyName, 30, cp.Root)))
 		expectProblems(t, dir, VerifyOptions{Key: pub}, want{ProblemCheckpointSignature, -1, -1, 30, ""})
 	})
 	t.Run("root edited", func(t *testing.T) {
@@ -242,7 +242,7 @@ func TestTamperForgedCheckpoint(t *testing.T) {
 	})
 	t.Run("wrong root under the real key", func(t *testing.T) {
 		dir := copyDir(t, src)
-		writeFile(t, path(dir), sign(ownKey, formatCheckpoint(30, wrong)))
+		writeFile(t, path(dir), sign(ownKey, formatCheckpoint(KeyName, 30, wrong)))
 		expectProblems(t, dir, VerifyOptions{Key: pub}, want{ProblemCheckpointRoot, -1, -1, 30, ""})
 	})
 	t.Run("renamed", func(t *testing.T) {
@@ -257,7 +257,7 @@ func TestTamperForgedCheckpoint(t *testing.T) {
 		for _, size := range []uint64{10, 20, 30, 40, 50} {
 			p := filepath.Join(dir, checkpointDir, checkpointName(size))
 			c, _ := ParseCheckpoint(readFile(t, p), pub)
-			writeFile(t, p, sign(otherKey, formatCheckpoint(size, c.Root)))
+			writeFile(t, p, sign(otherKey, formatCheckpoint(KeyName, size, c.Root)))
 		}
 		expectProblems(t, dir, VerifyOptions{Key: pub},
 			want{ProblemCheckpointSignature, -1, -1, 10, ""}, want{ProblemCheckpointSignature, -1, -1, 50, ""})

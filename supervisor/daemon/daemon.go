@@ -73,6 +73,10 @@ type Config struct {
 	// e2b.DefaultMaxUpload).
 	E2BListen    string
 	E2BMaxUpload int64
+	// AuditOrigin names a new audit log's key and its checkpoints' origin
+	// ("" is audit.KeyName): give each host its own, for witnesses that
+	// serve several.
+	AuditOrigin string
 	// Witnesses cosign the audit log's checkpoints: "URL,KEY" each, the
 	// witness's C2SP tlog-witness URL and its cosignature/v1 verifier key.
 	Witnesses []string
@@ -129,7 +133,7 @@ func Run(ctx context.Context, cfg Config) error {
 	if witnesses != nil {
 		onCheckpoint = witnesses.Checkpoint
 	}
-	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), log, faults, onCheckpoint)
+	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), cfg.AuditOrigin, log, faults, onCheckpoint)
 	if err != nil {
 		return err
 	}

@@ -307,6 +307,8 @@ func TestPusherAndTheRewriteAttack(t *testing.T) {
 		rep, err := audit.Verify(l.Dir(), audit.VerifyOptions{Witnesses: []note.Verifier{wv}})
 		return err == nil && rep.Witnessed == last.Size
 	})
+	// The recovery is recorded once the cosignature is kept.
+	waitFor(t, func() bool { mu.Lock(); defer mu.Unlock(); return len(events) >= 2 })
 	mu.Lock()
 	if len(events) != 2 || events[1].Err != nil {
 		t.Errorf("events %+v, want the failure then the recovery", events)

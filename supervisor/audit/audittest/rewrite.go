@@ -29,7 +29,7 @@ func SignCheckpoint(dir string, size uint64, root tlog.Hash) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	return note.Sign(&note.Note{Text: fmt.Sprintf("%s\n%d\n%s\n", audit.KeyName, size, root)}, s)
+	return note.Sign(&note.Note{Text: fmt.Sprintf("%s\n%d\n%s\n", s.Name(), size, root)}, s)
 }
 
 // RewriteRecord changes record seq of the closed log in dir, in place (a
@@ -82,6 +82,10 @@ func RewriteRecord(dir string, seq int) error {
 		}
 		stored = append(stored, hs...)
 	}
+	origin, err := keyName(dir)
+	if err != nil {
+		return err
+	}
 	ents, err := os.ReadDir(filepath.Join(dir, "checkpoints"))
 	if err != nil {
 		return err
@@ -103,7 +107,7 @@ func RewriteRecord(dir string, seq int) error {
 		_, sigs, _ := strings.Cut(string(old), "\n\n")
 		var others []string
 		for _, line := range strings.SplitAfter(sigs, "\n") {
-			if line != "" && !strings.HasPrefix(line, "— "+audit.KeyName+" ") {
+			if line != "" && !strings.HasPrefix(line, "— "+origin+" ") {
 				others = append(others, line)
 			}
 		}
@@ -119,4 +123,14 @@ func RewriteRecord(dir string, seq int) error {
 	// checkpoint. What the attacker leaves behind is theirs to fix; the
 	// offline verify reads records alone.
 	return os.Remove(filepath.Join(dir, "hashes.db"))
+}
+
+// keyName is the name of the log's key, its origin.
+func keyName(dir string) (string, error) {
+	vkey, err := audit.PublicKey(dir)
+	if err != nil {
+		return "", err
+	}
+	name, _, _ := strings.Cut(vkey, "+")
+	return name, nil
 }

@@ -482,7 +482,7 @@ func unverifiedCheckpoint(msg []byte) (uint64, tlog.Hash, bool) {
 		return 0, tlog.Hash{}, false
 	}
 	lines := strings.Split(string(text), "\n")
-	if len(lines) < 3 || lines[0] != audit.KeyName {
+	if len(lines) < 3 || lines[0] == "" {
 		return 0, tlog.Hash{}, false
 	}
 	size, err := strconv.ParseUint(lines[1], 10, 64)
