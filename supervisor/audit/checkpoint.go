@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
@@ -130,6 +131,7 @@ type checkpointer struct {
 	hashes    file
 	writeFile func(string, []byte, os.FileMode) error
 	written   func(Checkpoint) // Options.OnCheckpoint
+	logger    *slog.Logger
 
 	mu     sync.Mutex
 	want   Checkpoint // the latest asked for
@@ -175,6 +177,11 @@ func (c *checkpointer) flush() error {
 	c.latest = &Checkpoint{Size: w.Size, Root: w.Root, Note: msg}
 	if c.written != nil {
 		c.written(*c.latest)
+	}
+	// Packing older checkpoints is housekeeping, done once the new one is
+	// written: a failure leaves their files, for the next time.
+	if err := pack(c.dir); err != nil && c.logger != nil {
+		c.logger.Warn("older checkpoints not packed; their files stay", "err", err)
 	}
 	return nil
 }

@@ -201,7 +201,7 @@ func (l *Log) openFiles() error {
 	if l.hash, err = l.opts.open(filepath.Join(l.dir, hashesFile)); err != nil {
 		return fmt.Errorf("open audit log: %w", err)
 	}
-	l.ckpt = checkpointer{dir: l.dir, signer: signer, hashes: l.hash, writeFile: l.opts.writeFile, kick: make(chan struct{}, 1), written: l.opts.OnCheckpoint}
+	l.ckpt = checkpointer{dir: l.dir, signer: signer, hashes: l.hash, writeFile: l.opts.writeFile, kick: make(chan struct{}, 1), written: l.opts.OnCheckpoint, logger: l.opts.Logger}
 	return nil
 }
 

@@ -64,7 +64,7 @@ func RecoverCorrupt(dir string, now time.Time) (*Sealed, error) {
 	}
 	var cp []byte
 	if rep.Latest > 0 {
-		if cp, err = os.ReadFile(filepath.Join(dir, checkpointDir, checkpointName(rep.Latest))); err != nil {
+		if cp, err = readCheckpoint(dir, rep.Latest); err != nil {
 			return nil, err
 		}
 	}

@@ -123,6 +123,8 @@ type verifyCheckpoint struct {
 	size uint64
 	root tlog.Hash
 	name string
+	msg  []byte
+	own  bool // the log's, not one the reviewer gave
 }
 
 // Verify checks the log in dir offline, without writing to it: every
@@ -291,17 +293,16 @@ func ptr[T any](x T) *T { return &x }
 // checkpoints reads and checks the signatures of the log's checkpoints
 // and the extra ones, and returns those that verify, by size.
 func (v *verifier) checkpoints(vs note.Verifiers, extra [][]byte) ([]verifyCheckpoint, error) {
-	sizes, err := listCheckpoints(v.dir)
+	stored, err := storedCheckpoints(v.dir)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("verify audit log: %w", err)
 	}
 	var cps []verifyCheckpoint
-	for _, size := range sizes {
-		name := filepath.Join(checkpointDir, checkpointName(size))
-		msg, err := os.ReadFile(filepath.Join(v.dir, name))
-		if err != nil {
-			return nil, fmt.Errorf("verify audit log: %w", err)
+	for i, sc := range stored {
+		if i > 0 && stored[i-1].size == sc.size {
+			continue // in the pack and in its file: a pack cut short by a crash
 		}
+		size, name, msg := sc.size, sc.name, sc.msg
 		v.rep.Checkpoints++
 		cp, err := parseCheckpoint(msg, vs)
 		switch {
@@ -310,7 +311,7 @@ func (v *verifier) checkpoints(vs note.Verifiers, extra [][]byte) ([]verifyCheck
 		case cp.Size != size:
 			v.add(Problem{Kind: ProblemCheckpointSignature, Checkpoint: ptr(size), Detail: fmt.Sprintf("%s is signed for %d records", name, cp.Size)})
 		default:
-			cps = append(cps, verifyCheckpoint{cp.Size, cp.Root, name})
+			cps = append(cps, verifyCheckpoint{cp.Size, cp.Root, name, msg, true})
 		}
 	}
 	for i, msg := range extra {
@@ -321,7 +322,7 @@ func (v *verifier) checkpoints(vs note.Verifiers, extra [][]byte) ([]verifyCheck
 			v.add(Problem{Kind: ProblemCheckpointSignature, Detail: fmt.Sprintf("%s: %v", name, err)})
 			continue
 		}
-		cps = append(cps, verifyCheckpoint{cp.Size, cp.Root, name})
+		cps = append(cps, verifyCheckpoint{cp.Size, cp.Root, name, msg, false})
 	}
 	sort.SliceStable(cps, func(i, j int) bool { return cps[i].size < cps[j].size })
 	return cps, nil
@@ -338,15 +339,11 @@ func (v *verifier) witnessed(host note.Verifier, witnesses []note.Verifier, quor
 	}
 	var newest uint64
 	for _, cp := range cps {
-		if cp.name != filepath.Join(checkpointDir, checkpointName(cp.size)) {
+		if !cp.own {
 			continue // one given by the reviewer, not the log's
 		}
 		newest = max(newest, cp.size)
-		msg, err := os.ReadFile(filepath.Join(v.dir, cp.name))
-		if err != nil {
-			return fmt.Errorf("verify audit log: %w", err)
-		}
-		n, err := note.Open(msg, all)
+		n, err := note.Open(cp.msg, all)
 		if err != nil {
 			var bad *note.InvalidSignatureError
 			if errors.As(err, &bad) {
