@@ -146,6 +146,7 @@ decision := {
 } if {
 	input.caller.type == "key"
 	key_may_call
+	gpus_allowed
 } else := {
 	"allow": false,
 	"rule": "carrel.api.unknown_procedure",

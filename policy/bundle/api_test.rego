@@ -295,3 +295,8 @@ test_key_never_gets_gpus if {
 	d := api.decision with input as doc with data.settings.gpu.allow as true
 	denied_by(d, "carrel.api.key_create")
 }
+
+test_key_starts_no_gpu_vm_the_gpu_rules_deny if {
+	d := api.decision with input as object.union(call(key("alice", ""), "/carrel.api.v1.VMService/StartVM", "e2b-alice-1"), {"gpus": ["0000:41:00.0"]})
+	d.allow == false
+}

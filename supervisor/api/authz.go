@@ -53,6 +53,15 @@ func (a authzInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc
 		if proc == apiv1connect.VMServiceExecProcedure {
 			// The VM is in the request message, which has not arrived yet:
 			// decide when the handler receives it, before it acts on it.
+			// The caller is known now, from the headers, and the handler
+			// gets it (its exec decision and intent name it).
+			if a.cfg.Policies != nil {
+				caller, err := identity.Authenticate(ctx, conn.RequestHeader(), a.cfg.Tokens)
+				if err != nil {
+					return connect.NewError(connect.CodeUnauthenticated, err)
+				}
+				ctx = identity.WithCaller(ctx, caller)
+			}
 			return next(ctx, &authorizeOnReceive{StreamingHandlerConn: conn, a: a, ctx: &ctx, call: call})
 		}
 		ctx, err = a.authorize(ctx, call, conn.RequestHeader().Get(protocol.VMHeader), conn.RequestHeader(), nil)
@@ -62,6 +71,10 @@ func (a authzInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc
 		return next(ctx, conn)
 	}
 }
+
+// agentServicePrefix begins the procedures relayed to a guest, which
+// name their VM in the Carrel-Vm header.
+const agentServicePrefix = "carrel.agent.v1."
 
 // heldUntilIntent are the calls whose decisions become durable with the
 // command's intent, in one group commit, and whose outcome with the
@@ -106,8 +119,14 @@ func (a authzInterceptor) authorize(ctx context.Context, call *recorder.APICall,
 		return ctx, connect.NewError(connect.CodeUnauthenticated, err)
 	}
 	// A request that names its VM is decided for that VM, the one its
-	// handler acts on; a header naming another is refused.
-	vm := headerVM
+	// handler acts on; a header naming another is refused. The header
+	// names the VM of a relayed call alone: carreld's own procedures that
+	// name no VM in their request act on none, whatever the header says
+	// (a token or key may not list across VMs by naming its own).
+	vm := ""
+	if strings.HasPrefix(call.Procedure, "/"+agentServicePrefix) {
+		vm = headerVM
+	}
 	if body := vmInMessage(call.Procedure, msg); body != "" {
 		if headerVM != "" && headerVM != body {
 			return ctx, connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("the %s header names VM %q, the request VM %q", protocol.VMHeader, headerVM, body))

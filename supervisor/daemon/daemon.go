@@ -177,6 +177,13 @@ func Run(ctx context.Context, cfg Config) error {
 		DiskTemplate: filepath.Join(cfg.StateDir, "disk-template.img"),
 		Policies:     pols,
 		OnEvent:      rec.Lifecycle(pols, images.ManifestBytes),
+		// A name deleted is free for a new VM, which must not inherit
+		// the old one's tokens.
+		OnRemoved: func(name string) {
+			if err := tokens.RevokeVM(name); err != nil {
+				log.Error("tokens of a deleted vm not revoked", "vm", name, "err", err)
+			}
+		},
 		CheckGPUs: func(want []string, held map[string][]string) error {
 			_, err := gpus.Check(want, held)
 			return err

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 	"time"
 
@@ -62,6 +63,15 @@ func (t *Tokens) CreateKey(k Key, ttl time.Duration) (Token, string, error) {
 			return Token{}, "", fmt.Errorf("image %q: not a tag or digest", img)
 		}
 	}
+	// Keys of one name share its VMs, so they share what those may be.
+	t.mu.RLock()
+	for _, other := range t.byID {
+		if o := other.Key; o != nil && o.Name == k.Name && (o.Policy != k.Policy || !slices.Equal(o.Images, k.Images)) {
+			t.mu.RUnlock()
+			return Token{}, "", fmt.Errorf("key %s of name %q grants images %v under policy %q: keys of one name share its VMs, so a new one must grant the same (revoke the others first to change them)", other.ID, k.Name, o.Images, o.Policy)
+		}
+	}
+	t.mu.RUnlock()
 	var id, secret [16]byte
 	rand.Read(id[:])
 	rand.Read(secret[:])
@@ -118,10 +128,14 @@ func keyCaller(tok Token, vm string) policy.Caller {
 }
 
 // Sees reports whether caller may see VM name in a listing: a key sees
-// only its own VMs (and a sandbox token only its one); anyone else sees
-// every VM the policy let it list.
+// only its own VMs (and a sandbox token only its one), a VM token its VM
+// alone; anyone else sees every VM the policy let it list.
 func Sees(caller policy.Caller, name string) bool {
-	if caller.Type != policy.CallerKey {
+	switch caller.Type {
+	case policy.CallerToken:
+		return caller.VM != "" && caller.VM == name
+	case policy.CallerKey:
+	default:
 		return true
 	}
 	if caller.VM != "" {

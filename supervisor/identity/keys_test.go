@@ -435,7 +435,8 @@ func TestSees(t *testing.T) {
 		want   bool
 	}{
 		{policy.Caller{Type: policy.CallerPeer}, "anything", true},
-		{policy.Caller{Type: policy.CallerToken, VM: "demo"}, "other", true}, // the policy decides what a VM token lists
+		{policy.Caller{Type: policy.CallerToken, VM: "demo"}, "other", false}, // a VM token sees its VM alone
+		{policy.Caller{Type: policy.CallerToken, VM: "demo"}, "demo", true},
 		{key, "e2b-ab-0001", true},
 		{key, "e2b-ab-x", true},
 		{key, "e2b-abc-0001", false}, // another key's, whose name begins with this one's

@@ -94,23 +94,21 @@ func (m *Manager) SetExpiry(ctx context.Context, name string, ttl time.Duration)
 	if err := validExpiry(ttl, &action); err != nil {
 		return registry.Record{}, err
 	}
-	mc, err := m.get(name)
-	if err != nil {
-		return registry.Record{}, err
-	}
-	err = m.persist(mc, func(r *registry.Record) {
-		r.ExpiresAt = time.Time{}
-		if ttl > 0 {
-			r.ExpiresAt = time.Now().UTC().Add(ttl).Truncate(time.Millisecond)
-		}
-		if r.ExpiryAction == "" {
-			r.ExpiryAction = registry.ExpireDelete
-		}
+	var rec registry.Record
+	err := m.locked(ctx, name, func(mc *machine) error {
+		err := m.persist(mc, func(r *registry.Record) {
+			r.ExpiresAt = time.Time{}
+			if ttl > 0 {
+				r.ExpiresAt = time.Now().UTC().Add(ttl).Truncate(time.Millisecond)
+			}
+			if r.ExpiryAction == "" {
+				r.ExpiryAction = registry.ExpireDelete
+			}
+		})
+		rec = mc.snapshot()
+		return err
 	})
-	if err != nil {
-		return registry.Record{}, err
-	}
-	return mc.snapshot(), nil
+	return rec, err
 }
 
 // ReapExpired ends, until ctx ends, every VM whose time is up, as its
@@ -182,7 +180,20 @@ func (m *Manager) expire(ctx context.Context, name string) error {
 	if deps := m.dependents(name); action == registry.ExpireDelete && len(deps) > 0 {
 		action, why = registry.ExpireStop, " (not delete: "+strings.Join(deps, ", ")+" stand on its disk layers)"
 	}
-	_ = m.event(ctx, mc, EventExpired, "its time to live ended at "+rec.ExpiresAt.Format(time.RFC3339)+"; "+action+why)
+	// Recorded once per expiry: an action that keeps failing is tried
+	// again each tick, not recorded again.
+	m.mu.Lock()
+	first := m.expiryRecorded[name] != rec.ExpiresAt
+	if first {
+		if m.expiryRecorded == nil {
+			m.expiryRecorded = map[string]time.Time{}
+		}
+		m.expiryRecorded[name] = rec.ExpiresAt
+	}
+	m.mu.Unlock()
+	if first {
+		_ = m.event(ctx, mc, EventExpired, "its time to live ended at "+rec.ExpiresAt.Format(time.RFC3339)+"; "+action+why)
+	}
 	m.log.Info("vm expired", "vm", name, "action", action)
 	defer mc.unlock()
 	ctx = context.WithoutCancel(ctx)

@@ -406,3 +406,28 @@ func TestExpireWithForks(t *testing.T) {
 		t.Errorf("the fork: %+v, %v", b, err)
 	}
 }
+
+// TestRemovedIsTold: each VM deleted, by a call or at its expiry, is told
+// to Config.OnRemoved (carreld revokes its tokens there).
+func TestRemovedIsTold(t *testing.T) {
+	e := newEnv(t)
+	e.m.Close()
+	var removed []string
+	e.m = New(Config{Registry: e.reg, Images: e.img, Driver: e.drv, BootTimeout: 2 * time.Second, StopTimeout: time.Second,
+		OnRemoved: func(name string) { removed = append(removed, name) }})
+	ctx := context.Background()
+	e.create(t, "a")
+	if _, err := e.m.Create(ctx, CreateParams{Name: "b", Image: "dev", TTL: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.Delete(ctx, "a", true); err != nil {
+		t.Fatal(err)
+	}
+	e.endNow(t, "b")
+	if err := e.m.expire(ctx, "b"); err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(removed, []string{"a", "b"}) {
+		t.Errorf("told of %v, want [a b]", removed)
+	}
+}

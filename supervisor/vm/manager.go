@@ -98,6 +98,9 @@ type Config struct {
 	// GPUs it holds. It runs under the manager's lock, so two creates
 	// cannot claim one GPU. Without it, a create with GPUs is refused.
 	CheckGPUs func(want []string, held map[string][]string) error
+	// OnRemoved, when set, is told of each VM deleted (its name is free
+	// again): carreld revokes the tokens scoped to it.
+	OnRemoved func(name string)
 }
 
 // Live is a VM as it goes live, for Config.AgentLive.
@@ -124,6 +127,9 @@ type Manager struct {
 	// (PauseAll), since pausedAt.
 	pausedFor string
 	pausedAt  time.Time
+	// expiryRecorded is, per VM, the expiry whose "expired" record is
+	// written (ReapExpired).
+	expiryRecorded map[string]time.Time
 }
 
 // machine is a VM's live state.

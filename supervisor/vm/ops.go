@@ -296,6 +296,9 @@ func (m *Manager) deleteLocked(ctx context.Context, mc *machine, name string, fo
 	mc.mu.Unlock()
 	m.forget(name)
 	_ = m.event(ctx, mc, EventRemoved, "")
+	if m.cfg.OnRemoved != nil {
+		m.cfg.OnRemoved(name)
+	}
 	m.log.Info("vm deleted", "vm", name)
 	return nil
 }
