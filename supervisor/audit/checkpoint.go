@@ -209,6 +209,13 @@ func AddCosignatures(dir string, size uint64, key note.Verifier, sigs []byte) er
 			return fmt.Errorf("checkpoint %d: %.80q is not a signature line", size, line)
 		}
 	}
+	// A signer already there is not added again.
+	for _, line := range strings.SplitAfter(strings.TrimSuffix(string(sigs), "\n"), "\n") {
+		name, _, _ := strings.Cut(strings.TrimPrefix(line, "\u2014 "), " ")
+		if strings.Contains(string(msg), "\n\u2014 "+name+" ") {
+			return nil
+		}
+	}
 	out := append(msg[:len(msg):len(msg)], sigs...)
 	if _, err := note.Open(out, note.VerifierList(key)); err != nil {
 		return fmt.Errorf("checkpoint %d with the cosignatures: %w", size, err)

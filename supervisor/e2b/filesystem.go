@@ -100,8 +100,12 @@ func (f fsService) Remove(ctx context.Context, req *connect.Request[filesystempb
 	return connect.NewResponse(&filesystempb.RemoveResponse{}), nil
 }
 
-// maxListDepth bounds ListDir's depth.
-const maxListDepth = 64
+// Bounds on ListDir: its depth, and the size of its answer, which is
+// built whole.
+const (
+	maxListDepth = 64
+	maxListBytes = 16 << 20
+)
 
 func (f fsService) ListDir(ctx context.Context, req *connect.Request[filesystempb.ListDirRequest]) (*connect.Response[filesystempb.ListDirResponse], error) {
 	p := resolve(req.Msg.Path)
@@ -120,10 +124,14 @@ func (f fsService) ListDir(ctx context.Context, req *connect.Request[filesystemp
 	}
 	defer stream.Close()
 	resp := &filesystempb.ListDirResponse{}
+	var size int
 	for stream.Receive() {
 		for _, fi := range stream.Msg().Entries {
 			if fi.Path == p {
 				continue // the directory itself
+			}
+			if size += len(fi.Path) + len(fi.LinkTarget) + 64; size > maxListBytes {
+				return nil, connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("the listing of %s is over %d bytes: list less deep", p, maxListBytes))
 			}
 			resp.Entries = append(resp.Entries, entry(fi))
 		}
@@ -282,7 +290,9 @@ func rel(dir, p string) string {
 // The polling watcher (the Python SDK's): a watch carreld keeps for the
 // client, its events held until fetched.
 const (
-	maxWatchers      = 64     // per façade
+	maxWatchers      = 256    // per façade
+	maxWatchersPerVM = 16
+	watcherStart     = 30 * time.Second
 	maxWatcherEvents = 10_000 // held per watcher; older ones are dropped
 	watcherIdle      = 10 * time.Minute
 )
@@ -308,20 +318,40 @@ func (f fsService) CreateWatcher(ctx context.Context, req *connect.Request[files
 		return nil, connect.NewError(connect.CodeUnimplemented, errors.New("watch: entries in events are not served (envd 0.6.3)"))
 	}
 	ws := f.s.watch
+	c := callOf(ctx)
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	id := hex.EncodeToString(b[:])
+	// The slot is taken before the watch starts: no two creates overrun
+	// the caps, and a watch that never starts still counts.
 	ws.mu.Lock()
 	ws.reapLocked(time.Now())
-	full := len(ws.byID) >= maxWatchers
-	ws.mu.Unlock()
-	if full {
-		return nil, connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("%d watchers are open: remove some", maxWatchers))
+	n := 0
+	for _, w := range ws.byID {
+		if w.vm == c.vm {
+			n++
+		}
 	}
-	c := callOf(ctx)
+	if n >= maxWatchersPerVM || len(ws.byID) >= maxWatchers {
+		ws.mu.Unlock()
+		return nil, connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("%d watchers are open for this sandbox (%d in all): remove some", n, len(ws.byID)))
+	}
+	pending := &watcher{vm: c.vm, cancel: func() {}, used: time.Now()}
+	ws.byID[id] = pending
+	ws.mu.Unlock()
+	release := func() {
+		ws.mu.Lock()
+		if ws.byID[id] == pending {
+			delete(ws.byID, id)
+		}
+		ws.mu.Unlock()
+	}
 	dir := resolve(req.Msg.Path)
 	// The watch outlives this call: it runs on its own context, with the
 	// caller's credential, until removed or left unread.
 	wctx, cancel := context.WithCancel(withCall(context.WithoutCancel(ctx), c))
 	w := &watcher{vm: c.vm, cancel: cancel, used: time.Now()}
-	ready := make(chan error, 1)
+	ready := make(chan error, 2)
 	go func() {
 		started := false
 		err := f.s.c.Watch(wctx, c.vm, dir, client.WatchOptions{Recursive: req.Msg.Recursive}, func(m *agentv1.WatchResponse) error {
@@ -339,13 +369,21 @@ func (f fsService) CreateWatcher(ctx context.Context, req *connect.Request[files
 		w.err = err
 		w.mu.Unlock()
 	}()
-	if err := <-ready; err != nil {
+	// The guest sends its first batch once the watch is in place; one
+	// that does not, within watcherStart, fails the create.
+	var err error
+	select {
+	case err = <-ready:
+	case <-ctx.Done():
+		err = ctx.Err()
+	case <-time.After(watcherStart):
+		err = connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("the watch did not start within %s", watcherStart))
+	}
+	if err != nil {
 		cancel()
+		release()
 		return nil, err
 	}
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	id := hex.EncodeToString(b[:])
 	ws.mu.Lock()
 	ws.byID[id] = w
 	ws.mu.Unlock()

@@ -15,9 +15,14 @@ import (
 	processpb "github.com/carrel-os/carrel/supervisor/gen/envdpb/process"
 )
 
-// subscriberBuffer is how many events a client may lag behind its
-// command before it is cut off: nobody's lag holds the command up.
-const subscriberBuffer = 1024
+// A client may lag behind its command's output by subscriberBuffer events
+// or subscriberBytes of output before it is cut off: nobody's lag holds
+// the command up. A command has at most maxSubscribers clients at once.
+const (
+	subscriberBuffer = 1024
+	subscriberBytes  = 8 << 20
+	maxSubscribers   = 16
+)
 
 // A follower reads one command's carrel Process stream to the command's
 // end, whoever listens, and hands its events to the clients following it
@@ -36,8 +41,9 @@ type follower struct {
 }
 
 type subscriber struct {
-	ch  chan *processpb.ProcessEvent
-	why error // set before ch is closed without an end event
+	ch     chan *processpb.ProcessEvent
+	why    error // set before ch is closed without an end event
+	queued int   // output bytes sent on ch and not yet taken; guarded by follower.mu
 }
 
 // follow opens a carrel Process call with first (a start or an attach)
@@ -132,11 +138,12 @@ func (f *follower) event(ev *agentv1.ExecResponse) *processpb.ProcessEvent {
 	return nil
 }
 
-// subscribe adds a client; nil once the command has ended.
+// subscribe adds a client; nil once the command has ended, or when it
+// has as many as it may.
 func (f *follower) subscribe() *subscriber {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.done {
+	if f.done || len(f.subs) >= maxSubscribers {
 		return nil
 	}
 	sub := &subscriber{ch: make(chan *processpb.ProcessEvent, subscriberBuffer)}
@@ -156,15 +163,32 @@ func (f *follower) unsubscribe(sub *subscriber) {
 func (f *follower) broadcast(ev *processpb.ProcessEvent) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	n := eventBytes(ev)
 	for sub := range f.subs {
+		if sub.queued+n > subscriberBytes {
+			f.cutOff(sub)
+			continue
+		}
 		select {
 		case sub.ch <- ev:
+			sub.queued += n
 		default:
-			sub.why = connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("process %d: the client fell %d events behind its output", f.pid, subscriberBuffer))
-			delete(f.subs, sub)
-			close(sub.ch)
+			f.cutOff(sub)
 		}
 	}
+}
+
+// cutOff ends a client that fell too far behind. f.mu must be held.
+func (f *follower) cutOff(sub *subscriber) {
+	sub.why = connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("process %d: the client fell %d events or %d bytes behind its output", f.pid, subscriberBuffer, subscriberBytes))
+	delete(f.subs, sub)
+	close(sub.ch)
+}
+
+// eventBytes is the output an event carries.
+func eventBytes(ev *processpb.ProcessEvent) int {
+	d := ev.GetData()
+	return len(d.GetStdout()) + len(d.GetStderr()) + len(d.GetPty())
 }
 
 // finish ends every subscriber's stream: after the end event, or, with
@@ -214,6 +238,9 @@ func (f *follower) relay(ctx context.Context, sub *subscriber, keepalive time.Du
 				}
 				return why
 			}
+			f.mu.Lock()
+			sub.queued -= eventBytes(ev)
+			f.mu.Unlock()
 			if err := send(ev); err != nil {
 				return err
 			}

@@ -72,6 +72,9 @@ func (p procService) Start(ctx context.Context, req *connect.Request[processpb.S
 	if err != nil {
 		return err
 	}
+	if len(m.GetTag()) > maxTag {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("start: a tag of %d bytes, at most %d", len(m.GetTag()), maxTag))
+	}
 	start := &agentv1.ExecRequest{
 		Argv: append([]string{cfg.Cmd}, cfg.Args...), Cwd: resolve(cfg.GetCwd()), User: user, Detach: true,
 	}
@@ -105,6 +108,11 @@ func (p procService) Connect(ctx context.Context, req *connect.Request[processpb
 	// attached to, its buffered output replayed first.
 	f, sub := e.follower, (*subscriber)(nil)
 	if f != nil {
+		// This client joins another's stream: carreld decides that it may
+		// follow the VM's commands, as for an attach of its own.
+		if _, err := p.s.c.Agent.ListProcesses(ctx, forVM(ctx, &agentv1.ListProcessesRequest{})); err != nil {
+			return err
+		}
 		sub = f.subscribe()
 	}
 	if sub == nil {
@@ -283,7 +291,10 @@ type procInfo struct {
 	follower *follower // while the façade follows it
 }
 
-const maxProcsPerVM = 1024
+const (
+	maxProcsPerVM = 1024
+	maxTag        = 256
+)
 
 func newProcTable() *procTable { return &procTable{byVM: map[string]map[uint32]procInfo{}} }
 
@@ -296,7 +307,10 @@ func (t *procTable) put(vm string, pid uint32, e procInfo) {
 		t.byVM[vm] = m
 	}
 	if len(m) >= maxProcsPerVM {
-		for k := range m { // forget one; the guest still knows it by pid
+		for k, old := range m { // forget one; the guest still knows it by pid
+			if old.follower != nil {
+				old.follower.cancel()
+			}
 			delete(m, k)
 			break
 		}

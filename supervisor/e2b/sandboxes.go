@@ -23,6 +23,10 @@ import (
 // the SDKs ("base"); an operator tags the image to serve it.
 const DefaultTemplate = "base"
 
+// DefaultTimeout is the time to live, in seconds, of a sandbox whose
+// create gives none (as e2b's API: 300 s); a sandbox always has one.
+const DefaultTimeout = 300
+
 // labelTemplate keeps a sandbox's template among its VM's labels; the
 // rest of them are the sandbox's metadata.
 const labelTemplate = "e2b.template"
@@ -97,9 +101,10 @@ func (s *server) create(w http.ResponseWriter, r *http.Request, c call) {
 	if body.AutoPause {
 		req.ExpiryAction = apiv1.ExpiryAction_EXPIRY_ACTION_STOP
 	}
+	req.TtlSeconds = DefaultTimeout
 	if body.Timeout != nil {
-		if *body.Timeout < 0 {
-			writeError(w, http.StatusBadRequest, "timeout must not be negative")
+		if *body.Timeout <= 0 {
+			writeError(w, http.StatusBadRequest, "timeout must be a positive number of seconds")
 			return
 		}
 		req.TtlSeconds = uint64(*body.Timeout)

@@ -109,8 +109,15 @@ func (c *Client) AddCheckpoint(ctx context.Context, old uint64, proof tlog.TreeP
 	if err != nil {
 		return nil, fmt.Errorf("the checkpoint: %w", err)
 	}
-	if _, err := note.Open(append([]byte(n.Text+"\n"), body...), note.VerifierList(c.Key)); err != nil {
-		return nil, fmt.Errorf("the witness's answer is not its cosignature of the checkpoint: %w", err)
+	// Exactly one line, the witness's own: a witness may not speak for
+	// others (a false line under another's name would read as tampering).
+	line := string(body)
+	if strings.Count(line, "\n") != 1 || !strings.HasSuffix(line, "\n") || !strings.HasPrefix(line, "\u2014 "+c.Key.Name()+" ") {
+		return nil, fmt.Errorf("the witness's answer is not one signature line of its own: %.100q", clean(line))
+	}
+	signed, err := note.Open(append([]byte(n.Text+"\n"), body...), note.VerifierList(c.Key))
+	if err != nil || len(signed.Sigs) != 1 || len(signed.UnverifiedSigs) != 0 {
+		return nil, fmt.Errorf("the witness's answer is not its cosignature of the checkpoint: %v", err)
 	}
 	return body, nil
 }

@@ -241,6 +241,9 @@ func TestClientRefusesBadAnswers(t *testing.T) {
 			w.Write([]byte("what"))
 		},
 		"500": func(w http.ResponseWriter, r *http.Request) { http.Error(w, "down\x1b[31m", 500) },
+		"another's line too": func(w http.ResponseWriter, r *http.Request) {
+			w.Write([]byte("— w1 AAAAAAAAAAAAAAAA\n— w2 AAAAAAAAAAAAAAAA\n"))
+		},
 	} {
 		srv := httptest.NewServer(h)
 		_, err := (&Client{URL: srv.URL, Key: wv}).AddCheckpoint(context.Background(), 0, nil, cp.Note)
