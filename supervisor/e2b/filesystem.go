@@ -290,7 +290,7 @@ func rel(dir, p string) string {
 // The polling watcher (the Python SDK's): a watch carreld keeps for the
 // client, its events held until fetched.
 const (
-	maxWatchers      = 256    // per façade
+	maxWatchers      = 256 // per façade
 	maxWatchersPerVM = 16
 	watcherStart     = 30 * time.Second
 	maxWatcherEvents = 10_000 // held per watcher; older ones are dropped
