@@ -74,6 +74,9 @@ func newWitnessServeCmd() *cobra.Command {
 				if err != nil {
 					return fmt.Errorf("--log %q: %w", k, err)
 				}
+				if _, dup := known[v.Name()]; dup {
+					return fmt.Errorf("two --log keys of the origin %q: a witness tells logs apart by origin; give each host its own (carreld --audit-origin)", v.Name())
+				}
 				known[v.Name()] = v
 			}
 			if len(known) == 0 || state == "" {
