@@ -5,7 +5,14 @@ SHELL := /bin/bash
 export CGO_ENABLED := 0
 GO      ?= go
 VERSION ?= $(shell git describe --always --dirty 2>/dev/null || echo dev)
-LDFLAGS := -s -w -X github.com/carrel-os/carrel/supervisor/daemon.Version=$(VERSION) -X github.com/carrel-os/carrel/guest-agent/server.Version=$(VERSION) -X main.version=$(VERSION)
+LDFLAGS := -s -w -X github.com/carrel-os/carrel/supervisor/daemon.Version=$(VERSION) -X main.version=$(VERSION)
+# The guest agent is versioned by the last commit that changed what it is
+# built from, and built without VCS stamping: its binary, and so every
+# image cached by its content (the agent image: minutes to build), stays
+# the same across commits that do not touch it.
+AGENT_SRC     := guest-agent cmd/carrel-agent image/verity go.mod go.sum
+AGENT_VERSION ?= $(shell git log -1 --format=%h -- $(AGENT_SRC) 2>/dev/null || echo dev)$(shell git diff --quiet HEAD -- $(AGENT_SRC) 2>/dev/null || echo -dirty)
+AGENT_LDFLAGS := -s -w -X github.com/carrel-os/carrel/guest-agent/server.Version=$(AGENT_VERSION) -X main.version=$(AGENT_VERSION)
 BIN     := $(CURDIR)/out/bin
 # Downloaded packages, and built Debian images, are cached here between
 # runs (outside the checkout, so that a fresh clone finds them too).
@@ -39,7 +46,8 @@ deps: ## Install missing system packages (Debian, as root)
 .PHONY: build
 build: ## Build carreld, carrel, carrel-policy (the policy engine carrel runs) and carrel-agent (static) into out/bin
 	@mkdir -p $(BIN)
-	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/carreld ./cmd/carrel ./cmd/carrel-policy ./cmd/carrel-agent
+	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/carreld ./cmd/carrel ./cmd/carrel-policy
+	$(GO) build -trimpath -buildvcs=false -ldflags '$(AGENT_LDFLAGS)' -o $(BIN)/ ./cmd/carrel-agent
 
 .PHONY: run
 run: deps build ## Build, start carreld, build the dev image, boot a VM, run a short session, tear down
