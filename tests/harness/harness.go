@@ -54,6 +54,15 @@ func Unavailable(t TB, why string) {
 	t.Skip(why)
 }
 
+// Node is the node binary the npm-based tests run (make's pinned one,
+// $CARREL_NODE), or "node" from PATH.
+func Node() string {
+	if n := os.Getenv("CARREL_NODE"); n != "" {
+		return n
+	}
+	return "node"
+}
+
 // RepoRoot is the repository's top directory.
 func RepoRoot() string {
 	_, file, _, _ := runtime.Caller(0)
