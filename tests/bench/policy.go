@@ -49,7 +49,7 @@ const (
 var policyFloorKinds = []policy.Kind{policy.KindExec, policy.KindFS, policy.KindNet}
 
 // policyInputs are typical requests: a build command, a source write, a
-// package download.
+// package download, and the API call that carries a command.
 func policyInputs() []policy.Input {
 	caller := policy.Caller{Type: policy.CallerPeer, UID: 1000, GID: 1000, PID: 4242}
 	return []policy.Input{
@@ -57,6 +57,9 @@ func policyInputs() []policy.Input {
 			Env: map[string]string{"HOME": "/workspace", "GOFLAGS": "-mod=mod"}, Cwd: "/workspace/src", User: "agent"},
 		&policy.FSInput{Caller: caller, VM: "demo", Operation: policy.OpWrite, Path: "/workspace/src/main.go"},
 		&policy.NetInput{VM: "demo", Direction: policy.DirEgress, Host: "registry.npmjs.org", Port: 443, Protocol: "tcp"},
+		// carreld's own decision before every call: a token's exec.
+		&policy.APIInput{Caller: policy.Caller{Type: policy.CallerToken, TokenID: "0123456789abcdef", VM: "demo"},
+			Procedure: "/carrel.agent.v1.AgentService/Process", VM: "demo"},
 	}
 }
 
