@@ -132,6 +132,7 @@ type checkpointer struct {
 	writeFile func(string, []byte, os.FileMode) error
 	written   func(Checkpoint) // Options.OnCheckpoint
 	logger    *slog.Logger
+	sincePack int // checkpoints written since the last pack
 
 	mu     sync.Mutex
 	want   Checkpoint // the latest asked for
@@ -178,12 +179,30 @@ func (c *checkpointer) flush() error {
 	if c.written != nil {
 		c.written(*c.latest)
 	}
-	// Packing older checkpoints is housekeeping, done once the new one is
-	// written: a failure leaves their files, for the next time.
-	if err := pack(c.dir); err != nil && c.logger != nil {
+	c.sincePack++
+	return nil
+}
+
+// packIfDue packs older checkpoints once enough were written since the
+// last time to be worth it. It runs after flush, without the lock that
+// request takes on the commit path. It is housekeeping: a failure leaves
+// the files, for the next time.
+func (c *checkpointer) packIfDue() {
+	c.mu.Lock()
+	due := c.sincePack >= packAbove-keepFiles
+	c.mu.Unlock()
+	if !due {
+		return
+	}
+	packed, err := pack(c.dir)
+	if err != nil && c.logger != nil {
 		c.logger.Warn("older checkpoints not packed; their files stay", "err", err)
 	}
-	return nil
+	if packed {
+		c.mu.Lock()
+		c.sincePack = 0
+		c.mu.Unlock()
+	}
 }
 
 // AddCosignatures adds a witness's signature lines to the checkpoint of

@@ -260,6 +260,7 @@ func (l *Log) runCheckpointer() {
 			if err := l.ckpt.flush(); err != nil {
 				l.setFault(err)
 			}
+			l.ckpt.packIfDue()
 		case <-l.committerDone:
 			return // Close writes the last one
 		}

@@ -123,26 +123,26 @@ func readCheckpoint(dir string, size uint64) ([]byte, error) {
 }
 
 // pack moves all but the newest keepFiles checkpoint files into the pack,
-// once there are more than packAbove. The entries are synced before the
+// once there are more than packAbove, and says whether it did. The entries are synced before the
 // files go: a crash in between leaves a checkpoint in both, which readers
 // take once.
-func pack(dir string) error {
+func pack(dir string) (bool, error) {
 	sizes, err := listCheckpoints(dir)
 	if err != nil || len(sizes) <= packAbove {
-		return err
+		return false, err
 	}
 	old := sizes[:len(sizes)-keepFiles]
-	packed, err := readPacked(dir)
+	already, err := readPacked(dir)
 	if err != nil {
-		return fmt.Errorf("pack checkpoints: %w", err)
+		return false, fmt.Errorf("pack checkpoints: %w", err)
 	}
 	have := map[uint64]bool{}
-	for _, p := range packed {
+	for _, p := range already {
 		have[p.size] = true
 	}
 	f, err := os.OpenFile(filepath.Join(dir, checkpointDir, packFile), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o644)
 	if err != nil {
-		return err
+		return false, err
 	}
 	bw := bufio.NewWriter(f)
 	for _, size := range old {
@@ -152,26 +152,26 @@ func pack(dir string) error {
 		msg, err := os.ReadFile(filepath.Join(dir, checkpointDir, checkpointName(size)))
 		if err != nil {
 			f.Close()
-			return err
+			return false, err
 		}
 		fmt.Fprintf(bw, "%s %d\n", checkpointName(size), len(msg))
 		bw.Write(msg)
 	}
 	if err := bw.Flush(); err != nil {
 		f.Close()
-		return err
+		return false, err
 	}
 	if err := f.Sync(); err != nil {
 		f.Close()
-		return err
+		return false, err
 	}
 	if err := f.Close(); err != nil {
-		return err
+		return false, err
 	}
 	for _, size := range old {
 		if err := os.Remove(filepath.Join(dir, checkpointDir, checkpointName(size))); err != nil {
-			return err
+			return false, err
 		}
 	}
-	return atomicfile.SyncDir(filepath.Join(dir, checkpointDir))
+	return true, atomicfile.SyncDir(filepath.Join(dir, checkpointDir))
 }

@@ -16,6 +16,7 @@ func TestCheckpointsPacked(t *testing.T) {
 	for range packAbove + 40 {
 		appendN(t, l, 1)
 		l.ckpt.flush() // one checkpoint per record, at once
+		l.ckpt.packIfDue()
 	}
 	if err := l.Close(); err != nil {
 		t.Fatal(err)
