@@ -8,7 +8,11 @@
 //
 //	records.log       frames: [u32 LE length][u32 LE CRC-32C of payload][payload]
 //	hashes.db         tlog stored hashes, 32 bytes each, hash i at offset 32*i
-//	checkpoints/      one signed note per checkpoint, named by tree size (%020d)
+//	checkpoints/      the newest signed notes, one per checkpoint, named by tree
+//	                  size (%020d), with witnesses' cosignatures when they have
+//	                  them; the older ones packed into checkpoints/packed
+//	witnesses/        per witness, the last tree size it cosigned
+//	sealed/TIME/      a damaged log RecoverCorrupt sealed, read-only
 //	blobs/sha256/ab/… content-addressed blobs (stdin/stdout/stderr, file contents)
 //	key, key.pub      the checkpoint signing key (0600) and its verifier key
 //	lock              flock: one writer per directory
@@ -17,8 +21,9 @@
 // kind, vm, session, provenance, intent, blobs, data). Records are the
 // leaves of an RFC 6962 Merkle tree: leaf i is tlog.RecordHash(payload i)
 // (golang.org/x/mod/sumdb/tlog). A checkpoint is a note
-// (golang.org/x/mod/sumdb/note) signed with an Ed25519 key named
-// "carrel-audit", whose text is a C2SP tlog checkpoint:
+// (golang.org/x/mod/sumdb/note) signed with an Ed25519 key named for the
+// log's origin ("carrel-audit" unless Options.Origin names it), whose
+// text is a C2SP tlog checkpoint:
 //
 //	carrel-audit
 //	<tree size>
@@ -50,7 +55,9 @@
 //     {"outcome":"unknown","reason":"carreld stopped before the action
 //     finished"}. Damage anywhere else, or a signed checkpoint larger than
 //     the records, is an error ([ErrCorrupt], [ErrRecordsLost],
-//     [ErrCheckpointMismatch]): Open never discards evidence silently.
+//     [ErrCheckpointMismatch]): Open never discards evidence silently;
+//     [RecoverCorrupt] is the explicit step that seals such a log and starts
+//     a new one chained to it.
 //   - Fail closed: when a write or fsync fails the log turns unavailable:
 //     appends fail with [ErrUnavailable] until a background probe succeeds,
 //     and Options.OnFault and Options.OnRecover tell the caller. The probe
