@@ -4,6 +4,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
@@ -11,14 +12,20 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 
 	"github.com/carrel-os/carrel/supervisor/daemon"
 	"github.com/carrel-os/carrel/supervisor/debugserver"
+	"github.com/carrel-os/carrel/supervisor/driver/qemu"
+	"github.com/carrel-os/carrel/supervisor/jail"
 )
 
 func main() {
+	// carreld starts itself again to jail each QEMU: that child does only
+	// this, and never returns.
+	jail.Main()
 	var cfg daemon.Config
 	var level string
 	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/carrel", "directory for images, VM records and sockets")
@@ -26,6 +33,15 @@ func main() {
 	flag.StringVar(&cfg.CacheDir, "cache-dir", "/var/cache/carrel", "directory for downloaded packages used by image builds")
 	flag.StringVar(&cfg.AgentBinary, "agent", defaultAgent(), "static carrel-agent binary put into development images")
 	flag.StringVar(&cfg.QEMUBinary, "qemu", "qemu-system-x86_64", "QEMU binary")
+	flag.BoolVar(&cfg.JailQEMU, "jail-qemu", true, "run each QEMU of the qemu driver as an unprivileged user of its own, in a jail that shows it only its own files (needs root)")
+	flag.Func("jail-uid-base", fmt.Sprintf("the first of the %d user ids jailed QEMUs run as; none may be in /etc/passwd or /etc/group (default %d)", qemu.DefaultUIDs, qemu.DefaultUIDBase), func(v string) error {
+		n, err := strconv.ParseUint(v, 0, 32)
+		if err == nil && (n == 0 || n+qemu.DefaultUIDs > 1<<32-1) {
+			err = errors.New("out of range")
+		}
+		cfg.JailUIDBase = uint32(n)
+		return err
+	})
 	flag.StringVar(&cfg.Machine, "machine", "auto", "QEMU machine type: microvm, q35, or auto (microvm under KVM, q35 under TCG)")
 	flag.StringVar(&cfg.Driver, "driver", daemon.DriverQEMU, "how new VMs run: qemu (QEMU started by carreld) or libvirt (domains of libvirtd); existing VMs keep theirs")
 	flag.StringVar(&cfg.LibvirtURI, "libvirt-uri", "qemu:///system", "libvirt connection URI for the libvirt driver")

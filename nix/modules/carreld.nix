@@ -235,13 +235,16 @@ in
         ProtectControlGroups = true;
         ProtectClock = true;
         ProtectHostname = true;
-        RestrictNamespaces = true;
+        # carreld jails each QEMU in namespaces of its own (--jail-qemu).
+        RestrictNamespaces = [ "mnt" "net" "ipc" "uts" ];
         RestrictRealtime = true;
         RestrictSUIDSGID = true;
         LockPersonality = true;
         SystemCallArchitectures = "native";
         SystemCallFilter = [
-          "~@clock @cpu-emulation @debug @module @mount @obsolete @raw-io @reboot @swap"
+          # @mount is allowed: the jail is built with mount(2) and
+          # pivot_root(2), in the jail's own mount namespace.
+          "~@clock @cpu-emulation @debug @module @obsolete @raw-io @reboot @swap"
         ];
         SystemCallErrorNumber = "EPERM";
         # MemoryDenyWriteExecute is deliberately not set: QEMU's TCG
@@ -272,9 +275,12 @@ in
           "char-vfio rw"
         ];
 
-        # carreld needs no capabilities: the files and devices it uses are
-        # root's own and it changes no kernel or network state.
-        CapabilityBoundingSet = "";
+        # carreld needs no capabilities for itself: the files and devices
+        # it uses are root's own and it changes no kernel or network state.
+        # Jailing QEMU takes these (see carreld.service): namespaces and
+        # mounts, handing a VM's disks to its user, emptying QEMU's
+        # bounding set, and becoming that user.
+        CapabilityBoundingSet = [ "CAP_SYS_ADMIN" "CAP_CHOWN" "CAP_SETPCAP" "CAP_SETUID" "CAP_SETGID" ];
         AmbientCapabilities = "";
       };
     };

@@ -50,6 +50,12 @@ type Config struct {
 	// AgentBinary is the static carrel-agent put into dev images.
 	AgentBinary string
 	QEMUBinary  string
+	// JailQEMU runs each of the qemu driver's QEMUs as an unprivileged
+	// user of its own in a jail (qemu.Jail), the users from JailUIDBase
+	// (0: qemu.DefaultUIDBase). carreld must be root; the binary that
+	// runs carreld must call jail.Main first.
+	JailQEMU    bool
+	JailUIDBase uint32
 	// Machine is the QEMU machine type: auto, microvm or q35.
 	Machine string
 	// Driver runs new VMs: DriverQEMU (the default) or DriverLibvirt.

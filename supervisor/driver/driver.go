@@ -97,6 +97,9 @@ type Instance struct {
 	// VFIO are the PCI devices the qemu driver moved to vfio-pci for the
 	// VM; Kill gives them back to their host drivers.
 	VFIO []string `json:"vfio,omitempty"`
+	// UID is the user the qemu driver's jail runs QEMU as; 0 when QEMU
+	// runs as carreld's user.
+	UID uint32 `json:"uid,omitempty"`
 }
 
 // Lifecycle boots and ends VMs.

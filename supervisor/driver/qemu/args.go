@@ -126,9 +126,6 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + protocol.SerialPortName,
 		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP) + ",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
-		// Written by QEMU early in its start, so that a carreld that dies
-		// before Start returns can still find and end it (Sweep).
-		"-pidfile", l.pidfile,
 		// QEMU's seccomp filter: no new privileges, no spawning helpers.
 		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 		"-S",

@@ -48,13 +48,20 @@ type Config struct {
 	// GPUs vets and binds the GPUs VMs are given (vfio.go); nil means the
 	// host's own sysfs.
 	GPUs *gpu.Host
+	// Jail runs each QEMU as an unprivileged user of its own, in a jail
+	// (jail.go); nil runs QEMU as carreld's user. It needs root.
+	Jail *Jail
+	// QEMUImg makes the overlays a jailed QEMU's snapshots move its disks
+	// to; default "qemu-img".
+	QEMUImg string
 }
 
 // Driver implements driver.Driver with QEMU.
 type Driver struct {
 	driver.SocketStreams
-	cfg Config
-	cg  *hostCgroup // nil: no cgroup limits
+	cfg  Config
+	cg   *hostCgroup // nil: no cgroup limits
+	uids uids
 }
 
 var _ driver.Driver = (*Driver)(nil)
@@ -73,6 +80,17 @@ func New(cfg Config) *Driver {
 	}
 	if cfg.GPUs == nil {
 		cfg.GPUs = gpu.New(gpu.Config{})
+	}
+	if cfg.QEMUImg == "" {
+		cfg.QEMUImg = "qemu-img"
+	}
+	if j := cfg.Jail; j != nil {
+		if j.UIDBase == 0 {
+			j.UIDBase = DefaultUIDBase
+		}
+		if j.UIDs == 0 {
+			j.UIDs = DefaultUIDs
+		}
 	}
 	if cfg.NewMonitor == nil {
 		cfg.NewMonitor = func(socket string) (qmp.Monitor, error) {
@@ -150,12 +168,32 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance
 	}
 	argv := append(args(spec, gpus.machine(d.cfg.Machine), d.cfg.Accelerator, l), gpus.args...)
 	// Not CommandContext: the VM must outlive this request (and carreld).
-	cmd := exec.Command(d.cfg.Binary, argv...)
+	var cmd *exec.Cmd
+	var uid uint32
+	if d.cfg.Jail != nil {
+		var release func()
+		uid, release, err = d.uids.reserve(d.cfg.Jail)
+		if err == nil {
+			defer release()
+			// The jail writes the pid file, with the start time.
+			cmd, err = d.jailed(spec, l, uid, gpus, argv)
+		}
+		if err != nil {
+			closeAll(files)
+			logf.Close()
+			return driver.Instance{}, err
+		}
+	} else {
+		// Written by QEMU early in its start, so that a carreld that
+		// dies before Start returns can still find and end it (Sweep).
+		cmd = exec.Command(d.cfg.Binary, append(argv, "-pidfile", l.pidfile)...)
+		cmd.SysProcAttr = &syscall.SysProcAttr{}
+	}
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.Dir = spec.Dir
 	cmd.ExtraFiles = files
 	// Its own session: no signal aimed at carreld's group reaches QEMU.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	cmd.SysProcAttr.Setsid = true
 	cgroupPath := ""
 	if d.cg != nil {
 		cg, path, err := d.cg.create(vmCgroupName(spec.Dir), spec.MemoryBytes, spec.CPUs, d.cfg.Accelerator)
@@ -218,6 +256,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance
 		Accelerator:   d.cfg.Accelerator,
 		Cgroup:        cgroupPath,
 		VFIO:          gpu.Strings(gpus.moved),
+		UID:           uid,
 	}, nil
 }
 
@@ -428,18 +467,27 @@ func (d *Driver) Sweep(ctx context.Context, dir string) error {
 	if err != nil {
 		return fmt.Errorf("read qemu pid file: %w", err)
 	}
-	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	// QEMU's own pid file holds its pid; the jail's, its pid and start
+	// time.
+	f := strings.Fields(string(b))
+	pid, err := 0, errors.New("empty")
+	if len(f) == 1 || len(f) == 2 {
+		pid, err = strconv.Atoi(f[0])
+	}
 	if err != nil || pid <= 0 {
 		return fmt.Errorf("qemu pid file %s holds %q", l.pidfile, b)
 	}
 	// Only a QEMU started for this directory is ours to kill: the pid may
 	// have been reused since.
-	cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
-	if err != nil || !strings.Contains(string(cmdline), "\x00"+l.pidfile+"\x00") {
-		return release()
-	}
 	start, zombie, err := procStartTime(pid)
 	if err != nil || zombie {
+		return release()
+	}
+	if len(f) == 2 {
+		if f[1] != strconv.FormatUint(start, 10) {
+			return release()
+		}
+	} else if cmdline, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline"); err != nil || !strings.Contains(string(cmdline), "\x00"+l.pidfile+"\x00") {
 		return release()
 	}
 	d.cfg.Logger.Warn("killing qemu left by an interrupted start", "pid", pid, "dir", dir)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/digitalocean/go-qemu/qmp"
 
+	"github.com/carrel-os/carrel/image/workspace"
 	"github.com/carrel-os/carrel/supervisor/driver"
 )
 
@@ -63,16 +64,23 @@ func (d *Driver) FreezeDisks(ctx context.Context, inst driver.Instance, overlays
 		var blocks []struct {
 			Device   string `json:"device"`
 			Inserted *struct {
-				File string `json:"file"`
+				File  string `json:"file"`
+				Image struct {
+					VirtualSize uint64 `json:"virtual-size"`
+				} `json:"image"`
 			} `json:"inserted"`
 		}
 		if err := run(mon, "query-block", nil, &blocks); err != nil {
 			return err
 		}
-		byFile := map[string]string{}
+		type disk struct {
+			device string
+			size   uint64
+		}
+		byFile := map[string]disk{}
 		for _, b := range blocks {
 			if b.Inserted != nil {
-				byFile[b.Inserted.File] = b.Device
+				byFile[b.Inserted.File] = disk{b.Device, b.Inserted.Image.VirtualSize}
 			}
 		}
 		var actions []any
@@ -81,14 +89,39 @@ func (d *Driver) FreezeDisks(ctx context.Context, inst driver.Instance, overlays
 			if !ok {
 				return fmt.Errorf("the vm has no disk open at %s", cur)
 			}
+			mode := "absolute-paths"
+			if inst.UID != 0 {
+				// A jailed QEMU cannot make files in the VM's directory:
+				// carreld makes the overlay, QEMU's user's, and QEMU
+				// opens it.
+				if err := workspace.Overlay(ctx, d.cfg.QEMUImg, next, cur, dev.size); err != nil {
+					return err
+				}
+				if err := giveDisk(next, inst.UID); err != nil {
+					return err
+				}
+				mode = "existing"
+			}
 			actions = append(actions, map[string]any{"type": "blockdev-snapshot-sync", "data": map[string]any{
-				"device": dev, "snapshot-file": next, "format": driver.FormatQCOW2, "mode": "absolute-paths",
+				"device": dev.device, "snapshot-file": next, "format": driver.FormatQCOW2, "mode": mode,
 			}})
 		}
 		if len(actions) == 0 {
 			return nil
 		}
-		return run(mon, "transaction", map[string]any{"actions": actions}, nil)
+		if err := run(mon, "transaction", map[string]any{"actions": actions}, nil); err != nil {
+			return err
+		}
+		if inst.UID != 0 {
+			// The frozen layers are QEMU's no more: the snapshot stands
+			// on them.
+			for cur := range overlays {
+				if err := readableByAll(cur); err != nil {
+					return fmt.Errorf("take back the frozen layer: %w", err)
+				}
+			}
+		}
+		return nil
 	})
 }
 
@@ -112,6 +145,12 @@ func (d *Driver) SaveState(ctx context.Context, inst driver.Instance, path strin
 		return 0, fmt.Errorf("listen for the vm's state: %w", err)
 	}
 	defer ln.Close()
+	if inst.UID != 0 {
+		// Connecting takes write permission on the socket.
+		if err := os.Chown(sock, int(inst.UID), int(inst.UID)); err != nil {
+			return 0, err
+		}
+	}
 	type copied struct {
 		n   int64
 		err error

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 
 	"github.com/carrel-os/carrel/supervisor/atomicfile"
@@ -13,8 +14,9 @@ import (
 
 // gpuPlan is what a VM's GPUs add to its QEMU.
 type gpuPlan struct {
-	moved []gpu.Address // devices Bind moved to vfio-pci for this VM
-	args  []string
+	moved  []gpu.Address // devices Bind moved to vfio-pci for this VM
+	groups []int         // their IOMMU groups
+	args   []string
 }
 
 // machine is the machine type a VM gets: GPUs need a PCI bus, which only
@@ -59,7 +61,13 @@ func (d *Driver) bindGPUs(spec driver.Spec, l layout) (gpuPlan, error) {
 		return gpuPlan{}, fmt.Errorf("vm %q: %w", spec.Name, err)
 	}
 	d.cfg.Logger.Info("gpus bound to vfio-pci", "vm", spec.Name, "devices", gpu.Strings(devs), "moved", gpu.Strings(moved))
-	return gpuPlan{moved: moved, args: vfioArgs(devs)}, nil
+	var groups []int
+	for _, dev := range p.Devices {
+		if dev.IOMMUGroup >= 0 && !slices.Contains(groups, dev.IOMMUGroup) {
+			groups = append(groups, dev.IOMMUGroup)
+		}
+	}
+	return gpuPlan{moved: moved, groups: groups, args: vfioArgs(devs)}, nil
 }
 
 // releaseGPUs gives the devices a VM's start moved to vfio-pci back to
