@@ -133,6 +133,9 @@ type checkpointer struct {
 	written   func(Checkpoint) // Options.OnCheckpoint
 	logger    *slog.Logger
 	sincePack int // checkpoints written since the last pack
+	// packMu makes packs one at a time: two would append the same
+	// checkpoints to the pack at once.
+	packMu sync.Mutex
 
 	mu     sync.Mutex
 	want   Checkpoint // the latest asked for
@@ -188,6 +191,8 @@ func (c *checkpointer) flush() error {
 // request takes on the commit path. It is housekeeping: a failure leaves
 // the files, for the next time.
 func (c *checkpointer) packIfDue() {
+	c.packMu.Lock()
+	defer c.packMu.Unlock()
 	c.mu.Lock()
 	due := c.sincePack >= packAbove-keepFiles
 	c.mu.Unlock()
