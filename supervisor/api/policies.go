@@ -238,6 +238,9 @@ func (s *tokenService) CreateToken(ctx context.Context, req *connect.Request[api
 		}
 		return connect.NewResponse(&apiv1.CreateTokenResponse{Token: tokenProto(tok), Secret: secret}), nil
 	}
+	if l := req.Msg.GetLimits(); l.GetVms()|l.GetSnapshots()|l.GetMemoryBytes()|l.GetDiskBytes() != 0 {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("limits are an API key's (key_name): a VM token creates no VMs"))
+	}
 	if _, err := s.cfg.Manager.Get(req.Msg.Vm); err != nil {
 		return nil, toConnect(err)
 	}

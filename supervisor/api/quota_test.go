@@ -211,3 +211,36 @@ func TestKeyQuotaRace(t *testing.T) {
 		t.Errorf("the key lists %d VMs, want 3", len(resp.Msg.Vms))
 	}
 }
+
+// TestKeyLimitsThroughTheAPI: CreateToken issues a key with its limits,
+// ListTokens shows them, and a VM token, which creates no VMs, takes none.
+func TestKeyLimitsThroughTheAPI(t *testing.T) {
+	sock, tokens, _, _ := authzAPI(t)
+	ctx := context.Background()
+	c := client.New(sock)
+	lim := &apiv1.KeyLimits{Vms: 2, Snapshots: 3, MemoryBytes: 4 << 30, DiskBytes: 50 << 30}
+	if _, err := c.Tokens.CreateToken(ctx, connect.NewRequest(&apiv1.CreateTokenRequest{KeyName: "alice", Images: []string{"dev"}, Limits: lim})); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := c.Tokens.ListTokens(ctx, connect.NewRequest(&apiv1.ListTokensRequest{}))
+	if err != nil || len(resp.Msg.Tokens) != 1 {
+		t.Fatalf("list: %v, %v", resp, err)
+	}
+	got := resp.Msg.Tokens[0].Limits
+	if got.GetVms() != 2 || got.GetSnapshots() != 3 || got.GetMemoryBytes() != 4<<30 || got.GetDiskBytes() != 50<<30 {
+		t.Errorf("listed limits %v, want %v", got, lim)
+	}
+	if l, ok := tokens.LimitsOf(resp.Msg.Tokens[0].Id); !ok || l.VMs != 2 {
+		t.Errorf("stored limits %+v, %v", l, ok)
+	}
+	// Another key of the name must give the same.
+	if _, err := c.Tokens.CreateToken(ctx, connect.NewRequest(&apiv1.CreateTokenRequest{KeyName: "alice", Images: []string{"dev"}})); connect.CodeOf(err) != connect.CodeInvalidArgument {
+		t.Errorf("a second alice key without limits: %v, want invalid argument", err)
+	}
+	if err := createAs(c, &apiv1.CreateVMRequest{Name: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Tokens.CreateToken(ctx, connect.NewRequest(&apiv1.CreateTokenRequest{Vm: "a", Limits: &apiv1.KeyLimits{Vms: 1}})); connect.CodeOf(err) != connect.CodeInvalidArgument {
+		t.Errorf("a VM token with limits: %v, want invalid argument", err)
+	}
+}
