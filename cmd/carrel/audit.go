@@ -9,8 +9,10 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/mod/sumdb/note"
 
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/audit/review"
 	"github.com/carrel-os/carrel/supervisor/witness"
 )
 
@@ -63,32 +65,35 @@ func newAuditVerifyCmd() *cobra.Command {
 			"lack cosignatures.\n" +
 			"--bundle checks an evidence bundle (carrel audit export) instead of a log: the checkpoint's\n" +
 			"signature, each record's inclusion proof, each blob, and the manifest; it names the image the\n" +
-			"session ran on, and --packages lists the packages of the image manifest the bundle holds.",
+			"session ran on, and --packages lists the packages of the image manifest the bundle holds. With\n" +
+			"--witness, the bundle's checkpoint must carry --quorum valid cosignatures of those witnesses,\n" +
+			"and every one of theirs on it must be of that checkpoint.",
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if err := checkOutput(output); err != nil {
 				return err
 			}
-			if bundle != "" {
-				if len(checkpoints) > 0 || cmd.Flags().Changed("dir") {
-					return fmt.Errorf("--bundle checks a bundle, not a log: --dir and --checkpoint do not apply")
-				}
-				return verifyBundle(cmd, bundle, strings.TrimSpace(key), output, packages)
-			}
-			if packages {
-				return fmt.Errorf("--packages lists the image's packages from a bundle: it needs --bundle (or use carrel audit show SESSION --packages)")
-			}
-			opts := audit.VerifyOptions{Key: strings.TrimSpace(key), Quorum: quorum}
+			var ws []note.Verifier
 			for _, k := range witnesses {
 				v, err := witness.NewVerifier(k)
 				if err != nil {
 					return fmt.Errorf("--witness: %w", err)
 				}
-				opts.Witnesses = append(opts.Witnesses, v)
+				ws = append(ws, v)
 			}
 			if quorum > len(witnesses) {
 				return fmt.Errorf("--quorum %d: only %d witnesses given", quorum, len(witnesses))
 			}
+			if bundle != "" {
+				if len(checkpoints) > 0 || cmd.Flags().Changed("dir") {
+					return fmt.Errorf("--bundle checks a bundle, not a log: --dir and --checkpoint do not apply")
+				}
+				return verifyBundle(cmd, bundle, review.BundleVerifyOptions{Key: strings.TrimSpace(key), Witnesses: ws, Quorum: quorum}, output, packages)
+			}
+			if packages {
+				return fmt.Errorf("--packages lists the image's packages from a bundle: it needs --bundle (or use carrel audit show SESSION --packages)")
+			}
+			opts := audit.VerifyOptions{Key: strings.TrimSpace(key), Quorum: quorum, Witnesses: ws}
 			for _, f := range checkpoints {
 				b, err := os.ReadFile(f)
 				if err != nil {
@@ -145,7 +150,7 @@ func newAuditVerifyCmd() *cobra.Command {
 	c.Flags().StringVar(&key, "key", "", "the verifier key to hold checkpoints to (from carrel audit key)")
 	c.Flags().StringArrayVar(&checkpoints, "checkpoint", nil, "a signed checkpoint kept from earlier (repeatable)")
 	c.Flags().StringArrayVar(&witnesses, "witness", nil, "a witness's cosignature/v1 key whose cosignatures the checkpoints must carry (repeatable)")
-	c.Flags().IntVar(&quorum, "quorum", 0, "with --witness: how many witnesses' valid cosignatures the newest checkpoint needs (default 1)")
+	c.Flags().IntVar(&quorum, "quorum", 0, "with --witness: how many witnesses' valid cosignatures the newest checkpoint (or the bundle's) needs (default 1)")
 	c.Flags().StringVar(&bundle, "bundle", "", "check this evidence bundle (from carrel audit export) instead of a log")
 	c.Flags().BoolVar(&packages, "packages", false, "with --bundle: also list the packages of the session's image")
 	addOutputFlag(c, &output)

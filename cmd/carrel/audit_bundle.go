@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -12,13 +13,13 @@ import (
 
 // verifyBundle is `carrel audit verify --bundle FILE`: it checks an
 // evidence bundle that carrel audit export wrote, on any machine.
-func verifyBundle(cmd *cobra.Command, path, key, output string, packages bool) error {
+func verifyBundle(cmd *cobra.Command, path string, opts review.BundleVerifyOptions, output string, packages bool) error {
 	f, err := os.Open(path)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
-	rep, err := review.VerifyBundle(f, review.BundleVerifyOptions{Key: key})
+	rep, err := review.VerifyBundle(f, opts)
 	if err != nil {
 		return err
 	}
@@ -63,6 +64,13 @@ func verifyBundle(cmd *cobra.Command, path, key, output string, packages bool) e
 			sig = "signature verified with the bundle's own key.pub"
 		}
 		fmt.Fprintf(w, "%d records, %d blobs, checkpoint of %d records (%s)\n", rep.Records, rep.Blobs, rep.TreeSize, sig)
+		if len(opts.Witnesses) > 0 {
+			names := "none"
+			if len(rep.Cosigned) > 0 {
+				names = review.SafeText(strings.Join(rep.Cosigned, ", "))
+			}
+			fmt.Fprintf(w, "checkpoint cosigned by %d of the %d witnesses given (%d needed): %s\n", len(rep.Cosigned), len(opts.Witnesses), max(opts.Quorum, 1), names)
+		}
 		if rep.ManifestSigned {
 			fmt.Fprintln(w, "manifest signed by the log's key")
 		}
@@ -88,7 +96,11 @@ func verifyBundle(cmd *cobra.Command, path, key, output string, packages bool) e
 		return exitError{code: 1}
 	}
 	if output != "json" {
-		fmt.Fprintln(w, "ok: every record is in the signed log at its seq, every blob is intact, and the manifest agrees")
+		witnessed := ""
+		if len(opts.Witnesses) > 0 {
+			witnessed = ", cosigned by a quorum of the witnesses"
+		}
+		fmt.Fprintf(w, "ok: every record is in the signed log at its seq%s, every blob is intact, and the manifest agrees\n", witnessed)
 	}
 	return nil
 }

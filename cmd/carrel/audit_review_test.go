@@ -16,6 +16,7 @@ import (
 	"github.com/carrel-os/carrel/image/manifest"
 	"github.com/carrel-os/carrel/image/verity"
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/witness"
 )
 
 const reviewSession = "ses_00000000000000aa"
@@ -183,6 +184,19 @@ func TestAuditExportVerifyReport(t *testing.T) {
 	}
 	if _, _, err := carrel(t, "audit", "verify", "--bundle", bundle, "--dir", dir); err == nil {
 		t.Error("--bundle with --dir accepted")
+	}
+	// A bundle whose checkpoint no witness cosigned, held to a witness.
+	_, wkey, err := witness.GenerateKey("w1.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, errOut, err = carrel(t, "audit", "verify", "--bundle", bundle, "--key", key, "--witness", wkey)
+	if !errors.As(err, &ee) || ee.code != 1 || !strings.Contains(out, "cosigned by 0 of the 1 witnesses given (1 needed): none") ||
+		!strings.Contains(out, "unwitnessed at checkpoint 6: the checkpoint at 6 records") || !strings.Contains(out, "missing: witness w1.example") {
+		t.Errorf("unwitnessed: %v\n%s%s", err, out, errOut)
+	}
+	if _, _, err := carrel(t, "audit", "verify", "--bundle", bundle, "--witness", wkey, "--quorum", "2"); err == nil || !strings.Contains(err.Error(), "only 1 witnesses") {
+		t.Errorf("--quorum 2 of 1 witness: %v", err)
 	}
 	if _, _, err := carrel(t, "audit", "export", reviewSession, "--dir", dir); err == nil {
 		t.Error("export without -o accepted")

@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
+	"github.com/carrel-os/carrel/supervisor/identity"
 )
 
 func newTokenCmd(g *globals) *cobra.Command {
@@ -67,13 +68,13 @@ func newListTokensCmd(g *globals, keys bool, short string) *cobra.Command {
 			}
 			w := newTable()
 			if keys {
-				fmt.Fprintln(w, "ID\tNAME\tIMAGES\tPOLICY\tCREATED\tEXPIRES")
+				fmt.Fprintln(w, "ID\tNAME\tIMAGES\tPOLICY\tLIMITS\tCREATED\tEXPIRES")
 			} else {
 				fmt.Fprintln(w, "ID\tVM\tCREATED\tEXPIRES")
 			}
 			for _, t := range list {
 				if keys {
-					fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", t.Id, t.KeyName, strings.Join(t.Images, ","), dash(t.Policy), t.CreatedAt, dash(t.ExpiresAt))
+					fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t.Id, t.KeyName, strings.Join(t.Images, ","), dash(t.Policy), limitsText(t.Limits), t.CreatedAt, dash(t.ExpiresAt))
 				} else {
 					fmt.Fprintf(w, "%s\t%s\t%s\t%s\n", t.Id, t.Vm, t.CreatedAt, dash(t.ExpiresAt))
 				}
@@ -83,6 +84,11 @@ func newListTokensCmd(g *globals, keys bool, short string) *cobra.Command {
 	}
 	addOutputFlag(c, &output)
 	return c
+}
+
+// limitsText writes a key's limits as its flags would give them.
+func limitsText(l *apiv1.KeyLimits) string {
+	return identity.Limits{VMs: l.GetVms(), Snapshots: l.GetSnapshots(), MemoryBytes: l.GetMemoryBytes(), DiskBytes: l.GetDiskBytes()}.String()
 }
 
 func newTokenRevokeCmd(g *globals) *cobra.Command {
@@ -106,17 +112,36 @@ func newKeyCmd(g *globals) *cobra.Command {
 func newKeyCreateCmd(g *globals) *cobra.Command {
 	var ttl time.Duration
 	var images []string
-	var pol string
+	var pol, maxMemory, maxDisk string
+	var lim apiv1.KeyLimits
 	c := &cobra.Command{
 		Use:   "create NAME",
 		Short: "Issue an API key for the identity NAME and print it (shown once; pass it as E2B_API_KEY)",
 		Long: "Issue an API key (e2b_<hex>) for the identity NAME. A key creates VMs of its own, named\n" +
 			"e2b-NAME-..., from the images --image names, bound to --policy, and acts on those VMs alone.\n" +
-			"Keys of one name share its VMs, so a key can be replaced by a new one of the same name.",
-		Args: cobra.ExactArgs(1),
+			"Keys of one name share its VMs, so a key can be replaced by a new one of the same name.\n\n" +
+			"The --max-* flags cap what NAME's VMs hold together: VMs in any state, snapshots across\n" +
+			"them, and the sum of their memory and of their disks (each VM's --disk, 8G by default and\n" +
+			"none when ephemeral, plus its --workspace, half its memory by default, as created). 0, the\n" +
+			"default, is no limit. carreld refuses a create or snapshot that would go over one, naming\n" +
+			"it (the e2b API answers 429). Keys of one name must give the same images, policy and\n" +
+			"limits: to change them, revoke its keys and issue a new one.",
+		Example: "  carrel key create alice --image agent --max-vms 4 --max-snapshots 8 --max-memory 16G --max-disk 100G",
+		Args:    cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			var err error
+			if maxMemory != "" {
+				if lim.MemoryBytes, err = parseSize(maxMemory); err != nil {
+					return fmt.Errorf("--max-memory: %w", err)
+				}
+			}
+			if maxDisk != "" {
+				if lim.DiskBytes, err = parseSize(maxDisk); err != nil {
+					return fmt.Errorf("--max-disk: %w", err)
+				}
+			}
 			resp, err := g.client().Tokens.CreateToken(cmd.Context(), connect.NewRequest(&apiv1.CreateTokenRequest{
-				KeyName: args[0], Images: images, Policy: pol, TtlSeconds: uint64(ttl / time.Second)}))
+				KeyName: args[0], Images: images, Policy: pol, TtlSeconds: uint64(ttl / time.Second), Limits: &lim}))
 			if err != nil {
 				return err
 			}
@@ -127,6 +152,10 @@ func newKeyCreateCmd(g *globals) *cobra.Command {
 	c.Flags().StringArrayVar(&images, "image", nil, "an image tag (an e2b template) its VMs may boot; repeatable; \"*\" for any")
 	c.Flags().StringVar(&pol, "policy", "default", "the policy its VMs are bound to")
 	c.Flags().DurationVar(&ttl, "ttl", 0, "expire after this long (0: never)")
+	c.Flags().Uint64Var(&lim.Vms, "max-vms", 0, "the most VMs NAME may have, in any state (0: no limit)")
+	c.Flags().Uint64Var(&lim.Snapshots, "max-snapshots", 0, "the most snapshots NAME's VMs may have together (0: no limit)")
+	c.Flags().StringVar(&maxMemory, "max-memory", "", "the most memory NAME's VMs may have together, e.g. 16G (0 or none: no limit)")
+	c.Flags().StringVar(&maxDisk, "max-disk", "", "the most disk NAME's VMs may have together, e.g. 100G: their --disk and --workspace sizes (0 or none: no limit)")
 	return c
 }
 

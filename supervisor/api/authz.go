@@ -226,13 +226,21 @@ func (cfg Config) session(vm string) string {
 }
 
 // ended records a call once it has ended, in the session its VM is in
-// then (a create's new one).
+// then (a create's new one), with the limit of its key's that refused it,
+// if one did: a refusal by quota is on record as one by policy is, by its
+// api.call record, durable before the caller has its answer. (It is no
+// policy.decision: no policy was evaluated, and those records are a
+// policy revision's, which review and rerun read them as.)
 func (a authzInterceptor) ended(ctx context.Context, call *recorder.APICall, err error) {
 	code := "ok"
 	if err != nil {
 		code = connect.CodeOf(err).String()
 	}
 	call.Session = a.cfg.session(call.VM)
+	var qe *quotaError
+	if errors.As(err, &qe) {
+		call.Quota = &qe.Quota
+	}
 	a.cfg.Recorder.APICallEnded(ctx, call, code, err)
 }
 

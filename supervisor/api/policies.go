@@ -230,11 +230,16 @@ func (s *tokenService) CreateToken(ctx context.Context, req *connect.Request[api
 				return nil, connect.NewError(connect.CodeInvalidArgument, err)
 			}
 		}
-		tok, secret, err = t.CreateKey(identity.Key{Name: m.KeyName, Images: m.Images, Policy: m.Policy}, ttl)
+		l := m.GetLimits()
+		lim := identity.Limits{VMs: l.GetVms(), Snapshots: l.GetSnapshots(), MemoryBytes: l.GetMemoryBytes(), DiskBytes: l.GetDiskBytes()}
+		tok, secret, err = t.CreateKey(identity.Key{Name: m.KeyName, Images: m.Images, Policy: m.Policy, Limits: lim}, ttl)
 		if err != nil {
 			return nil, connect.NewError(connect.CodeInvalidArgument, err)
 		}
 		return connect.NewResponse(&apiv1.CreateTokenResponse{Token: tokenProto(tok), Secret: secret}), nil
+	}
+	if l := req.Msg.GetLimits(); l.GetVms()|l.GetSnapshots()|l.GetMemoryBytes()|l.GetDiskBytes() != 0 {
+		return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("limits are an API key's (key_name): a VM token creates no VMs"))
 	}
 	if _, err := s.cfg.Manager.Get(req.Msg.Vm); err != nil {
 		return nil, toConnect(err)
@@ -273,6 +278,9 @@ func tokenProto(t identity.Token) *apiv1.Token {
 	out := &apiv1.Token{Id: t.ID, Vm: t.VM, CreatedAt: t.CreatedAt.Format(time.RFC3339)}
 	if k := t.Key; k != nil {
 		out.KeyName, out.Images, out.Policy = k.Name, k.Images, k.Policy
+		if l := k.Limits; l != (identity.Limits{}) {
+			out.Limits = &apiv1.KeyLimits{Vms: l.VMs, Snapshots: l.Snapshots, MemoryBytes: l.MemoryBytes, DiskBytes: l.DiskBytes}
+		}
 	}
 	if !t.ExpiresAt.IsZero() {
 		out.ExpiresAt = t.ExpiresAt.Format(time.RFC3339)

@@ -11,6 +11,11 @@ import (
 )
 
 func (s *vmService) SnapshotVM(ctx context.Context, req *connect.Request[apiv1.SnapshotVMRequest]) (*connect.Response[apiv1.SnapshotVMResponse], error) {
+	release, err := s.reserveSnapshot(ctx, req.Msg.Name, req.Msg.Snapshot)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	snap, err := s.cfg.Manager.Snapshot(ctx, req.Msg.Name, vm.SnapshotParams{Name: req.Msg.Snapshot, Note: req.Msg.Note})
 	if err != nil {
 		return nil, toConnect(err)
@@ -49,6 +54,17 @@ func (s *vmService) DeleteSnapshot(ctx context.Context, req *connect.Request[api
 }
 
 func (s *vmService) ForkVM(ctx context.Context, req *connect.Request[apiv1.ForkVMRequest]) (*connect.Response[apiv1.ForkVMResponse], error) {
+	// A fork is a new VM of its source's sizes (a key's policy refuses
+	// forks, unless its operator gave keys the admin class).
+	src, err := s.cfg.Manager.Get(req.Msg.Name)
+	if err != nil {
+		return nil, toConnect(err)
+	}
+	release, err := s.reserveVM(ctx, req.Msg.NewName, vm.FootprintOf(src.Record))
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	rec, err := s.cfg.Manager.Fork(ctx, req.Msg.Name, req.Msg.NewName, req.Msg.Snapshot)
 	if err != nil {
 		return nil, toConnect(err)

@@ -26,18 +26,25 @@ const (
 )
 
 type vmService struct {
-	cfg   Config
-	relay *relay.Relay
+	cfg    Config
+	relay  *relay.Relay
+	quotas quotas
 }
 
 var _ apiv1connect.VMServiceHandler = (*vmService)(nil)
 
 func (s *vmService) CreateVM(ctx context.Context, req *connect.Request[apiv1.CreateVMRequest]) (*connect.Response[apiv1.CreateVMResponse], error) {
 	m := req.Msg
-	rec, err := s.cfg.Manager.Create(ctx, vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus, Policy: m.Policy,
+	p := vm.CreateParams{Name: m.Name, Image: m.Image, MemoryBytes: m.MemoryBytes, CPUs: m.Cpus, Policy: m.Policy,
 		WorkspaceBytes: m.WorkspaceBytes, MaxProcesses: m.MaxProcesses, GPUs: m.Gpus,
 		Ephemeral: m.Ephemeral, DiskBytes: m.DiskBytes,
-		Env: m.Env, Labels: m.Labels, TTL: time.Duration(min(m.TtlSeconds, maxTTLSeconds)) * time.Second, ExpiryAction: expiryAction(m.ExpiryAction)})
+		Env: m.Env, Labels: m.Labels, TTL: time.Duration(min(m.TtlSeconds, maxTTLSeconds)) * time.Second, ExpiryAction: expiryAction(m.ExpiryAction)}
+	release, err := s.reserveVM(ctx, p.Name, p.Footprint())
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	rec, err := s.cfg.Manager.Create(ctx, p)
 	if err != nil {
 		return nil, toConnect(err)
 	}

@@ -163,6 +163,19 @@ type APICall struct {
 	Code       string `json:"code"` // "ok" or the connect error code
 	Error      string `json:"error,omitempty"`
 	DurationNs int64  `json:"duration_ns"`
+	// Quota is the limit of the caller's API key that refused the call
+	// (code "resource_exhausted").
+	Quota *Quota `json:"quota,omitempty"`
+}
+
+// Quota is a limit of an API key's name (carrel key create --max-...)
+// that a call would have gone over: what its VMs held, with what calls
+// in flight had reserved, and what the call asked for besides.
+type Quota struct {
+	Limit string `json:"limit"` // "vms", "snapshots", "memory_bytes" or "disk_bytes"
+	Max   uint64 `json:"max"`
+	Used  uint64 `json:"used"`
+	Asked uint64 `json:"asked"`
 }
 
 // Decision is the data of a "policy.decision" record: the fields of a

@@ -332,34 +332,25 @@ func (v *verifier) checkpoints(vs note.Verifiers, extra [][]byte) ([]verifyCheck
 // that verified (cps): each must verify, and the newest must have a
 // quorum.
 func (v *verifier) witnessed(host note.Verifier, witnesses []note.Verifier, quorum int, cps []verifyCheckpoint) error {
-	all := note.VerifierList(append([]note.Verifier{host}, witnesses...)...)
-	isWitness := map[string]bool{}
-	for _, w := range witnesses {
-		isWitness[w.Name()] = true
-	}
 	var newest uint64
 	for _, cp := range cps {
 		if !cp.own {
 			continue // one given by the reviewer, not the log's
 		}
 		newest = max(newest, cp.size)
-		n, err := note.Open(cp.msg, all)
+		c, err := CheckCosignatures(cp.msg, host, witnesses)
 		if err != nil {
-			var bad *note.InvalidSignatureError
-			if errors.As(err, &bad) {
-				v.add(Problem{Kind: ProblemCosignature, Checkpoint: ptr(cp.size), Detail: fmt.Sprintf(
-					"%s: the cosignature of witness %s does not match: the checkpoint is not the one the witness cosigned (rewritten and signed again?)", cp.name, bad.Name)})
-			} else {
-				v.add(Problem{Kind: ProblemCosignature, Checkpoint: ptr(cp.size), Detail: fmt.Sprintf("%s: %v", cp.name, err)})
-			}
+			v.add(Problem{Kind: ProblemCosignature, Checkpoint: ptr(cp.size), Detail: fmt.Sprintf("%s: %v", cp.name, err)})
 			continue
 		}
-		got := 0
-		for _, sig := range n.Sigs {
-			if isWitness[sig.Name] {
-				got++
-			}
+		for _, name := range c.Invalid {
+			v.add(Problem{Kind: ProblemCosignature, Checkpoint: ptr(cp.size), Detail: fmt.Sprintf(
+				"%s: the cosignature of witness %s does not match: the checkpoint is not the one the witness cosigned (rewritten and signed again?)", cp.name, name)})
 		}
+		if len(c.Invalid) > 0 {
+			continue
+		}
+		got := len(c.Valid)
 		if got >= quorum {
 			v.rep.Witnessed = max(v.rep.Witnessed, cp.size)
 		} else if len(v.rep.Unwitnessed) < 100 {

@@ -42,6 +42,23 @@ type Key struct {
 	Images []string `json:"images"`
 	// Policy binds its VMs; "" is "default".
 	Policy string `json:"policy,omitempty"`
+	// Limits cap what its VMs hold together.
+	Limits Limits `json:"limits,omitzero"`
+}
+
+// Limits cap what the VMs of a key's name hold together: how many VMs,
+// in any state, how many snapshots across them, and the sum of their
+// memory and of their disks (vm.FootprintOf). 0 is no limit. They are
+// the name's, as its images and policy are: keys of one name share its
+// VMs, so they must agree on them (CreateKey). Each key carries them
+// rather than the name once, so that a name is still its keys alone: it
+// goes with the last of them, and is changed as its images are, by
+// revoking its keys and issuing one with the new limits.
+type Limits struct {
+	VMs         uint64 `json:"vms,omitempty"`
+	Snapshots   uint64 `json:"snapshots,omitempty"`
+	MemoryBytes uint64 `json:"memory_bytes,omitempty"`
+	DiskBytes   uint64 `json:"disk_bytes,omitempty"`
 }
 
 var keyName = regexp.MustCompile(`^[a-z][a-z0-9]{0,15}$`)
@@ -63,12 +80,15 @@ func (t *Tokens) CreateKey(k Key, ttl time.Duration) (Token, string, error) {
 			return Token{}, "", fmt.Errorf("image %q: not a tag or digest", img)
 		}
 	}
+	if k.Limits.MemoryBytes%(1<<20) != 0 || k.Limits.DiskBytes%(1<<20) != 0 {
+		return Token{}, "", errors.New("a key's memory and disk limits are whole MiB, as VMs' sizes are")
+	}
 	// Keys of one name share its VMs, so they share what those may be.
 	t.mu.RLock()
 	for _, other := range t.byID {
-		if o := other.Key; o != nil && o.Name == k.Name && (o.Policy != k.Policy || !slices.Equal(o.Images, k.Images)) {
+		if o := other.Key; o != nil && o.Name == k.Name && (o.Policy != k.Policy || !slices.Equal(o.Images, k.Images) || o.Limits != k.Limits) {
 			t.mu.RUnlock()
-			return Token{}, "", fmt.Errorf("key %s of name %q grants images %v under policy %q: keys of one name share its VMs, so a new one must grant the same (revoke the others first to change them)", other.ID, k.Name, o.Images, o.Policy)
+			return Token{}, "", fmt.Errorf("key %s of name %q grants images %v under policy %q with limits %s: keys of one name share its VMs, so a new one must grant the same (revoke the others first to change them)", other.ID, k.Name, o.Images, o.Policy, o.Limits)
 		}
 	}
 	t.mu.RUnlock()
@@ -85,6 +105,42 @@ func (t *Tokens) CreateKey(k Key, ttl time.Duration) (Token, string, error) {
 		return Token{}, "", err
 	}
 	return tok, keyPrefix + tok.ID + s, nil
+}
+
+// LimitsOf returns the limits of API key id; false when there is no such
+// key (it was revoked).
+func (t *Tokens) LimitsOf(id string) (Limits, bool) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	tok, ok := t.byID[id]
+	if !ok || tok.Key == nil {
+		return Limits{}, false
+	}
+	return tok.Key.Limits, true
+}
+
+// String writes l as the flags of carrel key create would give it.
+func (l Limits) String() string {
+	if l == (Limits{}) {
+		return "none"
+	}
+	var parts []string
+	add := func(name string, n uint64, bytes bool) {
+		switch {
+		case n == 0:
+		case bytes && n%(1<<30) == 0:
+			parts = append(parts, fmt.Sprintf("%s=%dG", name, n>>30))
+		case bytes:
+			parts = append(parts, fmt.Sprintf("%s=%dM", name, n>>20))
+		default:
+			parts = append(parts, fmt.Sprintf("%s=%d", name, n))
+		}
+	}
+	add("max-vms", l.VMs, false)
+	add("max-snapshots", l.Snapshots, false)
+	add("max-memory", l.MemoryBytes, true)
+	add("max-disk", l.DiskBytes, true)
+	return strings.Join(parts, ",")
 }
 
 // SandboxToken is the token that acts as key id on its VM vm alone.

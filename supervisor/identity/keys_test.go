@@ -457,3 +457,67 @@ func TestSees(t *testing.T) {
 		t.Errorf("KeyVMPrefix = %q", got)
 	}
 }
+
+// TestKeyLimits: a key's limits are kept, through a restart, and given
+// by its id until it is revoked; keys of one name must give the same
+// limits, as they must the same images and policy.
+func TestKeyLimits(t *testing.T) {
+	tk, path := openTokens(t)
+	lim := Limits{VMs: 3, Snapshots: 5, MemoryBytes: 16 << 30, DiskBytes: 100<<30 + 512<<20}
+	tok, _ := createKey(t, tk, Key{Name: "alice", Images: []string{"dev"}, Limits: lim})
+	if got, ok := tk.LimitsOf(tok.ID); !ok || got != lim {
+		t.Errorf("LimitsOf = %+v, %v; want %+v", got, ok, lim)
+	}
+	if want := "max-vms=3,max-snapshots=5,max-memory=16G,max-disk=102912M"; lim.String() != want {
+		t.Errorf("String() = %q, want %q", lim.String(), want)
+	}
+	if s := (Limits{}).String(); s != "none" {
+		t.Errorf("no limits: %q, want none", s)
+	}
+	tk2, err := OpenTokens(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := tk2.LimitsOf(tok.ID); !ok || got != lim {
+		t.Errorf("after reopening: %+v, %v; want %+v", got, ok, lim)
+	}
+	// A key without limits writes none.
+	free, _ := createKey(t, tk, Key{Name: "bob", Images: []string{"dev"}})
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := strings.Count(string(b), `"limits"`); n != 1 {
+		t.Errorf("the token file has %d limits, want alice's alone:\n%s", n, b)
+	}
+	if got, ok := tk.LimitsOf(free.ID); !ok || got != (Limits{}) {
+		t.Errorf("bob's limits: %+v, %v; want none", got, ok)
+	}
+
+	// Keys of one name agree on their limits.
+	for _, other := range []Limits{{}, {VMs: 4, Snapshots: 5, MemoryBytes: 16 << 30, DiskBytes: lim.DiskBytes}} {
+		if _, _, err := tk.CreateKey(Key{Name: "alice", Images: []string{"dev"}, Limits: other}, 0); err == nil || !strings.Contains(err.Error(), "max-vms=3") {
+			t.Errorf("a second alice key with limits %s: %v, want refused naming the first's", other, err)
+		}
+	}
+	if _, _, err := tk.CreateKey(Key{Name: "alice", Images: []string{"dev"}, Limits: lim}, 0); err != nil {
+		t.Errorf("a second alice key with the same limits: %v", err)
+	}
+	// Sizes are whole MiB, as VMs' are.
+	for _, bad := range []Limits{{MemoryBytes: 1<<30 + 1}, {DiskBytes: 1000}} {
+		if _, _, err := tk.CreateKey(Key{Name: "carol", Images: []string{"dev"}, Limits: bad}, 0); err == nil || !strings.Contains(err.Error(), "whole MiB") {
+			t.Errorf("limits %+v: %v, want refused", bad, err)
+		}
+	}
+
+	if err := tk.Revoke(tok.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := tk.LimitsOf(tok.ID); ok {
+		t.Error("a revoked key still has limits")
+	}
+	vmTok, _, _ := tk.Create("demo", 0)
+	if _, ok := tk.LimitsOf(vmTok.ID); ok {
+		t.Error("a VM token has a key's limits")
+	}
+}

@@ -70,6 +70,32 @@ func stateSize(rec registry.Record) uint64 {
 	return DefaultStateBytes
 }
 
+// Footprint is what a VM holds of the host, as an API key's limits count
+// it: its memory, and the sizes of the disks it may fill, as created (they
+// are sparse, so this is what it may take, not what it takes): its
+// writable layer (none when it is ephemeral) and its workspace.
+type Footprint struct {
+	MemoryBytes, DiskBytes uint64
+}
+
+// FootprintOf is the footprint of the VM rec.
+func FootprintOf(rec registry.Record) Footprint {
+	disk := workspaceSize(rec)
+	if !rec.Ephemeral {
+		disk += stateSize(rec)
+	}
+	return Footprint{MemoryBytes: rec.MemoryBytes, DiskBytes: disk}
+}
+
+// Footprint is the footprint of the VM Create would make of p.
+func (p CreateParams) Footprint() Footprint {
+	mem := p.MemoryBytes
+	if mem == 0 {
+		mem = DefaultMemory
+	}
+	return FootprintOf(registry.Record{MemoryBytes: mem, WorkspaceBytes: p.WorkspaceBytes, Ephemeral: p.Ephemeral, DiskBytes: p.DiskBytes})
+}
+
 // attachDisks gives spec the VM's disks and tells the guest of them: the
 // image's verified root and hash device, read-only and shared by every VM
 // of the image; the VM's writable layer over that root (a disk of its own,

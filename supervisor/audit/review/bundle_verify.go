@@ -52,6 +52,11 @@ type BundleVerifyOptions struct {
 	// is consistent: whoever made it could have signed it with a key of
 	// their own.
 	Key string
+	// Witnesses are the keys of witnesses (witness.NewVerifier) whose
+	// cosignatures the checkpoint must carry: every one of theirs on it
+	// must verify, and at least Quorum of them (default 1) must be there.
+	Witnesses []note.Verifier
+	Quorum    int
 	// MaxProblems caps the problems listed (default 1000).
 	MaxProblems int
 }
@@ -67,6 +72,9 @@ type BundleReport struct {
 	CheckpointVerified bool   `json:"checkpoint_verified"`
 	// KeyFromBundle: the checkpoint was checked with the bundle's own key.
 	KeyFromBundle bool `json:"key_from_bundle"`
+	// Cosigned: with witnesses, those whose cosignature of the
+	// checkpoint verified.
+	Cosigned []string `json:"cosigned,omitempty"`
 	// ManifestSigned: manifest.sig is the key's valid signature of the
 	// manifest. A bundle without one says so in Notes.
 	ManifestSigned bool     `json:"manifest_signed"`
@@ -188,6 +196,9 @@ func VerifyBundle(rd io.Reader, opts BundleVerifyOptions) (*BundleReport, error)
 		}
 	}
 	rep.TreeSize = cpSize
+	if len(opts.Witnesses) > 0 && files.checkpoint != nil {
+		v.witnessed(files.checkpoint, key, rep.CheckpointVerified, cpSize, cpRoot, opts.Witnesses, max(opts.Quorum, 1))
+	}
 
 	// The records, their proofs and what they reference.
 	seqs := slices.Sorted(func(yield func(uint64) bool) {
@@ -307,6 +318,42 @@ func VerifyBundle(rd io.Reader, opts BundleVerifyOptions) (*BundleReport, error)
 		}
 	}
 	return rep, nil
+}
+
+// witnessed holds the checkpoint msg, of size records and root, to
+// quorum valid cosignatures of witnesses (audit.CheckCosignatures, as
+// carrel audit verify --witness holds a log's): with fewer, what the
+// bundle shows is vouched for by the host's key alone.
+func (v *bundleVerifier) witnessed(msg []byte, key string, verified bool, size uint64, root tlog.Hash, witnesses []note.Verifier, quorum int) {
+	name := fmt.Sprintf("the checkpoint at %d records (root %s)", size, root)
+	unwitnessed := func(format string, args ...any) {
+		v.add(audit.Problem{Kind: audit.ProblemUnwitnessed, Checkpoint: ptr(size), Detail: fmt.Sprintf(format, args...)})
+	}
+	host, err := note.NewVerifier(key)
+	if !verified || err != nil {
+		unwitnessed("the checkpoint does not verify with the log's key, so its cosignatures were not checked")
+		return
+	}
+	c, err := audit.CheckCosignatures(msg, host, witnesses)
+	if err != nil {
+		v.add(audit.Problem{Kind: audit.ProblemCosignature, Checkpoint: ptr(size), Detail: fmt.Sprintf("%s: %v", name, err)})
+		return
+	}
+	v.rep.Cosigned = c.Valid
+	for _, w := range c.Invalid {
+		v.add(audit.Problem{Kind: audit.ProblemCosignature, Checkpoint: ptr(size), Detail: fmt.Sprintf(
+			"%s: the cosignature of witness %s does not match: the witness cosigned another checkpoint, not this one (rewritten and signed again?)", name, w)})
+	}
+	if len(c.Valid) < quorum {
+		var missing []string // in the order given
+		for _, w := range witnesses {
+			if !slices.Contains(c.Valid, w.Name()) {
+				missing = append(missing, w.Name())
+			}
+		}
+		unwitnessed("%s has %d valid cosignatures of the %d needed; missing: witness %s: what the bundle shows is vouched for by the host's key alone",
+			name, len(c.Valid), quorum, strings.Join(missing, ", witness "))
+	}
 }
 
 type bundleVerifier struct {

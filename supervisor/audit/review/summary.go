@@ -148,6 +148,9 @@ func summary(e *Entry) (string, bool) {
 		if d.Error != "" {
 			add("(%s)", f(d.Error))
 		}
+		if q := d.Quota; q != nil {
+			add("over quota %s: %d held, %d asked, limit %d", f(q.Limit), q.Used, q.Asked, q.Max)
+		}
 		if d.DurationNs > 0 {
 			add("in %s", time.Duration(d.DurationNs).Round(time.Microsecond))
 		}

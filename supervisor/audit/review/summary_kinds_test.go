@@ -7,7 +7,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
-// TestSummaryOfLaterKinds: GPU, egress and port-forward records read as
+// TestSummaryOfLaterKinds: GPU, egress, port-forward and quota records read as
 // sentences, not raw JSON, and guest text in them stays inert.
 func TestSummaryOfLaterKinds(t *testing.T) {
 	for _, c := range []struct {
@@ -20,6 +20,8 @@ func TestSummaryOfLaterKinds(t *testing.T) {
 			[]string{"allowed registry.npmjs.org:443/tcp", "via 104.16.0.35", "rule carrel.net.egress_allow", "pid 77"}},
 		{audit.KindNetEgress, `{"host":"evil\u001b[2J.test","port":80,"protocol":"tcp","outcome":"denied","error":"x"}`, []string{"denied", "error: x"}},
 		{audit.KindOutcome, `{"bytes_from_guest":2048}`, []string{"from the guest"}},
+		{audit.KindAPICall, `{"procedure":"/carrel.api.v1.VMService/CreateVM","caller":{"type":"key","key_id":"0123456789abcdef","name":"alice","images":["agent"],"policy":"","vm":""},"code":"resource_exhausted","error":"key alice is at its limit","duration_ns":5,"quota":{"limit":"vms","max":3,"used":3,"asked":1}}`,
+			[]string{"-> resource_exhausted", "over quota vms: 3 held, 1 asked, limit 3", "key alice"}},
 	} {
 		e := &Entry{Record: audit.Record{Kind: c.kind, Provenance: audit.Host, Data: []byte(c.data)}}
 		got := Summary(e)

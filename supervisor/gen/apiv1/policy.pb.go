@@ -928,9 +928,11 @@ type Token struct {
 	ExpiresAt string `protobuf:"bytes,4,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
 	// Set for an API key (key_name in CreateTokenRequest): the identity it
 	// names, the images its VMs may boot and the policy they get.
-	KeyName       string   `protobuf:"bytes,5,opt,name=key_name,json=keyName,proto3" json:"key_name,omitempty"`
-	Images        []string `protobuf:"bytes,6,rep,name=images,proto3" json:"images,omitempty"`
-	Policy        string   `protobuf:"bytes,7,opt,name=policy,proto3" json:"policy,omitempty"`
+	KeyName string   `protobuf:"bytes,5,opt,name=key_name,json=keyName,proto3" json:"key_name,omitempty"`
+	Images  []string `protobuf:"bytes,6,rep,name=images,proto3" json:"images,omitempty"`
+	Policy  string   `protobuf:"bytes,7,opt,name=policy,proto3" json:"policy,omitempty"`
+	// An API key's limits (see KeyLimits).
+	Limits        *KeyLimits `protobuf:"bytes,8,opt,name=limits,proto3" json:"limits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1014,6 +1016,91 @@ func (x *Token) GetPolicy() string {
 	return ""
 }
 
+func (x *Token) GetLimits() *KeyLimits {
+	if x != nil {
+		return x.Limits
+	}
+	return nil
+}
+
+// KeyLimits cap what the VMs of an API key's name hold together; 0 is no
+// limit. Keys of one name share its VMs, so they must give the same.
+// carreld refuses a create, fork or snapshot that would go over one with
+// RESOURCE_EXHAUSTED, naming it.
+type KeyLimits struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// VMs, in any state.
+	Vms uint64 `protobuf:"varint,1,opt,name=vms,proto3" json:"vms,omitempty"`
+	// Snapshots across its VMs.
+	Snapshots uint64 `protobuf:"varint,2,opt,name=snapshots,proto3" json:"snapshots,omitempty"`
+	// The sum of its VMs' memory; whole MiB.
+	MemoryBytes uint64 `protobuf:"varint,3,opt,name=memory_bytes,json=memoryBytes,proto3" json:"memory_bytes,omitempty"`
+	// The sum of its VMs' disks as created: each one's writable layer
+	// (disk_bytes of CreateVMRequest; none when ephemeral) and workspace
+	// (workspace_bytes, half the memory when 0); whole MiB.
+	DiskBytes     uint64 `protobuf:"varint,4,opt,name=disk_bytes,json=diskBytes,proto3" json:"disk_bytes,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KeyLimits) Reset() {
+	*x = KeyLimits{}
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KeyLimits) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KeyLimits) ProtoMessage() {}
+
+func (x *KeyLimits) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KeyLimits.ProtoReflect.Descriptor instead.
+func (*KeyLimits) Descriptor() ([]byte, []int) {
+	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *KeyLimits) GetVms() uint64 {
+	if x != nil {
+		return x.Vms
+	}
+	return 0
+}
+
+func (x *KeyLimits) GetSnapshots() uint64 {
+	if x != nil {
+		return x.Snapshots
+	}
+	return 0
+}
+
+func (x *KeyLimits) GetMemoryBytes() uint64 {
+	if x != nil {
+		return x.MemoryBytes
+	}
+	return 0
+}
+
+func (x *KeyLimits) GetDiskBytes() uint64 {
+	if x != nil {
+		return x.DiskBytes
+	}
+	return 0
+}
+
 type CreateTokenRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// The VM a token may act on; empty for an API key.
@@ -1025,16 +1112,18 @@ type CreateTokenRequest struct {
 	// creates its own VMs, named "e2b-NAME-...", and acts on those alone:
 	// each boots one of images ("*": any) under policy (empty: "default").
 	// Keys of one name share its VMs, so a key can be replaced by another.
-	KeyName       string   `protobuf:"bytes,3,opt,name=key_name,json=keyName,proto3" json:"key_name,omitempty"`
-	Images        []string `protobuf:"bytes,4,rep,name=images,proto3" json:"images,omitempty"`
-	Policy        string   `protobuf:"bytes,5,opt,name=policy,proto3" json:"policy,omitempty"`
+	KeyName string   `protobuf:"bytes,3,opt,name=key_name,json=keyName,proto3" json:"key_name,omitempty"`
+	Images  []string `protobuf:"bytes,4,rep,name=images,proto3" json:"images,omitempty"`
+	Policy  string   `protobuf:"bytes,5,opt,name=policy,proto3" json:"policy,omitempty"`
+	// The key's limits; unset: none.
+	Limits        *KeyLimits `protobuf:"bytes,6,opt,name=limits,proto3" json:"limits,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *CreateTokenRequest) Reset() {
 	*x = CreateTokenRequest{}
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1046,7 +1135,7 @@ func (x *CreateTokenRequest) String() string {
 func (*CreateTokenRequest) ProtoMessage() {}
 
 func (x *CreateTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[16]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1059,7 +1148,7 @@ func (x *CreateTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTokenRequest.ProtoReflect.Descriptor instead.
 func (*CreateTokenRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{16}
+	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CreateTokenRequest) GetVm() string {
@@ -1097,6 +1186,13 @@ func (x *CreateTokenRequest) GetPolicy() string {
 	return ""
 }
 
+func (x *CreateTokenRequest) GetLimits() *KeyLimits {
+	if x != nil {
+		return x.Limits
+	}
+	return nil
+}
+
 type CreateTokenResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Token *Token                 `protobuf:"bytes,1,opt,name=token,proto3" json:"token,omitempty"`
@@ -1108,7 +1204,7 @@ type CreateTokenResponse struct {
 
 func (x *CreateTokenResponse) Reset() {
 	*x = CreateTokenResponse{}
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1120,7 +1216,7 @@ func (x *CreateTokenResponse) String() string {
 func (*CreateTokenResponse) ProtoMessage() {}
 
 func (x *CreateTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[17]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1133,7 +1229,7 @@ func (x *CreateTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateTokenResponse.ProtoReflect.Descriptor instead.
 func (*CreateTokenResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{17}
+	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CreateTokenResponse) GetToken() *Token {
@@ -1158,7 +1254,7 @@ type ListTokensRequest struct {
 
 func (x *ListTokensRequest) Reset() {
 	*x = ListTokensRequest{}
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1170,7 +1266,7 @@ func (x *ListTokensRequest) String() string {
 func (*ListTokensRequest) ProtoMessage() {}
 
 func (x *ListTokensRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[18]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1183,7 +1279,7 @@ func (x *ListTokensRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTokensRequest.ProtoReflect.Descriptor instead.
 func (*ListTokensRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{18}
+	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{19}
 }
 
 type ListTokensResponse struct {
@@ -1195,7 +1291,7 @@ type ListTokensResponse struct {
 
 func (x *ListTokensResponse) Reset() {
 	*x = ListTokensResponse{}
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1207,7 +1303,7 @@ func (x *ListTokensResponse) String() string {
 func (*ListTokensResponse) ProtoMessage() {}
 
 func (x *ListTokensResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[19]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1220,7 +1316,7 @@ func (x *ListTokensResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListTokensResponse.ProtoReflect.Descriptor instead.
 func (*ListTokensResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{19}
+	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ListTokensResponse) GetTokens() []*Token {
@@ -1239,7 +1335,7 @@ type RevokeTokenRequest struct {
 
 func (x *RevokeTokenRequest) Reset() {
 	*x = RevokeTokenRequest{}
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1251,7 +1347,7 @@ func (x *RevokeTokenRequest) String() string {
 func (*RevokeTokenRequest) ProtoMessage() {}
 
 func (x *RevokeTokenRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[20]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1264,7 +1360,7 @@ func (x *RevokeTokenRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeTokenRequest.ProtoReflect.Descriptor instead.
 func (*RevokeTokenRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{20}
+	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *RevokeTokenRequest) GetId() string {
@@ -1282,7 +1378,7 @@ type RevokeTokenResponse struct {
 
 func (x *RevokeTokenResponse) Reset() {
 	*x = RevokeTokenResponse{}
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1294,7 +1390,7 @@ func (x *RevokeTokenResponse) String() string {
 func (*RevokeTokenResponse) ProtoMessage() {}
 
 func (x *RevokeTokenResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_api_v1_policy_proto_msgTypes[21]
+	mi := &file_carrel_api_v1_policy_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1307,7 +1403,7 @@ func (x *RevokeTokenResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeTokenResponse.ProtoReflect.Descriptor instead.
 func (*RevokeTokenResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{21}
+	return file_carrel_api_v1_policy_proto_rawDescGZIP(), []int{22}
 }
 
 var File_carrel_api_v1_policy_proto protoreflect.FileDescriptor
@@ -1388,7 +1484,7 @@ const file_carrel_api_v1_policy_proto_rawDesc = "" +
 	"\vdenied_only\x18\x03 \x01(\bR\n" +
 	"deniedOnly\"N\n" +
 	"\x15ListDecisionsResponse\x125\n" +
-	"\tdecisions\x18\x01 \x03(\v2\x17.carrel.api.v1.DecisionR\tdecisions\"\xb0\x01\n" +
+	"\tdecisions\x18\x01 \x03(\v2\x17.carrel.api.v1.DecisionR\tdecisions\"\xe2\x01\n" +
 	"\x05Token\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x0e\n" +
 	"\x02vm\x18\x02 \x01(\tR\x02vm\x12\x1d\n" +
@@ -1398,14 +1494,22 @@ const file_carrel_api_v1_policy_proto_rawDesc = "" +
 	"expires_at\x18\x04 \x01(\tR\texpiresAt\x12\x19\n" +
 	"\bkey_name\x18\x05 \x01(\tR\akeyName\x12\x16\n" +
 	"\x06images\x18\x06 \x03(\tR\x06images\x12\x16\n" +
-	"\x06policy\x18\a \x01(\tR\x06policy\"\x90\x01\n" +
+	"\x06policy\x18\a \x01(\tR\x06policy\x120\n" +
+	"\x06limits\x18\b \x01(\v2\x18.carrel.api.v1.KeyLimitsR\x06limits\"}\n" +
+	"\tKeyLimits\x12\x10\n" +
+	"\x03vms\x18\x01 \x01(\x04R\x03vms\x12\x1c\n" +
+	"\tsnapshots\x18\x02 \x01(\x04R\tsnapshots\x12!\n" +
+	"\fmemory_bytes\x18\x03 \x01(\x04R\vmemoryBytes\x12\x1d\n" +
+	"\n" +
+	"disk_bytes\x18\x04 \x01(\x04R\tdiskBytes\"\xc2\x01\n" +
 	"\x12CreateTokenRequest\x12\x0e\n" +
 	"\x02vm\x18\x01 \x01(\tR\x02vm\x12\x1f\n" +
 	"\vttl_seconds\x18\x02 \x01(\x04R\n" +
 	"ttlSeconds\x12\x19\n" +
 	"\bkey_name\x18\x03 \x01(\tR\akeyName\x12\x16\n" +
 	"\x06images\x18\x04 \x03(\tR\x06images\x12\x16\n" +
-	"\x06policy\x18\x05 \x01(\tR\x06policy\"Y\n" +
+	"\x06policy\x18\x05 \x01(\tR\x06policy\x120\n" +
+	"\x06limits\x18\x06 \x01(\v2\x18.carrel.api.v1.KeyLimitsR\x06limits\"Y\n" +
 	"\x13CreateTokenResponse\x12*\n" +
 	"\x05token\x18\x01 \x01(\v2\x14.carrel.api.v1.TokenR\x05token\x12\x16\n" +
 	"\x06secret\x18\x02 \x01(\tR\x06secret\"\x13\n" +
@@ -1441,7 +1545,7 @@ func file_carrel_api_v1_policy_proto_rawDescGZIP() []byte {
 	return file_carrel_api_v1_policy_proto_rawDescData
 }
 
-var file_carrel_api_v1_policy_proto_msgTypes = make([]protoimpl.MessageInfo, 25)
+var file_carrel_api_v1_policy_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_carrel_api_v1_policy_proto_goTypes = []any{
 	(*Policy)(nil),                // 0: carrel.api.v1.Policy
 	(*ApplyPolicyRequest)(nil),    // 1: carrel.api.v1.ApplyPolicyRequest
@@ -1459,52 +1563,55 @@ var file_carrel_api_v1_policy_proto_goTypes = []any{
 	(*ListDecisionsRequest)(nil),  // 13: carrel.api.v1.ListDecisionsRequest
 	(*ListDecisionsResponse)(nil), // 14: carrel.api.v1.ListDecisionsResponse
 	(*Token)(nil),                 // 15: carrel.api.v1.Token
-	(*CreateTokenRequest)(nil),    // 16: carrel.api.v1.CreateTokenRequest
-	(*CreateTokenResponse)(nil),   // 17: carrel.api.v1.CreateTokenResponse
-	(*ListTokensRequest)(nil),     // 18: carrel.api.v1.ListTokensRequest
-	(*ListTokensResponse)(nil),    // 19: carrel.api.v1.ListTokensResponse
-	(*RevokeTokenRequest)(nil),    // 20: carrel.api.v1.RevokeTokenRequest
-	(*RevokeTokenResponse)(nil),   // 21: carrel.api.v1.RevokeTokenResponse
-	nil,                           // 22: carrel.api.v1.ApplyPolicyRequest.FilesEntry
-	nil,                           // 23: carrel.api.v1.GetPolicyResponse.FilesEntry
-	nil,                           // 24: carrel.api.v1.CheckPolicyRequest.FilesEntry
+	(*KeyLimits)(nil),             // 16: carrel.api.v1.KeyLimits
+	(*CreateTokenRequest)(nil),    // 17: carrel.api.v1.CreateTokenRequest
+	(*CreateTokenResponse)(nil),   // 18: carrel.api.v1.CreateTokenResponse
+	(*ListTokensRequest)(nil),     // 19: carrel.api.v1.ListTokensRequest
+	(*ListTokensResponse)(nil),    // 20: carrel.api.v1.ListTokensResponse
+	(*RevokeTokenRequest)(nil),    // 21: carrel.api.v1.RevokeTokenRequest
+	(*RevokeTokenResponse)(nil),   // 22: carrel.api.v1.RevokeTokenResponse
+	nil,                           // 23: carrel.api.v1.ApplyPolicyRequest.FilesEntry
+	nil,                           // 24: carrel.api.v1.GetPolicyResponse.FilesEntry
+	nil,                           // 25: carrel.api.v1.CheckPolicyRequest.FilesEntry
 }
 var file_carrel_api_v1_policy_proto_depIdxs = []int32{
-	22, // 0: carrel.api.v1.ApplyPolicyRequest.files:type_name -> carrel.api.v1.ApplyPolicyRequest.FilesEntry
+	23, // 0: carrel.api.v1.ApplyPolicyRequest.files:type_name -> carrel.api.v1.ApplyPolicyRequest.FilesEntry
 	0,  // 1: carrel.api.v1.ApplyPolicyResponse.policy:type_name -> carrel.api.v1.Policy
 	9,  // 2: carrel.api.v1.ApplyPolicyResponse.tests:type_name -> carrel.api.v1.PolicyTestResult
 	0,  // 3: carrel.api.v1.GetPolicyResponse.policy:type_name -> carrel.api.v1.Policy
-	23, // 4: carrel.api.v1.GetPolicyResponse.files:type_name -> carrel.api.v1.GetPolicyResponse.FilesEntry
+	24, // 4: carrel.api.v1.GetPolicyResponse.files:type_name -> carrel.api.v1.GetPolicyResponse.FilesEntry
 	0,  // 5: carrel.api.v1.ListPoliciesResponse.policies:type_name -> carrel.api.v1.Policy
-	24, // 6: carrel.api.v1.CheckPolicyRequest.files:type_name -> carrel.api.v1.CheckPolicyRequest.FilesEntry
+	25, // 6: carrel.api.v1.CheckPolicyRequest.files:type_name -> carrel.api.v1.CheckPolicyRequest.FilesEntry
 	9,  // 7: carrel.api.v1.CheckPolicyResponse.tests:type_name -> carrel.api.v1.PolicyTestResult
 	12, // 8: carrel.api.v1.EvalPolicyResponse.decision:type_name -> carrel.api.v1.Decision
 	12, // 9: carrel.api.v1.ListDecisionsResponse.decisions:type_name -> carrel.api.v1.Decision
-	15, // 10: carrel.api.v1.CreateTokenResponse.token:type_name -> carrel.api.v1.Token
-	15, // 11: carrel.api.v1.ListTokensResponse.tokens:type_name -> carrel.api.v1.Token
-	1,  // 12: carrel.api.v1.PolicyService.ApplyPolicy:input_type -> carrel.api.v1.ApplyPolicyRequest
-	3,  // 13: carrel.api.v1.PolicyService.GetPolicy:input_type -> carrel.api.v1.GetPolicyRequest
-	5,  // 14: carrel.api.v1.PolicyService.ListPolicies:input_type -> carrel.api.v1.ListPoliciesRequest
-	7,  // 15: carrel.api.v1.PolicyService.CheckPolicy:input_type -> carrel.api.v1.CheckPolicyRequest
-	10, // 16: carrel.api.v1.PolicyService.EvalPolicy:input_type -> carrel.api.v1.EvalPolicyRequest
-	13, // 17: carrel.api.v1.PolicyService.ListDecisions:input_type -> carrel.api.v1.ListDecisionsRequest
-	16, // 18: carrel.api.v1.TokenService.CreateToken:input_type -> carrel.api.v1.CreateTokenRequest
-	18, // 19: carrel.api.v1.TokenService.ListTokens:input_type -> carrel.api.v1.ListTokensRequest
-	20, // 20: carrel.api.v1.TokenService.RevokeToken:input_type -> carrel.api.v1.RevokeTokenRequest
-	2,  // 21: carrel.api.v1.PolicyService.ApplyPolicy:output_type -> carrel.api.v1.ApplyPolicyResponse
-	4,  // 22: carrel.api.v1.PolicyService.GetPolicy:output_type -> carrel.api.v1.GetPolicyResponse
-	6,  // 23: carrel.api.v1.PolicyService.ListPolicies:output_type -> carrel.api.v1.ListPoliciesResponse
-	8,  // 24: carrel.api.v1.PolicyService.CheckPolicy:output_type -> carrel.api.v1.CheckPolicyResponse
-	11, // 25: carrel.api.v1.PolicyService.EvalPolicy:output_type -> carrel.api.v1.EvalPolicyResponse
-	14, // 26: carrel.api.v1.PolicyService.ListDecisions:output_type -> carrel.api.v1.ListDecisionsResponse
-	17, // 27: carrel.api.v1.TokenService.CreateToken:output_type -> carrel.api.v1.CreateTokenResponse
-	19, // 28: carrel.api.v1.TokenService.ListTokens:output_type -> carrel.api.v1.ListTokensResponse
-	21, // 29: carrel.api.v1.TokenService.RevokeToken:output_type -> carrel.api.v1.RevokeTokenResponse
-	21, // [21:30] is the sub-list for method output_type
-	12, // [12:21] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	16, // 10: carrel.api.v1.Token.limits:type_name -> carrel.api.v1.KeyLimits
+	16, // 11: carrel.api.v1.CreateTokenRequest.limits:type_name -> carrel.api.v1.KeyLimits
+	15, // 12: carrel.api.v1.CreateTokenResponse.token:type_name -> carrel.api.v1.Token
+	15, // 13: carrel.api.v1.ListTokensResponse.tokens:type_name -> carrel.api.v1.Token
+	1,  // 14: carrel.api.v1.PolicyService.ApplyPolicy:input_type -> carrel.api.v1.ApplyPolicyRequest
+	3,  // 15: carrel.api.v1.PolicyService.GetPolicy:input_type -> carrel.api.v1.GetPolicyRequest
+	5,  // 16: carrel.api.v1.PolicyService.ListPolicies:input_type -> carrel.api.v1.ListPoliciesRequest
+	7,  // 17: carrel.api.v1.PolicyService.CheckPolicy:input_type -> carrel.api.v1.CheckPolicyRequest
+	10, // 18: carrel.api.v1.PolicyService.EvalPolicy:input_type -> carrel.api.v1.EvalPolicyRequest
+	13, // 19: carrel.api.v1.PolicyService.ListDecisions:input_type -> carrel.api.v1.ListDecisionsRequest
+	17, // 20: carrel.api.v1.TokenService.CreateToken:input_type -> carrel.api.v1.CreateTokenRequest
+	19, // 21: carrel.api.v1.TokenService.ListTokens:input_type -> carrel.api.v1.ListTokensRequest
+	21, // 22: carrel.api.v1.TokenService.RevokeToken:input_type -> carrel.api.v1.RevokeTokenRequest
+	2,  // 23: carrel.api.v1.PolicyService.ApplyPolicy:output_type -> carrel.api.v1.ApplyPolicyResponse
+	4,  // 24: carrel.api.v1.PolicyService.GetPolicy:output_type -> carrel.api.v1.GetPolicyResponse
+	6,  // 25: carrel.api.v1.PolicyService.ListPolicies:output_type -> carrel.api.v1.ListPoliciesResponse
+	8,  // 26: carrel.api.v1.PolicyService.CheckPolicy:output_type -> carrel.api.v1.CheckPolicyResponse
+	11, // 27: carrel.api.v1.PolicyService.EvalPolicy:output_type -> carrel.api.v1.EvalPolicyResponse
+	14, // 28: carrel.api.v1.PolicyService.ListDecisions:output_type -> carrel.api.v1.ListDecisionsResponse
+	18, // 29: carrel.api.v1.TokenService.CreateToken:output_type -> carrel.api.v1.CreateTokenResponse
+	20, // 30: carrel.api.v1.TokenService.ListTokens:output_type -> carrel.api.v1.ListTokensResponse
+	22, // 31: carrel.api.v1.TokenService.RevokeToken:output_type -> carrel.api.v1.RevokeTokenResponse
+	23, // [23:32] is the sub-list for method output_type
+	14, // [14:23] is the sub-list for method input_type
+	14, // [14:14] is the sub-list for extension type_name
+	14, // [14:14] is the sub-list for extension extendee
+	0,  // [0:14] is the sub-list for field type_name
 }
 
 func init() { file_carrel_api_v1_policy_proto_init() }
@@ -1518,7 +1625,7 @@ func file_carrel_api_v1_policy_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_api_v1_policy_proto_rawDesc), len(file_carrel_api_v1_policy_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   25,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   2,
 		},
