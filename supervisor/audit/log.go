@@ -114,8 +114,8 @@ type Log struct {
 	segFirst    uint64 // the seq of records.log's first record
 	segBase     int64  // records.log's first byte's offset in the whole log
 	segDeadline time.Time
-	rollDue     bool     // records.log is full or old: roll it before the next batch
-	rolled      *rolled  // rolled out; records.log's first record is not written yet
+	rollDue     bool    // records.log is full or old: roll it before the next batch
+	rolled      *rolled // rolled out; records.log's first record is not written yet
 	tree        *tree
 	hashN       int64  // entries written to hashes.db
 	hashBuf     []byte // stored hashes not yet written

@@ -97,18 +97,18 @@ func (p Problem) String() string {
 
 // Report is what Verify found.
 type Report struct {
-	Records     uint64    `json:"records"` // the tree's size: records read, and those before From
-	Bytes       int64     `json:"bytes"`   // size of the log, all its segments
-	Root        tlog.Hash `json:"root"`    // tree hash over all records
+	Records uint64    `json:"records"` // the tree's size: records read, and those before From
+	Bytes   int64     `json:"bytes"`   // size of the log, all its segments
+	Root    tlog.Hash `json:"root"`    // tree hash over all records
 	// Segments is how many segments the log has, records.log and
 	// archived ones included. From is the first record read: the ones
 	// before it are in Archived (or missing: a problem), and were checked
 	// only through the signed checkpoint at From, which the tree in
 	// hashes.db must reproduce.
-	Segments int               `json:"segments"`
-	From     uint64            `json:"from,omitempty"`
-	Archived []ArchivedSegment `json:"archived,omitempty"`
-	Checkpoints int       `json:"checkpoints"`
+	Segments    int               `json:"segments"`
+	From        uint64            `json:"from,omitempty"`
+	Archived    []ArchivedSegment `json:"archived,omitempty"`
+	Checkpoints int               `json:"checkpoints"`
 	// Latest is the largest checkpoint whose signature and root verified.
 	Latest      uint64    `json:"latest"`
 	Blobs       int       `json:"blobs"`        // distinct blobs referenced
