@@ -74,7 +74,7 @@ type ScanEnd struct {
 // frame after it, which is what a concurrent append leaves, ends the scan
 // without error (ScanEnd says so); a bad frame with good ones after it is
 // a *CorruptError. Scan does not check seq fields or hashes: Verify does.
-// ScanEnd.Records counts the records from 0: First is where they start.
+// ScanEnd.Records is the seq after the last record read.
 func (r *Reader) Scan(fn func(seq uint64, offset int64, payload []byte) error) (ScanEnd, error) {
 	size, err := r.Size()
 	if err != nil {
