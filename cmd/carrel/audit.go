@@ -23,7 +23,7 @@ const defaultAuditDir = "/var/lib/carrel/audit"
 
 func newAuditCmd(g *globals) *cobra.Command {
 	c := &cobra.Command{Use: "audit", Short: "Review the tamper-evident audit log: verify, show, replay, export, report (offline, on its files), and rerun a session"}
-	c.AddCommand(newAuditKeyCmd(), newAuditVerifyCmd(), newAuditRecoverCmd(), newAuditShowCmd(), newAuditReplayCmd(), newAuditExportCmd(), newAuditReportCmd(), newAuditRerunCmd(g))
+	c.AddCommand(newAuditKeyCmd(), newAuditVerifyCmd(), newAuditRecoverCmd(), newAuditArchiveCmd(), newAuditShowCmd(), newAuditReplayCmd(), newAuditExportCmd(), newAuditReportCmd(), newAuditRerunCmd(g))
 	return c
 }
 
@@ -47,12 +47,12 @@ func newAuditKeyCmd() *cobra.Command {
 }
 
 func newAuditVerifyCmd() *cobra.Command {
-	var dir, key, output, bundle string
+	var dir, key, output, bundle, archive string
 	var checkpoints, witnesses []string
 	var quorum int
 	var packages bool
 	c := &cobra.Command{
-		Use:   "verify [--key KEY] [--checkpoint FILE]... [--witness KEY... [--quorum N]] | verify --bundle FILE [--key KEY] [--packages]",
+		Use:   "verify [--key KEY] [--checkpoint FILE]... [--witness KEY... [--quorum N]] [--archive DIR] | verify --bundle FILE [--key KEY] [--packages]",
 		Short: "Recompute the Merkle tree, check every checkpoint's signature and root, and every blob",
 		Long: "Reports every flipped, dropped, reordered or truncated record, replaced blob and forged\n" +
 			"checkpoint, with its position. Exits 1 when there is any. Without --key the log's own\n" +
@@ -63,6 +63,9 @@ func newAuditVerifyCmd() *cobra.Command {
 			"must verify, and the newest checkpoint must have --quorum of them (default 1); this catches a\n" +
 			"log its own host rewrote and signed again with its own key. It lists the checkpoints that\n" +
 			"lack cosignatures.\n" +
+			"Segments moved away by carrel audit archive are listed, and checked through the signed checkpoint\n" +
+			"at their end; --archive DIR reads them from DIR (each must match its manifest's sha256) so the\n" +
+			"check covers them too. Records in no segment and no manifest are a problem.\n" +
 			"--bundle checks an evidence bundle (carrel audit export) instead of a log: the checkpoint's\n" +
 			"signature, each record's inclusion proof, each blob, and the manifest; it names the image the\n" +
 			"session ran on, and --packages lists the packages of the image manifest the bundle holds. With\n" +
@@ -93,7 +96,7 @@ func newAuditVerifyCmd() *cobra.Command {
 			if packages {
 				return fmt.Errorf("--packages lists the image's packages from a bundle: it needs --bundle (or use carrel audit show SESSION --packages)")
 			}
-			opts := audit.VerifyOptions{Key: strings.TrimSpace(key), Quorum: quorum, Witnesses: ws}
+			opts := audit.VerifyOptions{Key: strings.TrimSpace(key), Quorum: quorum, Witnesses: ws, Archive: archive}
 			for _, f := range checkpoints {
 				b, err := os.ReadFile(f)
 				if err != nil {
@@ -112,8 +115,14 @@ func newAuditVerifyCmd() *cobra.Command {
 					return err
 				}
 			} else {
-				fmt.Printf("%d records (%d bytes), %d checkpoints (latest verified: %d records), %d blobs\n",
-					rep.Records, rep.Bytes, rep.Checkpoints, rep.Latest, rep.Blobs)
+				fmt.Printf("%d records (%d bytes) in %d segments, %d checkpoints (latest verified: %d records), %d blobs\n",
+					rep.Records, rep.Bytes, rep.Segments, rep.Checkpoints, rep.Latest, rep.Blobs)
+				if rep.From > 0 {
+					fmt.Printf("records 0-%d are in %d archived segments, not read: checked through the signed checkpoint at %d\n", rep.From-1, len(rep.Archived), rep.From)
+					for _, a := range rep.Archived {
+						fmt.Printf("archived %s: records %d-%d, %d bytes, sha256 %s, to %s at %s\n", a.Name, a.FirstSeq, a.LastSeq, a.Bytes, a.SHA256, a.ArchivedTo, a.ArchivedAt.UTC().Format(time.RFC3339))
+					}
+				}
 				if rep.KeyFromLog {
 					fmt.Println("note: checked against the log's own key.pub; pass --key with the key you kept")
 				}
@@ -153,6 +162,7 @@ func newAuditVerifyCmd() *cobra.Command {
 	c.Flags().IntVar(&quorum, "quorum", 0, "with --witness: how many witnesses' valid cosignatures the newest checkpoint (or the bundle's) needs (default 1)")
 	c.Flags().StringVar(&bundle, "bundle", "", "check this evidence bundle (from carrel audit export) instead of a log")
 	c.Flags().BoolVar(&packages, "packages", false, "with --bundle: also list the packages of the session's image")
+	c.Flags().StringVar(&archive, "archive", "", "read archived segments from this directory (where carrel audit archive --to put them)")
 	addOutputFlag(c, &output)
 	return c
 }

@@ -18,6 +18,7 @@ func openAuditSession(dir, id string, stderr io.Writer) (*audit.Reader, *review.
 	if err != nil {
 		return nil, nil, err
 	}
+	noteArchived(stderr, r)
 	s, err := review.LoadSession(r, id)
 	if err != nil {
 		r.Close()
@@ -25,6 +26,14 @@ func openAuditSession(dir, id string, stderr io.Writer) (*audit.Reader, *review.
 	}
 	noteTail(stderr, s.End)
 	return r, s, nil
+}
+
+// noteArchived says when the log's oldest records are archived, and so
+// not read.
+func noteArchived(w io.Writer, r *audit.Reader) {
+	if r.First() > 0 {
+		fmt.Fprintf(w, "note: records before %d are archived (carrel audit verify lists where), and not read here\n", r.First())
+	}
 }
 
 // noteTail says when records.log ended in a record not yet whole.

@@ -76,6 +76,7 @@ func newAuditShowCmd() *cobra.Command {
 				return err
 			}
 			defer r.Close()
+			noteArchived(cmd.ErrOrStderr(), r)
 			if output != "json" {
 				fmt.Fprintln(w, review.TimelineHeader(true))
 			}

@@ -2,14 +2,13 @@ package main
 
 import (
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
-	"unicode"
 
 	"connectrpc.com/connect"
 	"github.com/spf13/cobra"
 
+	"github.com/carrel-os/carrel/supervisor/bytesize"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 )
 
@@ -94,28 +93,7 @@ func newVMCreateCmd(g *globals) *cobra.Command {
 
 // parseSize reads sizes such as 512M, 2G, 2GiB or 1048576 (bytes when no
 // unit; binary units).
-func parseSize(s string) (uint64, error) {
-	s = strings.TrimSpace(s)
-	i := strings.IndexFunc(s, func(r rune) bool { return !unicode.IsDigit(r) })
-	num, unit := s, ""
-	if i >= 0 {
-		num, unit = s[:i], strings.ToUpper(s[i:])
-	}
-	n, err := strconv.ParseUint(num, 10, 64)
-	if err != nil || num == "" {
-		return 0, fmt.Errorf("invalid size %q", s)
-	}
-	unit = strings.TrimSuffix(strings.TrimSuffix(unit, "B"), "I")
-	shift := map[string]uint{"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
-	sh, ok := shift[unit]
-	if !ok {
-		return 0, fmt.Errorf("invalid size unit in %q", s)
-	}
-	if n > (1<<63)>>sh {
-		return 0, fmt.Errorf("size %q is too large", s)
-	}
-	return n << sh, nil
-}
+func parseSize(s string) (uint64, error) { return bytesize.Parse(s) }
 
 func short(digest string) string {
 	if len(digest) > 19 {

@@ -16,6 +16,8 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/bytesize"
 	"github.com/carrel-os/carrel/supervisor/daemon"
 	"github.com/carrel-os/carrel/supervisor/debugserver"
 	"github.com/carrel-os/carrel/supervisor/driver/qemu"
@@ -54,6 +56,18 @@ func main() {
 	flag.StringVar(&cfg.E2BListen, "e2b-listen", "", "serve the e2b API (control plane and envd, for unmodified e2b SDKs) on this TCP address, e.g. 127.0.0.1:3000; off when empty")
 	flag.Int64Var(&cfg.E2BMaxUpload, "e2b-max-upload", 0, "largest file upload the e2b API takes, in bytes (0: 1 GiB)")
 	flag.StringVar(&cfg.AuditOrigin, "audit-origin", "", "the origin of a new audit log: its key's name and its checkpoints' first line, e.g. carrel.example.com/host1 (default carrel-audit); witnesses that serve several hosts need each host's own. An existing log keeps its own")
+	flag.Func("audit-segment-size", "roll the audit log's records.log over into segments/ once it holds this much, e.g. 128M (the default) or 1G; a plain number is bytes", func(v string) error {
+		n, err := bytesize.Parse(v)
+		if err != nil {
+			return err
+		}
+		if n == 0 || n > 1<<62 {
+			return fmt.Errorf("segment size %q: want 1 byte to 4 EiB", v)
+		}
+		cfg.AuditSegmentBytes = int64(n)
+		return nil
+	})
+	flag.DurationVar(&cfg.AuditSegmentAge, "audit-segment-age", audit.DefaultSegmentAge, "roll the audit log's records.log over once its first record is older than this, e.g. 24h")
 	flag.Func("witness", "a witness that cosigns the audit log's checkpoints, as URL,KEY (its C2SP tlog-witness URL and cosignature/v1 key, e.g. from carrel witness keygen); repeat for more", func(v string) error {
 		cfg.Witnesses = append(cfg.Witnesses, v)
 		return nil

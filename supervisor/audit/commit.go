@@ -10,11 +10,26 @@ import (
 	"golang.org/x/mod/sumdb/tlog"
 )
 
-// request is one queued record: its body, and the seq it got.
+// request is one queued record: its body, and the seq it got. An intent
+// (opens) or an outcome (ends) changes the log's open intents once it is
+// durable.
 type request struct {
-	body []byte
-	seq  uint64
-	b    *batch
+	body        []byte
+	seq         uint64
+	b           *batch
+	opens       bool
+	ends        *uint64
+	vm, session string
+}
+
+// set fills r for rec, whose body is body.
+func (r *request) set(rec *Record, body []byte) {
+	r.body = body
+	r.opens = rec.Kind == KindIntent && rec.Intent == nil
+	r.ends = rec.Intent
+	if r.opens {
+		r.vm, r.session = rec.VM, rec.Session
+	}
 }
 
 // batch is one group commit: one write and one fdatasync. Its waiters
@@ -26,26 +41,24 @@ type batch struct {
 	err   error
 }
 
-// enqueue queues record bodies for the committer, all under one lock, so
+// enqueue queues requests for the committer, all under one lock, so
 // that they share a group commit where they fit in one batch. It fails
 // fast, queueing none, while the log is closed or unavailable.
-func (l *Log) enqueue(bodies ...[]byte) ([]request, error) {
+func (l *Log) enqueue(reqs []request) error {
 	l.mu.Lock()
 	switch {
 	case l.closed:
 		l.mu.Unlock()
-		return nil, ErrClosed
+		return ErrClosed
 	case l.fault != nil:
 		l.refused++
 		err := unavailable(l.fault)
 		l.mu.Unlock()
-		return nil, err
+		return err
 	}
-	reqs := make([]request, len(bodies)) // one allocation for the group
-	for i, body := range bodies {
+	for i := range reqs {
 		r := &reqs[i]
-		r.body = body
-		size := frameHeaderSize + maxPrefix + len(body)
+		size := frameHeaderSize + maxPrefix + len(r.body)
 		var b *batch
 		if k := len(l.pending); k > 0 && l.pending[k-1].bytes+size <= maxBatchBytes {
 			b = l.pending[k-1]
@@ -59,7 +72,7 @@ func (l *Log) enqueue(bodies ...[]byte) ([]request, error) {
 	}
 	l.mu.Unlock()
 	l.kick()
-	return reqs, nil
+	return nil
 }
 
 // kick wakes the committer if it is waiting.
@@ -113,6 +126,9 @@ func (l *Log) run() {
 		}
 		if b := l.take(); b != nil {
 			l.commit(b)
+			if l.rollDue {
+				l.roll()
+			}
 			continue
 		}
 		if stopping {
@@ -123,6 +139,9 @@ func (l *Log) run() {
 		case <-l.wake:
 		case <-tick.C:
 			l.maybeCheckpoint(true)
+			if l.offset > 0 && l.opts.now().After(l.segDeadline) {
+				l.roll()
+			}
 		case <-stop:
 			stopping, stop = true, nil
 		}
@@ -134,7 +153,8 @@ func (l *Log) run() {
 // batch get one time. Only one batch is ever written and not yet
 // acknowledged: that bounds a torn tail (see tornTail).
 func (l *Log) commit(b *batch) error {
-	l.ts = time.Now().UTC().AppendFormat(l.ts[:0], time.RFC3339Nano)
+	now := l.opts.now()
+	l.ts = now.UTC().AppendFormat(l.ts[:0], time.RFC3339Nano)
 	buf := l.buf[:0]
 	seq := l.next
 	for _, r := range b.reqs {
@@ -170,11 +190,23 @@ func (l *Log) commit(b *batch) error {
 		l.setFault(err)
 		return err
 	}
+	if l.offset == 0 {
+		l.segDeadline = now.Add(l.opts.SegmentAge)
+	}
 	l.offset += int64(len(buf))
 	l.next = seq
 	l.size.Store(seq)
 	l.commits.Add(1)
 	close(b.done)
+	for _, r := range b.reqs {
+		switch {
+		case r.opens:
+			l.openIntents[r.seq] = openIntent{r.vm, r.session}
+		case r.ends != nil:
+			delete(l.openIntents, *r.ends)
+		}
+	}
+	l.rollDue = l.offset >= l.opts.SegmentBytes || now.After(l.segDeadline)
 
 	l.hashFrames(buf)
 	l.maybeCheckpoint(false)
@@ -317,9 +349,11 @@ func (l *Log) failPending(err error) {
 // the log take appends again.
 func (l *Log) probe() {
 	fail := func(err error) { l.setFault(err) }
-	if err := l.rec.Truncate(l.offset); err != nil {
-		fail(fmt.Errorf("truncate %s: %w", recordsFile, err))
-		return
+	if l.rec != nil { // nil during a roll that failed to start records.log again
+		if err := l.rec.Truncate(l.offset); err != nil {
+			fail(fmt.Errorf("truncate %s: %w", recordsFile, err))
+			return
+		}
 	}
 	if err := l.hash.Truncate(l.hashN * tlog.HashSize); err != nil {
 		fail(fmt.Errorf("truncate %s: %w", hashesFile, err))
@@ -334,6 +368,11 @@ func (l *Log) probe() {
 		fail(err)
 		return
 	}
+	if l.rolled != nil {
+		if err := l.startSegment(); err != nil {
+			return // the new cause is set
+		}
+	}
 	l.mu.Lock()
 	cause, since, refused := l.fault, l.faultSince, l.refused
 	l.mu.Unlock()
@@ -343,9 +382,7 @@ func (l *Log) probe() {
 		fail(err)
 		return
 	}
-	b := &batch{done: make(chan struct{})}
-	b.reqs = []*request{{body: body, b: b}}
-	if err := l.commit(b); err != nil {
+	if err := l.commitOne(body); err != nil {
 		return // the new cause is set
 	}
 	if err := l.flushHashes(); err != nil {
@@ -362,4 +399,12 @@ func (l *Log) probe() {
 		l.opts.OnRecover()
 		l.cbMu.Unlock()
 	}
+}
+
+// commitOne commits one record of the log's own, on the committer's
+// goroutine (or Open's).
+func (l *Log) commitOne(body []byte) error {
+	b := &batch{done: make(chan struct{})}
+	b.reqs = []*request{{body: body, b: b}}
+	return l.commit(b)
 }

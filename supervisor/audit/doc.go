@@ -6,7 +6,11 @@
 //
 // One directory holds one log:
 //
-//	records.log       frames: [u32 LE length][u32 LE CRC-32C of payload][payload]
+//	records.log       the live segment, frames: [u32 LE length][u32 LE
+//	                  CRC-32C of payload][payload]
+//	segments/         older segments, rolled out of records.log whole:
+//	                  <first seq>-<last seq>.log (%020d each), read-only; and
+//	                  <name>.archived, the manifest of one moved elsewhere
 //	hashes.db         tlog stored hashes, 32 bytes each, hash i at offset 32*i
 //	checkpoints/      the newest signed notes, one per checkpoint, named by tree
 //	                  size (%020d), with witnesses' cosignatures when they have
@@ -29,8 +33,11 @@
 //	<tree size>
 //	<base64 root hash>
 //
-// records.log is the source of truth. hashes.db is derived from it (it
-// makes proofs and tree heads cheap) and is rebuilt when it lags.
+// The segments, in order, are the source of truth: laid end to end they
+// are byte for byte the one records.log there would be without rolling,
+// and offsets are offsets in that whole. hashes.db is derived from them
+// (it makes proofs and tree heads cheap) and is rebuilt when it lags.
+// Open reads only records.log.
 //
 // # Guarantees
 //
@@ -66,6 +73,15 @@
 //   - Signed: a checkpoint is written every Options.CheckpointEvery records,
 //     every Options.CheckpointInterval when there are new records, and on
 //     Close, after hashes.db is synced, with file and directory fsync'd.
+//   - Segmented: records.log rolls over, between batches, once it holds
+//     Options.SegmentBytes or its first record is older than
+//     Options.SegmentAge: the checkpoint at its end is signed and synced,
+//     it is renamed into segments/, and the new records.log's first record,
+//     durable before any other, is an "audit.segment" record naming the
+//     segment before, its size, that checkpoint and the intents still open
+//     (a crash between the rename and that record: Open writes it). [Archive]
+//     moves rotated segments elsewhere, leaving a manifest; Verify checks
+//     the log through the checkpoint at their end, and reports them.
 //   - Verifiable offline: [Verify] recomputes every leaf and the root at
 //     every checkpoint, and reports each flipped, dropped, reordered or
 //     truncated record, forged checkpoint and replaced blob with its

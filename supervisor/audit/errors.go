@@ -32,7 +32,7 @@ var (
 
 // CorruptError locates damage that is not a torn tail.
 type CorruptError struct {
-	Offset int64  // byte offset of the bad frame in records.log
+	Offset int64  // byte offset of the bad frame in the log (all its segments)
 	Seq    uint64 // the sequence number expected there
 	Reason string
 }

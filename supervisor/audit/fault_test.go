@@ -24,6 +24,7 @@ type faults struct {
 	partial bool
 	sync    error // Sync fails
 	trunc   error // Truncate fails
+	openErr error // opening a file of that name fails
 }
 
 func (f *faults) set(file string, write, sync, trunc error, partial bool) {
@@ -42,6 +43,15 @@ func (f *faults) get(name string) (write, sync, trunc error, partial bool) {
 }
 
 func (f *faults) open(name string) (file, error) {
+	f.mu.Lock()
+	err := f.openErr
+	if filepath.Base(name) != f.file {
+		err = nil
+	}
+	f.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
 	fl, err := openAppend(name)
 	if err != nil {
 		return nil, err

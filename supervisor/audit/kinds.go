@@ -441,3 +441,25 @@ type WitnessEvent struct {
 	Outcome string `json:"outcome"`
 	Error   string `json:"error,omitempty"`
 }
+
+// SegmentStart is the data of an "audit.segment" record, the first of
+// each segment after the first: it names the segment before it, how many
+// records and bytes that holds, and the signed checkpoint at its end (a
+// tree of this record's seq), so that verification runs on across the
+// segments. OpenIntents are the intents that had no outcome yet when the
+// log rolled over: recovery finds them here without reading older
+// segments.
+type SegmentStart struct {
+	Previous    string      `json:"previous"`
+	Records     uint64      `json:"records"`
+	Bytes       int64       `json:"bytes"`
+	Checkpoint  string      `json:"checkpoint"`
+	OpenIntents []IntentRef `json:"open_intents"`
+}
+
+// IntentRef names an intent by its seq, with its VM and session.
+type IntentRef struct {
+	Seq     uint64 `json:"seq"`
+	VM      string `json:"vm"`
+	Session string `json:"session"`
+}

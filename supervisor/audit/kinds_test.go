@@ -40,6 +40,7 @@ var dataTypes = map[string][]any{
 	KindGPUDetach:    {GPU{}},
 	KindRecovery:     {RecoveryData{}},
 	KindWitness:      {WitnessEvent{}},
+	KindSegment:      {SegmentStart{}},
 }
 
 // notWritten are the kinds carreld writes no data of, and why.

@@ -45,10 +45,18 @@ type Options struct {
 	// synced, on the log's goroutine: it must not block or call the Log's
 	// methods that wait. carreld hands it to its witnesses.
 	OnCheckpoint func(Checkpoint)
+	// SegmentBytes and SegmentAge bound records.log: once it holds
+	// SegmentBytes (default 128 MiB), or its first record is older than
+	// SegmentAge (default 24h), it is rolled over between two group
+	// commits into segments/ and a new records.log started (see
+	// segment.go).
+	SegmentBytes int64
+	SegmentAge   time.Duration
 
-	// Tests replace how files are opened and written.
+	// Tests replace how files are opened and written, and the clock.
 	open      openFunc
 	writeFile func(string, []byte, os.FileMode) error
+	now       func() time.Time
 }
 
 func (o *Options) setDefaults() {
@@ -70,6 +78,15 @@ func (o *Options) setDefaults() {
 	}
 	if o.writeFile == nil {
 		o.writeFile = atomicfile.WriteFile
+	}
+	if o.SegmentBytes <= 0 {
+		o.SegmentBytes = DefaultSegmentBytes
+	}
+	if o.SegmentAge <= 0 {
+		o.SegmentAge = DefaultSegmentAge
+	}
+	if o.now == nil {
+		o.now = time.Now
 	}
 }
 
@@ -94,6 +111,11 @@ type Log struct {
 	// Owned by the committer goroutine (and by Open before it starts).
 	offset      int64  // end of the last acknowledged frame in records.log
 	next        uint64 // the next seq
+	segFirst    uint64 // the seq of records.log's first record
+	segBase     int64  // records.log's first byte's offset in the whole log
+	segDeadline time.Time
+	rollDue     bool    // records.log is full or old: roll it before the next batch
+	rolled      *rolled // rolled out; records.log's first record is not written yet
 	tree        *tree
 	hashN       int64  // entries written to hashes.db
 	hashBuf     []byte // stored hashes not yet written
@@ -102,7 +124,7 @@ type Log struct {
 	buf         []byte // the frames of the batch being committed
 	ts          []byte
 	cpAsked     uint64                // size of the last checkpoint asked for
-	openIntents map[uint64]openIntent // found by recover, for appendRecovery
+	openIntents map[uint64]openIntent // intents without an outcome, by seq
 
 	mu         sync.Mutex
 	pending    []*batch
@@ -134,7 +156,7 @@ func Open(dir string, opts Options) (*Log, error) {
 	if err != nil {
 		return nil, err
 	}
-	for _, d := range []string{dir, filepath.Join(dir, checkpointDir), filepath.Join(dir, blobDir, "sha256")} {
+	for _, d := range []string{dir, filepath.Join(dir, checkpointDir), filepath.Join(dir, segmentDir), filepath.Join(dir, blobDir, "sha256")} {
 		if err := os.MkdirAll(d, 0o700); err != nil {
 			return nil, fmt.Errorf("open audit log: %w", err)
 		}
@@ -157,6 +179,12 @@ func Open(dir string, opts Options) (*Log, error) {
 	if err := l.recover(); err != nil {
 		l.closeFiles()
 		return nil, fmt.Errorf("recover audit log %s: %w", dir, err)
+	}
+	if l.rolled != nil { // a crash came between a roll's rename and records.log's first record
+		if err := l.startSegment(); err != nil {
+			l.closeFiles()
+			return nil, fmt.Errorf("recover audit log %s: %w", dir, err)
+		}
 	}
 	if err := l.appendRecovery(); err != nil {
 		l.closeFiles()
@@ -252,12 +280,11 @@ func (l *Log) Append(ctx context.Context, rec Record) (uint64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
 	}
-	body, err := l.encode(&rec)
-	if err != nil {
+	reqs := make([]request, 1)
+	if err := l.encode(&rec, &reqs[0]); err != nil {
 		return 0, err
 	}
-	reqs, err := l.enqueue(body)
-	if err != nil {
+	if err := l.enqueue(reqs); err != nil {
 		return 0, err
 	}
 	return wait(ctx, &reqs[0])
@@ -271,20 +298,18 @@ func (l *Log) AppendAll(ctx context.Context, recs ...Record) ([]uint64, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	bodies := make([][]byte, len(recs))
+	reqs := make([]request, len(recs)) // one allocation for the group
 	for i := range recs {
-		body, err := l.encode(&recs[i])
-		if err != nil {
+		if err := l.encode(&recs[i], &reqs[i]); err != nil {
 			return nil, err
 		}
-		bodies[i] = body
 	}
-	reqs, err := l.enqueue(bodies...)
-	if err != nil {
+	if err := l.enqueue(reqs); err != nil {
 		return nil, err
 	}
 	seqs := make([]uint64, len(reqs))
 	for i := range reqs {
+		var err error
 		if seqs[i], err = wait(ctx, &reqs[i]); err != nil {
 			return nil, err
 		}
@@ -292,21 +317,22 @@ func (l *Log) AppendAll(ctx context.Context, recs ...Record) ([]uint64, error) {
 	return seqs, nil
 }
 
-// encode checks rec and returns its body.
-func (l *Log) encode(rec *Record) ([]byte, error) {
+// encode checks rec and fills r with its body.
+func (l *Log) encode(rec *Record, r *request) error {
 	if rec.Intent != nil && *rec.Intent >= l.size.Load() {
-		return nil, fmt.Errorf("%w: intent %d is not in the log", ErrInvalid, *rec.Intent)
+		return fmt.Errorf("%w: intent %d is not in the log", ErrInvalid, *rec.Intent)
 	}
 	body, err := encodeBody(rec)
 	if err != nil {
-		return nil, err
+		return err
 	}
 	for _, d := range rec.Blobs {
 		if _, err := os.Stat(blobPath(l.dir, d)); err != nil {
-			return nil, fmt.Errorf("%w: blob %s: %v", ErrInvalid, d, err)
+			return fmt.Errorf("%w: blob %s: %v", ErrInvalid, d, err)
 		}
 	}
-	return body, nil
+	r.set(rec, body)
+	return nil
 }
 
 // wait returns r's seq once its batch is durable, or why it is not.

@@ -14,35 +14,46 @@ import (
 
 // Reader reads a log's files without taking its lock and without writing:
 // for review tools, which work on a log that carreld may be appending to,
-// or on a copy of one.
+// or on a copy of one. It reads the log's segments as one stream, with
+// the byte offsets of the whole log, from the first segment its
+// directory holds (First): older ones may be archived. Segments rolled
+// after OpenReader are not read; records.log's growth is.
 type Reader struct {
-	dir string
-	rec *os.File
+	dir   string
+	src   *stream
+	start int64  // the offset of the first record read
+	first uint64 // its seq
 }
 
 // OpenReader opens the log in dir for reading.
 func OpenReader(dir string) (*Reader, error) {
-	f, err := os.Open(filepath.Join(dir, recordsFile))
+	src, _, err := openStream(dir)
 	if err != nil {
 		return nil, fmt.Errorf("open audit log: %w", err)
 	}
-	return &Reader{dir: dir, rec: f}, nil
+	r := &Reader{dir: dir, src: src}
+	r.start, r.first = src.start()
+	return r, nil
 }
 
 // Dir is the log's directory.
 func (r *Reader) Dir() string { return r.dir }
 
-// Size is records.log's size now.
+// First is the seq of the first record the reader reads: 0, unless older
+// segments are archived (or missing: carrel audit verify says which).
+func (r *Reader) First() uint64 { return r.first }
+
+// Size is the log's size now: the offset just after its last byte.
 func (r *Reader) Size() (int64, error) {
-	st, err := r.rec.Stat()
+	n, err := r.src.end()
 	if err != nil {
 		return 0, fmt.Errorf("audit log: %w", err)
 	}
-	return st.Size(), nil
+	return n, nil
 }
 
-// Close closes records.log.
-func (r *Reader) Close() error { return r.rec.Close() }
+// Close closes the log's files.
+func (r *Reader) Close() error { return r.src.Close() }
 
 // ScanEnd says where a Reader's scan stopped.
 type ScanEnd struct {
@@ -57,18 +68,21 @@ type ScanEnd struct {
 	TailReason string
 }
 
-// Scan calls fn for each complete record of records.log as it is when
-// Scan starts, in order, with its seq (its index), its byte offset and
-// its payload, valid only during the call. A bad last frame with no good
+// Scan calls fn for each complete record of the log as it is when Scan
+// starts, in order from First, with its seq (its index), its byte offset
+// and its payload, valid only during the call. A bad last frame with no good
 // frame after it, which is what a concurrent append leaves, ends the scan
 // without error (ScanEnd says so); a bad frame with good ones after it is
 // a *CorruptError. Scan does not check seq fields or hashes: Verify does.
+// ScanEnd.Records is the seq after the last record read.
 func (r *Reader) Scan(fn func(seq uint64, offset int64, payload []byte) error) (ScanEnd, error) {
-	st, err := r.rec.Stat()
+	size, err := r.Size()
 	if err != nil {
 		return ScanEnd{}, fmt.Errorf("scan audit log: %w", err)
 	}
-	return r.scan(newFrameReader(r.rec, st.Size()), fn)
+	fr := newFrameReader(r.src, size)
+	fr.seek(r.start)
+	return r.scan(fr, r.first, fn)
 }
 
 // ScanFrom is Scan from the first record that starts at byte offset from
@@ -77,12 +91,13 @@ func (r *Reader) Scan(fn func(seq uint64, offset int64, payload []byte) error) (
 // for the first): the records' own seq fields say where they are in the
 // log. ScanEnd.Records counts the records read.
 func (r *Reader) ScanFrom(from int64, fn func(seq uint64, offset int64, payload []byte) error) (ScanEnd, error) {
-	st, err := r.rec.Stat()
+	size, err := r.Size()
 	if err != nil {
 		return ScanEnd{}, fmt.Errorf("scan audit log: %w", err)
 	}
-	fr := newFrameReader(r.rec, st.Size())
-	if from > 0 {
+	fr := newFrameReader(r.src, size)
+	fr.seek(r.start)
+	if from > r.start {
 		// A good frame whose payload begins like a record: what a record's
 		// JSON holds cannot look like one, since it quotes what it carries.
 		start, err := fr.resync(from - 1)
@@ -90,15 +105,15 @@ func (r *Reader) ScanFrom(from int64, fn func(seq uint64, offset int64, payload 
 			return ScanEnd{}, fmt.Errorf("scan audit log %s: %w", r.dir, err)
 		}
 		if start < 0 {
-			return ScanEnd{Offset: st.Size()}, nil
+			return ScanEnd{Offset: size}, nil
 		}
 		fr.seek(start)
 	}
-	return r.scan(fr, fn)
+	return r.scan(fr, 0, fn)
 }
 
-func (r *Reader) scan(fr *frameReader, fn func(seq uint64, offset int64, payload []byte) error) (ScanEnd, error) {
-	for seq := uint64(0); ; seq++ {
+func (r *Reader) scan(fr *frameReader, first uint64, fn func(seq uint64, offset int64, payload []byte) error) (ScanEnd, error) {
+	for seq := first; ; seq++ {
 		p, off, err := fr.next()
 		if errors.Is(err, io.EOF) {
 			return ScanEnd{Records: seq, Offset: off}, nil
@@ -126,11 +141,11 @@ func (r *Reader) scan(fr *frameReader, fn func(seq uint64, offset int64, payload
 // ReadRecord returns the payload of the frame at byte offset off, as Scan
 // gave it.
 func (r *Reader) ReadRecord(off int64) ([]byte, error) {
-	st, err := r.rec.Stat()
+	size, err := r.Size()
 	if err != nil {
 		return nil, fmt.Errorf("read audit record: %w", err)
 	}
-	fr := &frameReader{r: r.rec, size: st.Size(), buf: make([]byte, min(int64(maxFrameSize), max(st.Size()-off, 0)))}
+	fr := &frameReader{r: r.src, size: size, buf: make([]byte, min(int64(maxFrameSize), max(size-off, 0)))}
 	fr.seek(off)
 	p, _, err := fr.next()
 	if err != nil {
@@ -191,11 +206,14 @@ func (r *Reader) Prover(cp *Checkpoint) (*Prover, error) {
 	return p, nil
 }
 
-// recompute hashes the first cp.Size records of records.log into a
+// recompute hashes the first cp.Size records of the log into a
 // temporary file of stored hashes, laid out as hashes.db.
 func (p *Prover) recompute() error {
 	if p.hashes != nil {
 		p.closeHashes()
+	}
+	if p.r.first > 0 {
+		return &CheckpointError{Size: p.cp.Size, Reason: fmt.Sprintf("hashes.db does not reproduce it, and records before %d, archived, are needed to recompute it (run carrel audit verify)", p.r.first)}
 	}
 	p.recomputed = true
 	f, err := os.CreateTemp("", "carrel-audit-hashes-*")

@@ -47,6 +47,9 @@ const (
 	// KindWitness records a witness starting to fail (or refuse) to
 	// cosign the log's checkpoints, or cosigning again.
 	KindWitness = "audit.witness"
+	// KindSegment is the first record of each segment after the first:
+	// the log rolled over to a new records.log (SegmentStart).
+	KindSegment = "audit.segment"
 )
 
 // Caps on one record.
@@ -108,6 +111,16 @@ func validKind(k string) bool {
 // encodeBody checks r and returns its JSON without seq and time:
 // `{"kind":...}`.
 func encodeBody(r *Record) ([]byte, error) {
+	if len(r.Data) > MaxDataSize {
+		return nil, fmt.Errorf("%w: data is %d bytes, the cap is %d", ErrTooLarge, len(r.Data), MaxDataSize)
+	}
+	return encodeLarge(r)
+}
+
+// encodeLarge is encodeBody for the log's own records, whose data is
+// capped only by MaxRecordSize: an audit.segment record lists every
+// intent still open.
+func encodeLarge(r *Record) ([]byte, error) {
 	switch {
 	case !validKind(r.Kind):
 		return nil, fmt.Errorf("%w: kind %q: want 1 to %d of [a-z0-9._-]", ErrInvalid, r.Kind, maxKindSize)
@@ -117,8 +130,6 @@ func encodeBody(r *Record) ([]byte, error) {
 		return nil, fmt.Errorf("%w: vm or session longer than %d bytes", ErrInvalid, maxNameSize)
 	case !utf8.ValidString(r.VM) || !utf8.ValidString(r.Session):
 		return nil, fmt.Errorf("%w: vm or session is not UTF-8", ErrInvalid)
-	case len(r.Data) > MaxDataSize:
-		return nil, fmt.Errorf("%w: data is %d bytes, the cap is %d", ErrTooLarge, len(r.Data), MaxDataSize)
 	case len(r.Blobs) > maxBlobRefs:
 		return nil, fmt.Errorf("%w: %d blob references, the cap is %d", ErrTooLarge, len(r.Blobs), maxBlobRefs)
 	}

@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"os"
 	"slices"
+	"time"
 
 	"golang.org/x/mod/sumdb/note"
 	"golang.org/x/mod/sumdb/tlog"
@@ -39,7 +41,9 @@ const unknownReason = "carreld stopped before the action finished"
 type openIntent struct{ vm, session string }
 
 // recover brings the files to a consistent state before the committer
-// starts: see the package documentation.
+// starts: see the package documentation. It reads records.log, the live
+// segment, and older segments only to rebuild hashes.db where it lags
+// behind into them.
 func (l *Log) recover() error {
 	v, err := note.NewVerifier(l.vkey)
 	if err != nil {
@@ -49,6 +53,11 @@ func (l *Log) recover() error {
 	if err != nil {
 		return err
 	}
+	segs, err := listSegments(l.dir)
+	if err != nil {
+		return err
+	}
+	l.segFirst, l.segBase = liveStart(segs)
 	recSize, err := l.rec.Size()
 	if err != nil {
 		return fmt.Errorf("stat %s: %w", recordsFile, err)
@@ -72,11 +81,16 @@ func (l *Log) recover() error {
 			return fmt.Errorf("truncate %s: %w", hashesFile, err)
 		}
 	}
+	if k < l.segFirst {
+		if err := l.rehashSegments(segs, k, cp); err != nil {
+			return err
+		}
+	}
 
 	fr := newFrameReader(l.rec, recSize)
 	var h header
 	open := map[uint64]openIntent{}
-	var n uint64
+	n := l.segFirst
 	end := recSize
 	for {
 		p, off, err := fr.next()
@@ -86,7 +100,7 @@ func (l *Log) recover() error {
 		var fe *frameError
 		if errors.As(err, &fe) {
 			if why := tornTail(fr, off); why != "" {
-				return &CorruptError{Offset: off, Seq: n, Reason: fe.reason + ", " + why}
+				return &CorruptError{Offset: l.segBase + off, Seq: n, Reason: fe.reason + ", " + why}
 			}
 			end, l.rcv.TailReason = off, fe.reason
 			break
@@ -95,22 +109,25 @@ func (l *Log) recover() error {
 			return err
 		}
 		if err := parseHeader(p, &h); err != nil {
-			return &CorruptError{Offset: off, Seq: n, Reason: err.Error()}
+			return &CorruptError{Offset: l.segBase + off, Seq: n, Reason: err.Error()}
 		}
 		if h.seq != n {
-			return &CorruptError{Offset: off, Seq: n, Reason: fmt.Sprintf("the record there says seq %d", h.seq)}
+			return &CorruptError{Offset: l.segBase + off, Seq: n, Reason: fmt.Sprintf("the record there says seq %d", h.seq)}
 		}
-		if n >= k {
-			l.hashFrame(p) // no readers yet: no hashMu
-			if len(l.hashBuf) >= 1<<20 {
-				if err := l.flushHashes(); err != nil {
-					return err
+		if n == l.segFirst {
+			l.segDeadline = l.opts.now().Add(l.opts.SegmentAge)
+			if at, err := time.Parse(time.RFC3339Nano, string(h.time)); err == nil {
+				l.segDeadline = at.Add(l.opts.SegmentAge)
+			}
+			if n > 0 && len(segs) > 0 {
+				if err := seedIntents(p, &h, open); err != nil {
+					return &CorruptError{Offset: l.segBase + off, Seq: n, Reason: err.Error()}
 				}
 			}
-			if cp != nil && t.n == cp.Size {
-				if root := t.root(); root != cp.Root {
-					return &CheckpointError{Size: cp.Size, Reason: fmt.Sprintf("the records hash to %s, the checkpoint says %s", root, cp.Root)}
-				}
+		}
+		if n >= k {
+			if err := l.rehash(p, cp); err != nil {
+				return err
 			}
 		}
 		if string(h.kind) == KindIntent {
@@ -131,8 +148,8 @@ func (l *Log) recover() error {
 		if err := l.rec.Sync(); err != nil {
 			return fmt.Errorf("sync %s: %w", recordsFile, err)
 		}
-		l.rcv.TruncatedAt, l.rcv.TruncatedBytes = end, recSize-end
-		l.log.Warn("cut torn tail of audit log", "offset", end, "bytes", recSize-end, "reason", l.rcv.TailReason, "records", n)
+		l.rcv.TruncatedAt, l.rcv.TruncatedBytes = l.segBase+end, recSize-end
+		l.log.Warn("cut torn tail of audit log", "offset", l.segBase+end, "bytes", recSize-end, "reason", l.rcv.TailReason, "records", n)
 	}
 	if err := l.flushHashes(); err != nil {
 		return err
@@ -145,9 +162,148 @@ func (l *Log) recover() error {
 		l.cpAsked, l.rcv.Checkpoint = cp.Size, cp.Size
 		l.ckpt.latest, l.ckpt.want = cp, *cp
 	}
+	if n == l.segFirst && len(segs) > 0 {
+		// Rolled, and stopped before records.log's first record was
+		// durable: the intents open at the roll are the last segment's.
+		last := segs[len(segs)-1]
+		if last.path == "" {
+			return fmt.Errorf("%s is empty and the segment before it, %s, is archived: restore it to %s to start the log again", recordsFile, last.name, segmentDir)
+		}
+		if open, err = intentsLeftOpen(last, l.segBase-last.bytes); err != nil {
+			return err
+		}
+		at, err := l.checkpointNow()
+		if err != nil {
+			return err
+		}
+		l.rolled = &rolled{seg: last, checkpoint: at.Note}
+	}
 	l.rcv.UnknownOutcomes = slices.Sorted(maps.Keys(open))
 	l.openIntents = open
 	return nil
+}
+
+// rehash adds one record to the tree, as recover rebuilds it, and checks
+// the root where the checkpoint is.
+func (l *Log) rehash(p []byte, cp *Checkpoint) error {
+	l.hashFrame(p) // no readers yet: no hashMu
+	if len(l.hashBuf) >= 1<<20 {
+		if err := l.flushHashes(); err != nil {
+			return err
+		}
+	}
+	if cp != nil && l.tree.n == cp.Size {
+		if root := l.tree.root(); root != cp.Root {
+			return &CheckpointError{Size: cp.Size, Reason: fmt.Sprintf("the records hash to %s, the checkpoint says %s", root, cp.Root)}
+		}
+	}
+	return nil
+}
+
+// rehashSegments rebuilds the stored hashes of records from..segFirst-1,
+// which rotated segments hold: the rare case of a hashes.db that lags
+// behind records.log.
+func (l *Log) rehashSegments(segs []segment, from uint64, cp *Checkpoint) error {
+	var base int64
+	next := uint64(0)
+	var h header
+	for _, s := range segs {
+		if s.first != next {
+			return fmt.Errorf("rebuild %s: records %d to %d are in no segment", hashesFile, next, s.first-1)
+		}
+		next = s.last + 1
+		if s.last < from {
+			base += s.bytes
+			continue
+		}
+		if s.path == "" {
+			return fmt.Errorf("rebuild %s from record %d: segment %s is archived: restore it to %s (docs/audit.md, Segments and archiving)", hashesFile, from, s.name, segmentDir)
+		}
+		f, err := os.Open(s.path)
+		if err != nil {
+			return fmt.Errorf("rebuild %s: %w", hashesFile, err)
+		}
+		fr := newFrameReader(f, s.bytes)
+		for seq := s.first; ; seq++ {
+			p, off, err := fr.next()
+			if err == io.EOF && seq == s.last+1 {
+				break
+			}
+			if err == nil && parseHeader(p, &h) == nil && h.seq != seq {
+				err = fmt.Errorf("the record there says seq %d", h.seq)
+			}
+			if err != nil {
+				f.Close()
+				if err == io.EOF {
+					err = fmt.Errorf("segment %s ends after record %d", s.name, seq-1)
+				}
+				return &CorruptError{Offset: base + off, Seq: seq, Reason: err.Error()}
+			}
+			if seq >= from {
+				if err := l.rehash(p, cp); err != nil {
+					f.Close()
+					return err
+				}
+			}
+		}
+		f.Close()
+		base += s.bytes
+	}
+	return nil
+}
+
+// seedIntents adds the intents a segment's first record, an
+// audit.segment, says were open at the roll.
+func seedIntents(p []byte, h *header, open map[uint64]openIntent) error {
+	if string(h.kind) != KindSegment {
+		return fmt.Errorf("the first record of a segment after the first is %q, not %q", h.kind, KindSegment)
+	}
+	rec, err := Decode(p)
+	if err != nil {
+		return err
+	}
+	var d SegmentStart
+	if err := json.Unmarshal(rec.Data, &d); err != nil {
+		return fmt.Errorf("%s record: %w", KindSegment, err)
+	}
+	for _, in := range d.OpenIntents {
+		open[in.Seq] = openIntent{in.VM, in.Session}
+	}
+	return nil
+}
+
+// intentsLeftOpen reads a rotated segment, at offset base of the log, for
+// the intents still open at its end.
+func intentsLeftOpen(s segment, base int64) (map[uint64]openIntent, error) {
+	f, err := os.Open(s.path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	open := map[uint64]openIntent{}
+	fr := newFrameReader(f, s.bytes)
+	var h header
+	for seq := s.first; ; seq++ {
+		p, off, err := fr.next()
+		if err == io.EOF {
+			return open, nil
+		}
+		if err == nil {
+			err = parseHeader(p, &h)
+		}
+		if err == nil && seq == s.first && seq > 0 {
+			err = seedIntents(p, &h, open)
+		}
+		if err != nil {
+			return nil, &CorruptError{Offset: base + off, Seq: seq, Reason: err.Error()}
+		}
+		if string(h.kind) == KindIntent {
+			open[seq] = openIntent{string(h.vm), string(h.session)}
+		}
+		if h.hasIntent {
+			delete(open, h.intent)
+		}
+	}
 }
 
 // hashFrame adds one record to the tree and queues its stored hashes.
@@ -182,7 +338,6 @@ func (l *Log) appendRecovery() error {
 		in := l.openIntents[seq]
 		recs = append(recs, Record{Kind: KindOutcome, VM: in.vm, Session: in.session, Provenance: Host, Intent: &seq, Data: unknown})
 	}
-	l.openIntents = nil
 	for len(recs) > 0 {
 		b := &batch{done: make(chan struct{})}
 		for len(recs) > 0 && b.bytes < maxBatchBytes/2 {
@@ -190,7 +345,9 @@ func (l *Log) appendRecovery() error {
 			if err != nil {
 				return err
 			}
-			b.reqs = append(b.reqs, &request{body: body, b: b})
+			r := &request{b: b}
+			r.set(&recs[0], body)
+			b.reqs = append(b.reqs, r)
 			b.bytes += frameHeaderSize + maxPrefix + len(body)
 			recs = recs[1:]
 		}

@@ -4,26 +4,27 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
-	"path/filepath"
 )
 
 // Scan calls fn for each record of the log in dir, in order, with its
 // seq (its index), its byte offset and its payload, which is valid only
-// during the call (Decode it, or copy it). It stops at the first frame
-// that cannot be read and returns an error saying where; Verify says more.
+// during the call (Decode it, or copy it). It reads the segments the
+// directory holds, from the first (Reader.First). It stops at the first
+// frame that cannot be read and returns an error saying where; Verify
+// says more.
 func Scan(dir string, fn func(seq uint64, offset int64, payload []byte) error) error {
-	f, err := os.Open(filepath.Join(dir, recordsFile))
+	r, err := OpenReader(dir)
 	if err != nil {
 		return fmt.Errorf("scan audit log: %w", err)
 	}
-	defer f.Close()
-	st, err := f.Stat()
+	defer r.Close()
+	size, err := r.Size()
 	if err != nil {
 		return fmt.Errorf("scan audit log: %w", err)
 	}
-	fr := newFrameReader(f, st.Size())
-	for seq := uint64(0); ; seq++ {
+	fr := newFrameReader(r.src, size)
+	fr.seek(r.start)
+	for seq := r.first; ; seq++ {
 		p, off, err := fr.next()
 		if errors.Is(err, io.EOF) {
 			return nil

@@ -33,8 +33,8 @@ type Sealed struct {
 
 // RecoverCorrupt is the explicit step after a log Open refuses as damaged
 // (ErrCorrupt, ErrRecordsLost): it never runs by itself. With the log's
-// lock held (carreld stopped), it verifies the log, seals its records,
-// hashes and checkpoints as evidence under sealed/TIME/, read-only, and
+// lock held (carreld stopped), it verifies the log, seals its records
+// (records.log and segments/), hashes and checkpoints as evidence under sealed/TIME/, read-only, and
 // starts a new log in dir, with the same key and blobs, whose first record
 // (an "audit.recovery" of cause "corruption") names the sealed log, its
 // unreadable records, and the last of its checkpoints that its readable
@@ -73,7 +73,7 @@ func RecoverCorrupt(dir string, now time.Time) (*Sealed, error) {
 	if err := os.MkdirAll(sealed, 0o700); err != nil {
 		return nil, err
 	}
-	for _, name := range []string{recordsFile, hashesFile, checkpointDir, witnessesDir} {
+	for _, name := range []string{recordsFile, segmentDir, hashesFile, checkpointDir, witnessesDir} {
 		if err := os.Rename(filepath.Join(dir, name), filepath.Join(sealed, name)); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return nil, fmt.Errorf("seal %s: %w", name, err)
 		}

@@ -35,6 +35,10 @@ type VerifyOptions struct {
 	// them (default: 1), or the log's end is reported unwitnessed.
 	Witnesses []note.Verifier
 	Quorum    int
+	// Archive is a directory holding archived segments (carrel audit
+	// archive --to): those whose content matches their manifest are
+	// read from there, so that the check covers them too.
+	Archive string
 }
 
 // ProblemKind classifies what Verify found.
@@ -55,10 +59,15 @@ const (
 	ProblemSealed              ProblemKind = "sealed"               // a sealed log that does not match its recovery record
 	ProblemBlobMissing         ProblemKind = "blob-missing"
 	ProblemBlobMismatch        ProblemKind = "blob-mismatch" // a blob whose content does not hash to its name
+	// A segment that does not chain to the one before it, records in no
+	// segment and no archive manifest, or an archived copy that does not
+	// match its manifest.
+	ProblemSegment ProblemKind = "segment"
 )
 
 // Problem is one thing wrong with a log, with its position: a record
-// (Seq, its index in records.log, and Offset, its byte offset), a
+// (Seq, its index in the log, and Offset, its byte offset in the log's
+// segments laid end to end), a
 // checkpoint (its tree size) or a blob (its digest).
 type Problem struct {
 	Kind       ProblemKind `json:"kind"`
@@ -88,10 +97,18 @@ func (p Problem) String() string {
 
 // Report is what Verify found.
 type Report struct {
-	Records     uint64    `json:"records"` // frames read as records
-	Bytes       int64     `json:"bytes"`   // size of records.log
-	Root        tlog.Hash `json:"root"`    // tree hash over all records read
-	Checkpoints int       `json:"checkpoints"`
+	Records uint64    `json:"records"` // the tree's size: records read, and those before From
+	Bytes   int64     `json:"bytes"`   // size of the log, all its segments
+	Root    tlog.Hash `json:"root"`    // tree hash over all records
+	// Segments is how many segments the log has, records.log and
+	// archived ones included. From is the first record read: the ones
+	// before it are in Archived (or missing: a problem), and were checked
+	// only through the signed checkpoint at From, which the tree in
+	// hashes.db must reproduce.
+	Segments    int               `json:"segments"`
+	From        uint64            `json:"from,omitempty"`
+	Archived    []ArchivedSegment `json:"archived,omitempty"`
+	Checkpoints int               `json:"checkpoints"`
 	// Latest is the largest checkpoint whose signature and root verified.
 	Latest      uint64    `json:"latest"`
 	Blobs       int       `json:"blobs"`        // distinct blobs referenced
@@ -130,7 +147,10 @@ type verifyCheckpoint struct {
 // Verify checks the log in dir offline, without writing to it: every
 // frame's CRC, every record's seq, the tree root at every checkpoint
 // (which also proves consecutive checkpoints consistent), every
-// checkpoint's signature, and every referenced blob's content. It returns
+// checkpoint's signature, every referenced blob's content, and that each
+// segment's first record commits to the segment before it. Archived
+// segments are checked through the signed checkpoint at their end, or,
+// with opts.Archive, read from there. It returns
 // an error only when it cannot do that (no log, no key, I/O errors);
 // what it finds wrong is in Report.Problems.
 func Verify(dir string, opts VerifyOptions) (*Report, error) {
@@ -160,17 +180,13 @@ func Verify(dir string, opts VerifyOptions) (*Report, error) {
 			return nil, err
 		}
 	}
-	f, err := os.Open(filepath.Join(dir, recordsFile))
+	v.vs = note.VerifierList(nv)
+	src, err := v.segments(opts.Archive)
 	if err != nil {
 		return nil, fmt.Errorf("verify audit log: %w", err)
 	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, fmt.Errorf("verify audit log: %w", err)
-	}
-	rep.Bytes = st.Size()
-	if err := v.records(f, st.Size(), cps); err != nil {
+	defer src.Close()
+	if err := v.records(src, cps); err != nil {
 		return nil, fmt.Errorf("verify audit log: %w", err)
 	}
 	if !opts.SkipBlobs {
@@ -268,6 +284,9 @@ type verifier struct {
 	dir string
 	rep *Report
 	max int
+	vs  note.Verifiers
+	// The segments' starts, where an audit.segment record is due.
+	bounds []boundary
 	// blob references, and the first record to make each
 	refs map[string]uint64
 
@@ -276,7 +295,9 @@ type verifier struct {
 	cps      []verifyCheckpoint // not yet reached
 	expect   uint64             // the next seq due
 	lastGood uint64             // size of the last checkpoint that matched
-	isIntent []uint64           // bitmap by record index
+	base     uint64             // the first record read
+	isIntent []uint64           // bitmap by record index from base
+	before   map[uint64]bool    // intents before base left open there
 	open     map[uint64]struct{}
 }
 

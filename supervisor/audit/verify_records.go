@@ -31,6 +31,7 @@ type vitem struct {
 	leaf      tlog.Hash
 	parsed    bool
 	validKP   bool // kind and provenance
+	segment   bool // an audit.segment
 	kind      string
 	prov      string
 	seq       uint64
@@ -75,6 +76,7 @@ func (c *vchunk) work(lh *leafHasher, h *header) {
 			it.kind, it.prov = string(kind), string(prov)
 		}
 		it.intent = string(kind) == KindIntent
+		it.segment = string(kind) == KindSegment
 		it.hasIntent, it.outcomeOf = h.hasIntent, h.intent
 		it.blobs = nil
 		if len(h.blobs) > 0 {
@@ -83,8 +85,17 @@ func (c *vchunk) work(lh *leafHasher, h *header) {
 	}
 }
 
-func (v *verifier) records(f io.ReaderAt, size int64, cps []verifyCheckpoint) error {
-	v.cps, v.open, v.refs = cps, map[uint64]struct{}{}, map[string]uint64{}
+func (v *verifier) records(src *stream, cps []verifyCheckpoint) error {
+	v.cps, v.open, v.refs, v.before = cps, map[uint64]struct{}{}, map[string]uint64{}, map[uint64]bool{}
+	start, first := src.start()
+	size, err := src.end()
+	if err != nil {
+		return err
+	}
+	v.rep.Bytes, v.base, v.expect, v.rep.From = size, first, first, first
+	if first > 0 && !v.boot(first) {
+		return nil
+	}
 	workers := max(1, runtime.GOMAXPROCS(0))
 	work := make(chan *vchunk, 2*workers)
 	order := make(chan *vchunk, 4*workers)
@@ -107,7 +118,7 @@ func (v *verifier) records(f io.ReaderAt, size int64, cps []verifyCheckpoint) er
 			chunkPool.Put(c)
 		}
 	}()
-	err := v.read(f, size, func(c *vchunk) {
+	err = v.read(src, start, first, size, func(c *vchunk) {
 		work <- c
 		order <- c
 	})
@@ -120,7 +131,7 @@ func (v *verifier) records(f io.ReaderAt, size int64, cps []verifyCheckpoint) er
 	}
 	for _, cp := range v.cps {
 		v.add(Problem{Kind: ProblemTruncated, Checkpoint: ptr(cp.size),
-			Detail: fmt.Sprintf("%s covers %d records, records.log holds %d: records were cut off the end", cp.name, cp.size, v.tree.n)})
+			Detail: fmt.Sprintf("%s covers %d records, the log holds %d: records were cut off the end", cp.name, cp.size, v.tree.n)})
 	}
 	v.rep.Records = v.tree.n
 	v.rep.Root = v.tree.root()
@@ -128,12 +139,13 @@ func (v *verifier) records(f io.ReaderAt, size int64, cps []verifyCheckpoint) er
 	return nil
 }
 
-// read splits records.log into chunks of frames, resynchronizing after
-// bad ones.
-func (v *verifier) read(f io.ReaderAt, size int64, emit func(*vchunk)) error {
+// read splits the log's frames from start into chunks, resynchronizing
+// after bad ones.
+func (v *verifier) read(f io.ReaderAt, start int64, first uint64, size int64, emit func(*vchunk)) error {
 	fr := newFrameReader(f, size)
+	fr.seek(start)
 	c := newChunk()
-	var n uint64 // records so far
+	n := first // the record due next
 	flush := func() {
 		if len(c.items) > 0 {
 			emit(c)
@@ -180,7 +192,7 @@ func (v *verifier) read(f io.ReaderAt, size int64, emit func(*vchunk)) error {
 			}
 			payload := make([]byte, fe.n)
 			if _, err := f.ReadAt(payload, off+frameHeaderSize); err != nil {
-				return fmt.Errorf("read records.log at %d: %w", off, err)
+				return fmt.Errorf("read the log at %d: %w", off, err)
 			}
 			addRecord(payload, off, detail)
 		case next < 0:
@@ -204,6 +216,11 @@ func (v *verifier) combine(c *vchunk) {
 			continue
 		}
 		pos := v.tree.n
+		if len(v.bounds) > 0 && v.bounds[0].off <= it.off {
+			v.segmentStart(c, it, pos)
+		} else if it.segment {
+			v.add(Problem{Kind: ProblemSegment, Seq: ptr(pos), Offset: ptr(it.off), Detail: "an audit.segment record that does not start a segment"})
+		}
 		v.tree.push(it.leaf, nil)
 		at := func(kind ProblemKind, detail string) {
 			v.add(Problem{Kind: kind, Seq: ptr(pos), Offset: ptr(it.off), Detail: detail})
@@ -244,15 +261,16 @@ func (v *verifier) checkRecord(it *vitem, pos uint64, at func(ProblemKind, strin
 		at(ProblemSeq, fmt.Sprintf("found seq %d where %d was due: out of order or repeated", it.seq, v.expect))
 	}
 	if it.intent {
-		for uint64(len(v.isIntent)) <= pos/64 {
+		i := pos - v.base
+		for uint64(len(v.isIntent)) <= i/64 {
 			v.isIntent = append(v.isIntent, 0)
 		}
-		v.isIntent[pos/64] |= 1 << (pos % 64)
+		v.isIntent[i/64] |= 1 << (i % 64)
 		v.open[pos] = struct{}{}
 	}
 	if it.hasIntent {
 		in := it.outcomeOf
-		if in >= pos || in/64 >= uint64(len(v.isIntent)) || v.isIntent[in/64]&(1<<(in%64)) == 0 {
+		if in >= pos || !v.wasIntent(in) {
 			at(ProblemIntent, fmt.Sprintf("outcome of record %d, which is not an earlier intent", in))
 		} else if _, ok := v.open[in]; !ok {
 			at(ProblemIntent, fmt.Sprintf("a second outcome of intent %d", in))
@@ -267,4 +285,13 @@ func (v *verifier) checkRecord(it *vitem, pos uint64, at func(ProblemKind, strin
 			v.refs[d] = pos
 		}
 	}
+}
+
+// wasIntent says whether record in, before the current one, is an intent.
+func (v *verifier) wasIntent(in uint64) bool {
+	if in < v.base {
+		return v.before[in]
+	}
+	i := in - v.base
+	return i/64 < uint64(len(v.isIntent)) && v.isIntent[i/64]&(1<<(i%64)) != 0
 }

@@ -74,10 +74,12 @@ func (f *faultHandler) run(ctx context.Context, mgr *vm.Manager) {
 }
 
 // openAudit opens (or recovers) the audit log under the state directory.
-func openAudit(dir, origin string, log *slog.Logger, faults *faultHandler, onCheckpoint func(audit.Checkpoint)) (*audit.Log, error) {
+func openAudit(dir string, cfg Config, log *slog.Logger, faults *faultHandler, onCheckpoint func(audit.Checkpoint)) (*audit.Log, error) {
 	l, err := audit.Open(dir, audit.Options{
-		Logger: log,
-		Origin: origin,
+		Logger:       log,
+		Origin:       cfg.AuditOrigin,
+		SegmentBytes: cfg.AuditSegmentBytes,
+		SegmentAge:   cfg.AuditSegmentAge,
 		// Each checkpoint also goes to the journal, so that a remote
 		// journal or syslog keeps a copy, and to the witnesses.
 		OnCheckpoint: func(cp audit.Checkpoint) {

@@ -83,6 +83,10 @@ type Config struct {
 	// ("" is audit.KeyName): give each host its own, for witnesses that
 	// serve several.
 	AuditOrigin string
+	// AuditSegmentBytes and AuditSegmentAge bound the audit log's live
+	// segment before it rolls over (audit.Options; 0: the defaults).
+	AuditSegmentBytes int64
+	AuditSegmentAge   time.Duration
 	// Witnesses cosign the audit log's checkpoints: "URL,KEY" each, the
 	// witness's C2SP tlog-witness URL and its cosignature/v1 verifier key.
 	Witnesses []string
@@ -139,7 +143,7 @@ func Run(ctx context.Context, cfg Config) error {
 	if witnesses != nil {
 		onCheckpoint = witnesses.Checkpoint
 	}
-	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), cfg.AuditOrigin, log, faults, onCheckpoint)
+	auditLog, err := openAudit(filepath.Join(cfg.StateDir, "audit"), cfg, log, faults, onCheckpoint)
 	if err != nil {
 		return err
 	}

@@ -166,8 +166,15 @@ type execOut struct {
 // checkpoint over all of it).
 func newSampleLog(t testing.TB) *sampleLog {
 	t.Helper()
+	return newSampleLogWith(t, audit.Options{})
+}
+
+// newSampleLogWith is newSampleLog with opts (segments of a size, say).
+func newSampleLogWith(t testing.TB, opts audit.Options) *sampleLog {
+	t.Helper()
 	s := &sampleLog{dir: t.TempDir()}
-	l, err := audit.Open(s.dir, audit.Options{Logger: quiet, CheckpointInterval: time.Hour})
+	opts.Logger, opts.CheckpointInterval = quiet, time.Hour
+	l, err := audit.Open(s.dir, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

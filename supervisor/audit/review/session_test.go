@@ -53,6 +53,44 @@ func TestLoadSession(t *testing.T) {
 	}
 }
 
+// TestLoadSessionSegments: a session whose records lie in several
+// segments reads as it does from one.
+func TestLoadSessionSegments(t *testing.T) {
+	one := newSampleLog(t)
+	_, want := loadSample(t, one)
+	s := newSampleLogWith(t, audit.Options{SegmentBytes: 1 << 10})
+	rep, err := audit.Verify(s.dir, audit.VerifyOptions{})
+	if err != nil || !rep.OK() {
+		t.Fatalf("verify: %v %v", rep.Problems, err)
+	}
+	if rep.Segments < 3 {
+		t.Fatalf("%d segments", rep.Segments)
+	}
+	_, got := loadSample(t, s)
+	var wantKinds, gotKinds []string
+	for _, e := range want.Entries {
+		wantKinds = append(wantKinds, e.Kind)
+	}
+	for _, e := range got.Entries {
+		gotKinds = append(gotKinds, e.Kind)
+	}
+	if !slices.Equal(gotKinds, wantKinds) {
+		t.Errorf("across segments the session is %v, in one %v", gotKinds, wantKinds)
+	}
+	segs, _ := os.ReadDir(filepath.Join(s.dir, "segments"))
+	first, last := got.Entries[0].Seq, got.Entries[len(got.Entries)-1].Seq
+	var spanned int
+	for _, e := range segs {
+		var a, b uint64
+		if _, err := fmt.Sscanf(e.Name(), "%d-%d.log", &a, &b); err == nil && b >= first && a <= last {
+			spanned++
+		}
+	}
+	if spanned < 2 {
+		t.Errorf("the session spans %d rotated segments", spanned)
+	}
+}
+
 func TestLoadSessionTornTail(t *testing.T) {
 	s := newSampleLog(t)
 	// An append in progress: a frame header promising more than is there.

@@ -399,6 +399,15 @@ func summary(e *Entry) (string, bool) {
 		if d.Error != "" {
 			add("error: %s", f(d.Error))
 		}
+	case audit.KindSegment:
+		var d audit.SegmentStart
+		if !decodeData(e, &d) || d.Previous == "" {
+			return "", false
+		}
+		add("a new segment after %s (%d records, %s)", f(d.Previous), d.Records, bytesText(d.Bytes))
+		if n := len(d.OpenIntents); n > 0 {
+			add("%d intents open", n)
+		}
 	case audit.KindWitness:
 		var d audit.WitnessEvent
 		if !decodeData(e, &d) || d.Witness == "" {
