@@ -43,6 +43,10 @@ import (
 // Arg is the helper's first argument: Main acts only when it is there.
 const Arg = "__carrel-jail"
 
+// ExitSetup is the helper's exit status when it could not build the jail
+// or start the program; its stderr says why, after "carrel jail: ".
+const ExitSetup = 126
+
 // Spec is one jail.
 type Spec struct {
 	// Root is an empty directory, only root's, where the jail's tmpfs is
@@ -118,7 +122,7 @@ func Main() {
 		err = run(s)
 	}
 	fmt.Fprintf(os.Stderr, "carrel jail: %v\n", err)
-	os.Exit(126)
+	os.Exit(ExitSetup)
 }
 
 // run sets the jail up and executes the program; it returns only on
