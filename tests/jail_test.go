@@ -13,22 +13,25 @@ import (
 	"github.com/carrel-os/carrel/tests/harness"
 )
 
-// TestJailedQEMU checks the qemu driver's jail on real VMs: each QEMU runs
+// TestJailedQEMU checks the qemu driver's jail on real VMs, with carreld
+// holding only its unit's capabilities: each QEMU runs
 // as a user of its own with no capabilities and no_new_privs, in
 // namespaces of its own, and from inside its jail it reaches its own disk
 // but neither carreld's state, the audit key, nor another VM's disk.
 func TestJailedQEMU(t *testing.T) {
 	harness.RequireDriver(t, "qemu")
-	if _, err := exec.LookPath("nsenter"); err != nil {
-		t.Skip("needs nsenter (util-linux) to look from inside the jail")
+	for _, tool := range []string{"nsenter", "setpriv"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skip("needs " + tool + " (util-linux)")
+		}
 	}
 	d := harness.New(t)
 	d.Start()
 	d.BuildImage()
-	d.Must("vm", "create", "a", "--image", "dev", "--memory", "384M", "--cpus", "1")
-	d.Must("vm", "create", "b", "--image", "dev", "--memory", "384M", "--cpus", "1")
-	va, _ := vmNamed(t, d, "a")
-	vb, _ := vmNamed(t, d, "b")
+	d.Stop()
+	// Then with only the capabilities carreld's unit gives it (no
+	// CAP_DAC_OVERRIDE, say), and no_new_privs, as under systemd.
+	d.StartUnder("setpriv", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all,+sys_admin,+chown,+setpcap,+setuid,+setgid", "--")
 	status := func(pid int) map[string]string {
 		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
 		if err != nil {
@@ -42,6 +45,13 @@ func TestJailedQEMU(t *testing.T) {
 		}
 		return out
 	}
+	if st := status(d.Pid()); st["CapEff"] != "00000000002001c1" || st["NoNewPrivs"] != "1" {
+		t.Fatalf("carreld runs with CapEff %s NoNewPrivs %s, want the unit's five capabilities (2001c1) and 1", st["CapEff"], st["NoNewPrivs"])
+	}
+	d.Must("vm", "create", "a", "--image", "dev", "--memory", "384M", "--cpus", "1")
+	d.Must("vm", "create", "b", "--image", "dev", "--memory", "384M", "--cpus", "1")
+	va, _ := vmNamed(t, d, "a")
+	vb, _ := vmNamed(t, d, "b")
 	sa, sb := status(va.Pid), status(vb.Pid)
 	uid := strings.Fields(sa["Uid"])[0]
 	if uid == "0" || sa["Uid"] != strings.Repeat(uid+"\t", 3)+uid || sa["Gid"] != sa["Uid"] {

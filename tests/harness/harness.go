@@ -118,6 +118,7 @@ type Daemon struct {
 	State  string
 	Socket string
 	args   []string
+	prefix []string // StartUnder's
 	cmd    *exec.Cmd
 	log    *bytes.Buffer
 	logMu  sync.Mutex
@@ -209,6 +210,15 @@ func (d *Daemon) StartSocketActivated() {
 	d.start([]string{"systemd-socket-activate", "-l", d.Socket})
 }
 
+// StartUnder runs carreld through prefix, a command that then executes
+// it (setpriv, say, to give it only a unit's capabilities), and returns
+// as Start does.
+func (d *Daemon) StartUnder(prefix ...string) {
+	d.t.Helper()
+	d.prefix = prefix
+	d.start(nil)
+}
+
 func (d *Daemon) start(wrap []string) {
 	d.t.Helper()
 	notifyPath := filepath.Join(d.dir, "notify.sock")
@@ -219,7 +229,7 @@ func (d *Daemon) start(wrap []string) {
 	}
 	args := append([]string{"--state-dir", d.State, "--socket", d.Socket, "--cache-dir", CacheDir(),
 		"--agent", filepath.Join(d.Bin, "carrel-agent"), "--log-level", "debug"}, d.args...)
-	argv := append([]string{filepath.Join(d.Bin, "carreld")}, args...)
+	argv := append(append(append([]string{}, d.prefix...), filepath.Join(d.Bin, "carreld")), args...)
 	env := append(os.Environ(), "NOTIFY_SOCKET="+notifyPath)
 	if wrap != nil {
 		// The wrapper passes on only the environment it is told to.

@@ -263,10 +263,15 @@ func handOver(dir string, uid uint32, spec driver.Spec) error {
 // overlays over them) without CAP_DAC_OVERRIDE, which its unit does not
 // give it.
 func giveDisk(path string, uid uint32) error {
-	if err := os.Chown(path, int(uid), 0); err != nil {
+	// Root's first: without CAP_FOWNER only a file's owner may chmod it,
+	// and an earlier start may have given it to another user.
+	if err := os.Chown(path, 0, 0); err != nil {
 		return err
 	}
-	return os.Chmod(path, 0o660)
+	if err := os.Chmod(path, 0o660); err != nil {
+		return err
+	}
+	return os.Chown(path, int(uid), 0)
 }
 
 // readableByAll makes f root's (a frozen layer an earlier QEMU wrote is
