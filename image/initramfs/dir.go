@@ -33,10 +33,27 @@ func (a *Archive) WriteDir(dir string) error {
 	// does not stop its own contents being written.
 	for i := len(names) - 1; i >= 0; i-- {
 		e := a.entries[names[i]]
-		if e.Mode.IsDir() {
-			if err := os.Chmod(filepath.Join(dir, e.Name), e.Mode.Perm()|e.Mode&(fs.ModeSetuid|fs.ModeSetgid|fs.ModeSticky)); err != nil {
+		if !e.Mode.IsDir() {
+			continue
+		}
+		p := filepath.Join(dir, e.Name)
+		mode := e.Mode.Perm() | e.Mode&(fs.ModeSetuid|fs.ModeSetgid|fs.ModeSticky)
+		if e.UID == 0 {
+			if err := os.Chmod(p, mode); err != nil {
 				return err
 			}
+			continue
+		}
+		// Without CAP_FOWNER (carreld's unit) only a file's owner may
+		// chmod it: root's for the chmod, then its owner's again.
+		if err := os.Lchown(p, 0, 0); err != nil {
+			return err
+		}
+		if err := os.Chmod(p, mode); err != nil {
+			return err
+		}
+		if err := os.Lchown(p, int(e.UID), int(e.GID)); err != nil {
+			return err
 		}
 	}
 	return nil
