@@ -86,7 +86,10 @@ func (u *uids) reserve(j *Jail) (uid uint32, release func(), err error) {
 	return 0, nil, fmt.Errorf("all %d jail users from %d are taken by running QEMUs", j.UIDs, j.UIDBase)
 }
 
-// procUIDs is the real user of every process.
+// procUIDs is every user a process runs as, from /proc/PID/status: not
+// from /proc/PID's owner, which is root's for a process that made itself
+// non-dumpable, as a hostile QEMU could, to have its user handed out
+// again.
 func procUIDs() (map[uint32]bool, error) {
 	ents, err := os.ReadDir("/proc")
 	if err != nil {
@@ -97,11 +100,16 @@ func procUIDs() (map[uint32]bool, error) {
 		if e.Name()[0] < '0' || e.Name()[0] > '9' {
 			continue
 		}
-		var st syscall.Stat_t
-		// /proc/PID belongs to the process's effective user; a QEMU's
-		// users are all one.
-		if syscall.Stat("/proc/"+e.Name(), &st) == nil {
-			used[st.Uid] = true
+		b, err := os.ReadFile("/proc/" + e.Name() + "/status")
+		if err != nil {
+			continue // gone meanwhile
+		}
+		_, rest, _ := strings.Cut(string(b), "\nUid:")
+		line, _, _ := strings.Cut(rest, "\n")
+		for _, f := range strings.Fields(line) { // real, effective, saved, fs
+			if id, err := strconv.ParseUint(f, 10, 32); err == nil {
+				used[uint32(id)] = true
+			}
 		}
 	}
 	return used, nil

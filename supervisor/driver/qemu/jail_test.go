@@ -115,3 +115,15 @@ func statOf(fi os.FileInfo) owner {
 	st := fi.Sys().(*syscall.Stat_t)
 	return owner{st.Uid, st.Gid}
 }
+
+// TestProcUIDs: a process's users are found whatever owns its /proc
+// directory.
+func TestProcUIDs(t *testing.T) {
+	used, err := procUIDs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !used[uint32(os.Getuid())] {
+		t.Errorf("this test's own user %d is not among %d users found", os.Getuid(), len(used))
+	}
+}
