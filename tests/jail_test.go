@@ -26,12 +26,11 @@ func TestJailedQEMU(t *testing.T) {
 		}
 	}
 	d := harness.New(t)
-	d.Start()
-	d.BuildImage()
-	d.Stop()
-	// Then with only the capabilities carreld's unit gives it (no
-	// CAP_DAC_OVERRIDE, say), and no_new_privs, as under systemd.
+	// With only the capabilities carreld's unit gives it (no
+	// CAP_DAC_OVERRIDE or CAP_FOWNER, say), and no_new_privs, as under
+	// systemd: the image build too.
 	d.StartUnder("setpriv", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all,+sys_admin,+chown,+setpcap,+setuid,+setgid", "--")
+	d.BuildImage()
 	status := func(pid int) map[string]string {
 		b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
 		if err != nil {
