@@ -448,13 +448,18 @@ type WitnessEvent struct {
 // tree of this record's seq), so that verification runs on across the
 // segments. OpenIntents are the intents that had no outcome yet when the
 // log rolled over: recovery finds them here without reading older
-// segments.
+// segments. More than inlineIntents of them go to a blob instead, as a
+// JSON array, named by OpenIntentsBlob (and in the record's blobs), with
+// their number in OpenIntentsCount: no number of actions in flight makes
+// the record too large to write.
 type SegmentStart struct {
-	Previous    string      `json:"previous"`
-	Records     uint64      `json:"records"`
-	Bytes       int64       `json:"bytes"`
-	Checkpoint  string      `json:"checkpoint"`
-	OpenIntents []IntentRef `json:"open_intents"`
+	Previous         string      `json:"previous"`
+	Records          uint64      `json:"records"`
+	Bytes            int64       `json:"bytes"`
+	Checkpoint       string      `json:"checkpoint"`
+	OpenIntents      []IntentRef `json:"open_intents"`
+	OpenIntentsBlob  string      `json:"open_intents_blob,omitempty"`
+	OpenIntentsCount int         `json:"open_intents_count,omitempty"`
 }
 
 // IntentRef names an intent by its seq, with its VM and session.

@@ -120,7 +120,7 @@ func (l *Log) recover() error {
 				l.segDeadline = at.Add(l.opts.SegmentAge)
 			}
 			if n > 0 && len(segs) > 0 {
-				if err := seedIntents(p, &h, open); err != nil {
+				if err := seedIntents(l.dir, p, &h, open); err != nil {
 					return &CorruptError{Offset: l.segBase + off, Seq: n, Reason: err.Error()}
 				}
 			}
@@ -169,7 +169,7 @@ func (l *Log) recover() error {
 		if last.path == "" {
 			return fmt.Errorf("%s is empty and the segment before it, %s, is archived: restore it to %s to start the log again", recordsFile, last.name, segmentDir)
 		}
-		if open, err = intentsLeftOpen(last, l.segBase-last.bytes); err != nil {
+		if open, err = intentsLeftOpen(l.dir, last, l.segBase-last.bytes); err != nil {
 			return err
 		}
 		at, err := l.checkpointNow()
@@ -254,7 +254,7 @@ func (l *Log) rehashSegments(segs []segment, from uint64, cp *Checkpoint) error 
 
 // seedIntents adds the intents a segment's first record, an
 // audit.segment, says were open at the roll.
-func seedIntents(p []byte, h *header, open map[uint64]openIntent) error {
+func seedIntents(dir string, p []byte, h *header, open map[uint64]openIntent) error {
 	if string(h.kind) != KindSegment {
 		return fmt.Errorf("the first record of a segment after the first is %q, not %q", h.kind, KindSegment)
 	}
@@ -266,15 +266,19 @@ func seedIntents(p []byte, h *header, open map[uint64]openIntent) error {
 	if err := json.Unmarshal(rec.Data, &d); err != nil {
 		return fmt.Errorf("%s record: %w", KindSegment, err)
 	}
-	for _, in := range d.OpenIntents {
+	refs, err := d.intents(dir)
+	if err != nil {
+		return fmt.Errorf("%s record: %w", KindSegment, err)
+	}
+	for _, in := range refs {
 		open[in.Seq] = openIntent{in.VM, in.Session}
 	}
 	return nil
 }
 
-// intentsLeftOpen reads a rotated segment, at offset base of the log, for
-// the intents still open at its end.
-func intentsLeftOpen(s segment, base int64) (map[uint64]openIntent, error) {
+// intentsLeftOpen reads a rotated segment of the log in dir, at offset
+// base of the log, for the intents still open at its end.
+func intentsLeftOpen(dir string, s segment, base int64) (map[uint64]openIntent, error) {
 	f, err := os.Open(s.path)
 	if err != nil {
 		return nil, err
@@ -292,7 +296,7 @@ func intentsLeftOpen(s segment, base int64) (map[uint64]openIntent, error) {
 			err = parseHeader(p, &h)
 		}
 		if err == nil && seq == s.first && seq > 0 {
-			err = seedIntents(p, &h, open)
+			err = seedIntents(dir, p, &h, open)
 		}
 		if err != nil {
 			return nil, &CorruptError{Offset: base + off, Seq: seq, Reason: err.Error()}

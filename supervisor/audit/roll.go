@@ -1,8 +1,10 @@
 package audit
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"maps"
 	"os"
 	"path/filepath"
@@ -98,14 +100,21 @@ func (l *Log) startSegment() error {
 		l.segBase += r.seg.bytes
 		l.segFirst, l.offset = l.next, 0
 	}
-	data, err := json.Marshal(SegmentStart{
-		Previous: r.seg.name, Records: r.seg.records(), Bytes: r.seg.bytes,
-		Checkpoint: string(r.checkpoint), OpenIntents: l.intentRefs(),
-	})
+	start := SegmentStart{Previous: r.seg.name, Records: r.seg.records(), Bytes: r.seg.bytes, Checkpoint: string(r.checkpoint)}
+	rec := Record{Kind: KindSegment, Provenance: Host}
+	if err := start.setIntents(l.dir, l.intentRefs()); err != nil {
+		l.setFault(fmt.Errorf("start segment after %s: %w", r.seg.name, err))
+		return err
+	}
+	if start.OpenIntentsBlob != "" {
+		rec.Blobs = []string{start.OpenIntentsBlob}
+	}
+	data, err := json.Marshal(start)
 	if err != nil {
 		return err
 	}
-	body, err := encodeLarge(&Record{Kind: KindSegment, Provenance: Host, Data: data})
+	rec.Data = data
+	body, err := encodeLarge(&rec)
 	if err != nil {
 		l.setFault(fmt.Errorf("start segment after %s: %w", r.seg.name, err))
 		return err
@@ -125,4 +134,56 @@ func (l *Log) intentRefs() []IntentRef {
 		out = append(out, IntentRef{Seq: seq, VM: in.vm, Session: in.session})
 	}
 	return out
+}
+
+// inlineIntents is how many open intents an audit.segment record lists
+// itself; more go to a blob (about 100 bytes each).
+const inlineIntents = 1000
+
+// setIntents puts the open intents in d, or in a blob of the log in dir
+// that d names when there are more than inlineIntents.
+func (d *SegmentStart) setIntents(dir string, refs []IntentRef) error {
+	if len(refs) <= inlineIntents {
+		d.OpenIntents = refs
+		return nil
+	}
+	b, err := json.Marshal(refs)
+	if err != nil {
+		return err
+	}
+	digest, err := putBlob(dir, bytes.NewReader(b))
+	if err != nil {
+		return err
+	}
+	d.OpenIntents, d.OpenIntentsBlob, d.OpenIntentsCount = []IntentRef{}, digest, len(refs)
+	return nil
+}
+
+// maxIntentsBlob bounds the blob of open intents that recovery and
+// verification read.
+const maxIntentsBlob = 1 << 30
+
+// intents are the open intents d lists, itself or in its blob in the log
+// in dir.
+func (d *SegmentStart) intents(dir string) ([]IntentRef, error) {
+	if d.OpenIntentsBlob == "" {
+		return d.OpenIntents, nil
+	}
+	p, err := BlobPath(dir, d.OpenIntentsBlob)
+	if err != nil {
+		return nil, err
+	}
+	f, err := os.Open(p)
+	if err != nil {
+		return nil, fmt.Errorf("the open intents' blob: %w", err)
+	}
+	defer f.Close()
+	var refs []IntentRef
+	if err := json.NewDecoder(io.LimitReader(f, maxIntentsBlob)).Decode(&refs); err != nil {
+		return nil, fmt.Errorf("the open intents' blob %s: %w", d.OpenIntentsBlob, err)
+	}
+	if len(refs) != d.OpenIntentsCount {
+		return nil, fmt.Errorf("the open intents' blob %s lists %d intents, the record says %d", d.OpenIntentsBlob, len(refs), d.OpenIntentsCount)
+	}
+	return refs, nil
 }

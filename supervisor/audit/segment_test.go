@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -463,5 +464,57 @@ func TestVerifySegmentChain(t *testing.T) {
 	}
 	if !found {
 		t.Errorf("no segment problem: %v", rep.Problems)
+	}
+}
+
+// TestRollManyOpenIntents: more intents open at a roll than a record
+// lists go to a blob the audit.segment record names; recovery and Verify
+// read them from there.
+func TestRollManyOpenIntents(t *testing.T) {
+	dir := t.TempDir()
+	l := openLog(t, dir, Options{SegmentBytes: 512 << 10})
+	ctx := context.Background()
+	const open = inlineIntents + 500
+	for i := range open {
+		if _, err := l.Begin(ctx, Record{VM: "demo", Session: "ses_x", Provenance: Host, Data: json.RawMessage(fmt.Sprintf(`{"action":"exec","n":%d}`, i))}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := 0; len(segmentFiles(t, dir)) == 0; i++ {
+		if _, err := l.Append(ctx, sample(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	rec, d := firstRecord(t, dir)
+	if d.OpenIntentsBlob == "" || d.OpenIntentsCount != open || len(d.OpenIntents) != 0 || !slices.Contains(rec.Blobs, d.OpenIntentsBlob) {
+		t.Fatalf("audit.segment with %d open intents: blob %q count %d inline %d, record blobs %v", open, d.OpenIntentsBlob, d.OpenIntentsCount, len(d.OpenIntents), rec.Blobs)
+	}
+	if rep := mustVerify(t, dir); rep.OpenIntents != open {
+		t.Errorf("Verify counts %d open intents, want %d", rep.OpenIntents, open)
+	}
+	// As after a crash: every one gets its unknown outcome.
+	l = openLog(t, dir, Options{SegmentBytes: 512 << 10})
+	if got := len(l.Recovered().UnknownOutcomes); got != open {
+		t.Errorf("recovery closed %d intents, want %d", got, open)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if rep := mustVerify(t, dir); rep.OpenIntents != 0 {
+		t.Errorf("after recovery Verify counts %d open intents", rep.OpenIntents)
+	}
+	// A blob that lists other intents than the record counts is named.
+	p, _ := BlobPath(dir, d.OpenIntentsBlob)
+	os.Chmod(p, 0o600)
+	writeFile(t, p, []byte("[]"))
+	rep, err := Verify(dir, VerifyOptions{SkipBlobs: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.OK() || !strings.Contains(fmt.Sprint(rep.Problems), "lists 0 intents, the record says") {
+		t.Errorf("a changed blob of open intents: %v", rep.Problems)
 	}
 }

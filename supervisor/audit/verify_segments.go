@@ -185,16 +185,21 @@ func (v *verifier) segmentStart(c *vchunk, it *vitem, pos uint64) {
 		v.lastGood = cp.Size
 		v.rep.Latest = max(v.rep.Latest, cp.Size)
 	}
+	refs, err := d.intents(v.dir)
+	if err != nil {
+		at("%v", err)
+		return
+	}
 	if pos == v.base {
-		for _, in := range d.OpenIntents {
+		for _, in := range refs {
 			v.before[in.Seq] = true
 			v.open[in.Seq] = struct{}{}
 		}
 		return
 	}
 	open := slices.Sorted(maps.Keys(v.open))
-	listed := make([]uint64, len(d.OpenIntents))
-	for i, in := range d.OpenIntents {
+	listed := make([]uint64, len(refs))
+	for i, in := range refs {
 		listed[i] = in.Seq
 	}
 	if !slices.Equal(open, listed) {

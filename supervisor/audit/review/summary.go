@@ -405,7 +405,7 @@ func summary(e *Entry) (string, bool) {
 			return "", false
 		}
 		add("a new segment after %s (%d records, %s)", f(d.Previous), d.Records, bytesText(d.Bytes))
-		if n := len(d.OpenIntents); n > 0 {
+		if n := max(len(d.OpenIntents), d.OpenIntentsCount); n > 0 {
 			add("%d intents open", n)
 		}
 	case audit.KindWitness:
