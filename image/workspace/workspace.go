@@ -153,7 +153,10 @@ func Overlay(ctx context.Context, qemuImg, path, backing string, size uint64) er
 func overlay(ctx context.Context, qemuImg, path, backing, backingFormat string, size uint64) error {
 	tmp := path + ".tmp"
 	os.Remove(tmp)
-	err := run(ctx, nil, qemuImg, "create", "-q", "-f", "qcow2", "-F", backingFormat, "-b", backing, tmp, strconv.FormatUint(size, 10))
+	// -u: the size is given, so qemu-img need not open the backing chain,
+	// whose names in a VM's own layers its QEMU wrote (and could point
+	// anywhere, for a root qemu-img to open).
+	err := run(ctx, nil, qemuImg, "create", "-q", "-f", "qcow2", "-u", "-F", backingFormat, "-b", backing, tmp, strconv.FormatUint(size, 10))
 	if err == nil {
 		err = syncFile(tmp)
 	}

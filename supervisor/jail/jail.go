@@ -17,7 +17,8 @@
 //   - writes Spec.PIDFile (its pid and start time, which the program
 //     keeps across exec);
 //   - empties its capability bounding set, takes Spec.UID, Spec.GID and
-//     Spec.Groups (which clears every capability), sets no_new_privs, and
+//     Spec.Groups (which clears every capability), sets no_new_privs,
+//     marks every descriptor but 0-2 and Spec.KeepFDs close-on-exec, and
 //     executes Spec.Argv.
 //
 // Permissions still apply inside: the helper does not change any file's
@@ -68,6 +69,10 @@ type Spec struct {
 	MemlockBytes uint64 `json:"memlock_bytes,omitempty"`
 	// PIDFile, when set, gets "PID STARTTIME\n" before the program runs.
 	PIDFile string `json:"pid_file,omitempty"`
+	// KeepFDs is how many descriptors from 3 on (the command's
+	// ExtraFiles) the program gets; every other one above 2 is closed at
+	// exec, whoever opened it.
+	KeepFDs int `json:"keep_fds,omitempty"`
 	// Argv is the program, by a path the jail shows, and its arguments.
 	Argv []string `json:"argv"`
 }
@@ -156,6 +161,12 @@ func run(s Spec) error {
 	}
 	if err := drop(s); err != nil {
 		return err
+	}
+	// Descriptors carreld inherited without close-on-exec would reach the
+	// program: mark them all (closing them under the Go runtime could
+	// take its own).
+	if err := unix.CloseRange(uint(3+s.KeepFDs), ^uint(0)>>32, unix.CLOSE_RANGE_CLOEXEC); err != nil {
+		return fmt.Errorf("close inherited descriptors at exec: %w", err)
 	}
 	return fmt.Errorf("exec %s: %w", s.Argv[0], unix.Exec(s.Argv[0], s.Argv, []string{}))
 }

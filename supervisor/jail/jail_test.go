@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -81,6 +82,13 @@ func contains(s []string, w string) bool {
 }
 
 func TestJailDropsPrivilege(t *testing.T) {
+	// A descriptor this process holds without close-on-exec, as carreld
+	// may have inherited one: the program must not get it.
+	leak, err := syscall.Open("/dev/null", syscall.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(leak)
 	cmd, _ := start(t, nil, "/bin/sleep", "30")
 	var out bytes.Buffer
 	cmd.Stderr = &out
@@ -119,6 +127,14 @@ func TestJailDropsPrivilege(t *testing.T) {
 		if got := field(k); got != want {
 			t.Errorf("%s: %q, want %q (stderr %q)", k, got, want, out.String())
 		}
+	}
+	if fds, err := os.ReadDir("/proc/" + pid + "/fd"); err != nil || len(fds) != 3 {
+		names := []string{}
+		for _, f := range fds {
+			target, _ := os.Readlink("/proc/" + pid + "/fd/" + f.Name())
+			names = append(names, f.Name()+"->"+target)
+		}
+		t.Errorf("the program holds descriptors %v (%v), want 0, 1 and 2 alone", names, err)
 	}
 	for _, ns := range []string{"mnt", "net", "ipc", "uts"} {
 		mine, _ := os.Readlink("/proc/self/ns/" + ns)

@@ -162,7 +162,54 @@ func (m *Manager) vmDisk(ctx context.Context, rec registry.Record, dir, name, te
 	if len(files) > 2 {
 		d.Layers = files[1 : len(files)-1]
 	}
+	if err := m.checkLayers(rec, d.Layers); err != nil {
+		return driver.Disk{}, fmt.Errorf("disk %s: %w", disk, err)
+	}
 	return d, nil
+}
+
+// checkLayers refuses frozen layers that lie anywhere but where the
+// snapshots of this VM, and of the VMs it was forked from, put theirs.
+// The chain is read from the disks' qcow2 headers, which the VM's own
+// QEMU writes: a QEMU a guest took over could name another VM's disk
+// there, and its next start would show it that disk (and hand it over as
+// a read-only layer). Nor may a layer be a disk some VM writes now.
+func (m *Manager) checkLayers(rec registry.Record, layers []string) error {
+	if len(layers) == 0 {
+		return nil
+	}
+	allowed := map[string]bool{m.cfg.Registry.Dir(rec.Name): true}
+	for o, n := rec.Origin, 0; o != nil && n < 64; n++ {
+		allowed[m.cfg.Registry.Dir(o.VM)] = true
+		parent, err := m.cfg.Registry.Get(o.VM)
+		if err != nil {
+			break // gone; its layers stay where they were
+		}
+		o = parent.Origin
+	}
+	live := map[string]string{}
+	for _, st := range m.List() {
+		dir := m.cfg.Registry.Dir(st.Name)
+		for _, serial := range writableSerials {
+			for _, n := range []string{diskName(st.Record, serial), st.PendingDisks[serial]} {
+				if n != "" {
+					live[filepath.Join(dir, n)] = st.Name
+				}
+			}
+		}
+	}
+	for _, l := range layers {
+		if !allowed[filepath.Dir(l)] {
+			return fmt.Errorf("its layer %s lies outside the directories of vm %q and the vms it was forked from: its qcow2 header was changed; restore a snapshot or reset the vm", l, rec.Name)
+		}
+		if owner, ok := live[l]; ok {
+			return fmt.Errorf("its layer %s is vm %q's writable disk: its qcow2 header was changed; restore a snapshot or reset the vm", l, owner)
+		}
+		if fi, err := os.Lstat(l); err != nil || !fi.Mode().IsRegular() {
+			return fmt.Errorf("its layer %s is not a regular file", l)
+		}
+	}
+	return nil
 }
 
 func (m *Manager) qemuImg() string {

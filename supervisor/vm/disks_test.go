@@ -329,3 +329,35 @@ func TestReset(t *testing.T) {
 		t.Errorf("reset of an unknown vm: %v", err)
 	}
 }
+
+// TestHostileLayerRefused: a disk whose qcow2 header (which the VM's QEMU
+// writes) names another VM's disk as a layer does not start: that VM's
+// disk would be shown to it.
+func TestHostileLayerRefused(t *testing.T) {
+	if _, err := exec.LookPath("qemu-img"); err != nil {
+		t.Skip("qemu-img is missing (qemu-utils): run `make deps`")
+	}
+	e := newEnv(t)
+	e.m = New(Config{Registry: e.reg, Images: e.img, Driver: e.drv, BootTimeout: 2 * time.Second, StopTimeout: time.Second,
+		DiskTemplate: filepath.Join(e.dir, "disk-template.img")})
+	ctx := context.Background()
+	e.withSystemImage(t, false)
+	for _, n := range []string{"a", "b"} {
+		if _, err := e.m.Create(ctx, CreateParams{Name: n, Image: "sys"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := e.m.Stop(ctx, "a", true); err != nil {
+		t.Fatal(err)
+	}
+	// a's state disk now stands on b's, which stands on the template.
+	disk, victim := filepath.Join(e.reg.Dir("a"), StateDiskName), filepath.Join(e.reg.Dir("b"), StateDiskName)
+	os.Remove(disk)
+	if out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", "qcow2", "-b", victim, disk, "1G").CombinedOutput(); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	_, err := e.m.Start(ctx, "a")
+	if err == nil || !strings.Contains(err.Error(), "lies outside the directories of vm \"a\"") {
+		t.Fatalf("a start over b's disk: %v", err)
+	}
+}

@@ -147,7 +147,7 @@ const jailRootName = "jail"
 
 // jailed returns the command that runs QEMU with argv in spec's jail as
 // uid, having handed it its files.
-func (d *Driver) jailed(spec driver.Spec, l layout, uid uint32, gpus gpuPlan, argv []string) (*exec.Cmd, error) {
+func (d *Driver) jailed(spec driver.Spec, l layout, uid uint32, gpus gpuPlan, argv []string, keepFDs int) (*exec.Cmd, error) {
 	j := d.cfg.Jail
 	bin, err := exec.LookPath(d.cfg.Binary)
 	if err == nil {
@@ -164,7 +164,7 @@ func (d *Driver) jailed(spec driver.Spec, l layout, uid uint32, gpus gpuPlan, ar
 	if err := handOver(dir, uid, spec); err != nil {
 		return nil, fmt.Errorf("hand the vm's files to its jail user %d: %w", uid, err)
 	}
-	s := jail.Spec{Root: root, UID: uid, GID: uid, PIDFile: l.pidfile, Argv: append([]string{bin}, argv...)}
+	s := jail.Spec{Root: root, UID: uid, GID: uid, PIDFile: l.pidfile, KeepFDs: keepFDs, Argv: append([]string{bin}, argv...)}
 	s.Binds = append([]jail.Bind{{Path: dir, Writable: true}}, jailBinds(dir, append([]string{bin, spec.Kernel, spec.Initrd}, diskFiles(spec)...))...)
 	if d.cfg.Accelerator == "kvm" {
 		s.Devices = append(s.Devices, "/dev/kvm")
@@ -187,7 +187,7 @@ func (d *Driver) jailed(spec driver.Spec, l layout, uid uint32, gpus gpuPlan, ar
 		s.MemlockBytes = spec.MemoryBytes + 1<<30
 	}
 	for _, dev := range s.Devices {
-		g, err := deviceGroup(dev)
+		g, err := deviceGroup(dev, uid)
 		if err != nil {
 			return nil, err
 		}
@@ -300,15 +300,16 @@ func readableByAll(f string) error {
 	return nil
 }
 
-// deviceGroup is the group the jail user needs to open dev read-write:
-// -1 when anyone may, else the node's group if it may.
-func deviceGroup(dev string) (int, error) {
+// deviceGroup is the group the jail user uid needs to open dev
+// read-write: -1 when it may as it is (the node is its own, as a VFIO
+// group's is, or anyone's), else the node's group if that may.
+func deviceGroup(dev string, uid uint32) (int, error) {
 	var st syscall.Stat_t
 	if err := syscall.Stat(dev, &st); err != nil {
 		return 0, fmt.Errorf("the jail needs %s: %w", dev, err)
 	}
 	switch mode := st.Mode & 0o777; {
-	case mode&0o006 == 0o006:
+	case st.Uid == uid && mode&0o600 == 0o600, mode&0o006 == 0o006:
 		return -1, nil
 	case mode&0o060 == 0o060:
 		return int(st.Gid), nil

@@ -176,7 +176,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance
 		if err == nil {
 			defer release()
 			// The jail writes the pid file, with the start time.
-			cmd, err = d.jailed(spec, l, uid, gpus, argv)
+			cmd, err = d.jailed(spec, l, uid, gpus, argv, len(files))
 		}
 		if err != nil {
 			closeAll(files)
