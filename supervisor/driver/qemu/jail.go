@@ -42,11 +42,12 @@ type Jail struct {
 	UIDs    uint32
 }
 
-// Default user range: 65536 ids at 0x60000000, far above the ids
-// distributions and systemd give out (systemd's dynamic and container
-// ranges end below 0x70000000 but start at 61184 and 524288; this range
-// sits inside the container range's tail, which nspawn allocates
-// top-down from 0x6FFF0000 only on hosts that run many containers).
+// Default user range: 65536 ids at 0x60000000 (1610612736), far above
+// the ids distributions give out and outside systemd's dynamic range
+// (61184-65519). It lies inside systemd's container range
+// (524288-1879048191), which systemd-nspawn draws from only for
+// containers with private users: on such hosts choose another range
+// (--jail-uid-base).
 const (
 	DefaultUIDBase = 0x60000000
 	DefaultUIDs    = 1 << 16
