@@ -139,6 +139,9 @@ run etcd "$bin/etcd" --name smoke --data-dir "$dir/etcd" \
 	--initial-cluster "smoke=http://127.0.0.1:$etcd_peer_port"
 wait_for "etcd healthy" 30 sh -c "curl -sf http://127.0.0.1:$etcd_port/health | jq -e '.health == \"true\"'"
 
+# The endpoint reconciler refuses a loopback advertise address ("may not be
+# in the loopback range"); nothing here needs the kubernetes Service's
+# endpoints.
 run kube-apiserver "$bin/kube-apiserver" --etcd-servers "http://127.0.0.1:$etcd_port" \
 	--bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$api_port" "${serving[@]}" \
 	--client-ca-file "$dir/ca.crt" --token-auth-file "$dir/tokens.csv" --authorization-mode RBAC \
