@@ -121,6 +121,22 @@ e2b-sdk: mcp-inspector ## Install the pinned e2b npm SDK the e2b API's tests dri
 	(cd $(E2B_SDK).new && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error) && \
 	rm -rf $(E2B_SDK) && mv $(E2B_SDK).new $(E2B_SDK)
 
+# The Kubernetes control plane the fleet tests run against, built from the
+# Go module proxy (no prebuilt binaries can be fetched): etcd,
+# kube-apiserver, kube-scheduler, kube-controller-manager and kwok, at the
+# versions tests/fleet/tools pins, into $(FLEET_TOOLS)/<key>/bin, where the
+# key hashes those modules, the build script and the Go version: built once
+# per machine (many minutes), again only when one of them changes.
+FLEET_TOOLS ?= $(CACHE)/fleet-tools
+.PHONY: fleet-tools
+fleet-tools: ## Build etcd, kube-apiserver, -scheduler, -controller-manager and kwok (pinned by tests/fleet/tools) into $(CACHE)/fleet-tools, once
+	@GO=$(GO) tests/fleet/build-tools.sh $(FLEET_TOOLS)
+
+.PHONY: fleet-smoke
+fleet-smoke: fleet-tools ## Run that control plane on 127.0.0.1, schedule a pod onto a kwok node, stop it
+	@for t in curl jq openssl; do command -v $$t >/dev/null || apt-get install -y -qq --no-install-recommends $$t; done
+	@tests/fleet/smoke.sh "$$(GO=$(GO) tests/fleet/build-tools.sh --bin-dir $(FLEET_TOOLS))"
+
 # The end-to-end tests that exercise the driver (lifecycle, boot failures,
 # exec, files, policy and audit in the VM, pause and resume, guest limits),
 # again with carreld --driver libvirt. The harness starts libvirtd and
