@@ -101,12 +101,10 @@ func procUIDs() (map[uint32]bool, error) {
 		if e.Name()[0] < '0' || e.Name()[0] > '9' {
 			continue
 		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/status")
+		line, err := statusField(e.Name(), "Uid")
 		if err != nil {
 			continue // gone meanwhile
 		}
-		_, rest, _ := strings.Cut(string(b), "\nUid:")
-		line, _, _ := strings.Cut(rest, "\n")
 		for _, f := range strings.Fields(line) { // real, effective, saved, fs
 			if id, err := strconv.ParseUint(f, 10, 32); err == nil {
 				used[uint32(id)] = true
@@ -150,12 +148,9 @@ const jailRootName = "jail"
 // uid, having handed it its files.
 func (d *Driver) jailed(spec driver.Spec, l layout, uid uint32, gpus gpuPlan, argv []string, keepFDs int) (*exec.Cmd, error) {
 	j := d.cfg.Jail
-	bin, err := exec.LookPath(d.cfg.Binary)
-	if err == nil {
-		bin, err = filepath.Abs(bin)
-	}
+	bin, err := d.binaryPath()
 	if err != nil {
-		return nil, fmt.Errorf("find %s: %w", d.cfg.Binary, err)
+		return nil, err
 	}
 	dir := filepath.Clean(spec.Dir)
 	root := filepath.Join(dir, jailRootName)
@@ -332,16 +327,11 @@ func (d *Driver) CheckJail(dir string) error {
 	if d.cfg.Jail == nil {
 		return nil
 	}
-	b, err := os.ReadFile("/proc/self/status")
+	v, err := statusField("self", "CapEff")
 	if err != nil {
 		return err
 	}
-	var eff uint64
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "CapEff:"); ok {
-			eff, _ = strconv.ParseUint(strings.TrimSpace(v), 16, 64)
-		}
-	}
+	eff, _ := strconv.ParseUint(v, 16, 64)
 	var missing []string
 	for bit, name := range jailCaps {
 		if eff&(1<<bit) == 0 {
@@ -352,12 +342,9 @@ func (d *Driver) CheckJail(dir string) error {
 		slices.Sort(missing)
 		return fmt.Errorf("jailing qemu needs %s, which carreld lacks (its unit's CapabilityBoundingSet=)", strings.Join(missing, " "))
 	}
-	bin, err := exec.LookPath(d.cfg.Binary)
-	if err == nil {
-		bin, err = filepath.Abs(bin)
-	}
+	bin, err := d.binaryPath()
 	if err != nil {
-		return fmt.Errorf("find %s: %w", d.cfg.Binary, err)
+		return err
 	}
 	uid, release, err := d.uids.reserve(d.cfg.Jail)
 	if err != nil {
@@ -392,4 +379,31 @@ func (d *Driver) CheckJail(dir string) error {
 	// trouble, which each VM's start reports.
 	d.cfg.Logger.Warn("qemu -version failed in its jail", "err", err, "output", msg)
 	return nil
+}
+
+// binaryPath is QEMU's binary by its absolute path, the one the jail
+// shows.
+func (d *Driver) binaryPath() (string, error) {
+	bin, err := exec.LookPath(d.cfg.Binary)
+	if err == nil {
+		bin, err = filepath.Abs(bin)
+	}
+	if err != nil {
+		return "", fmt.Errorf("find %s: %w", d.cfg.Binary, err)
+	}
+	return bin, nil
+}
+
+// statusField is the value of one line of /proc/PID/status.
+func statusField(pid, name string) (string, error) {
+	b, err := os.ReadFile("/proc/" + pid + "/status")
+	if err != nil {
+		return "", err
+	}
+	_, rest, ok := strings.Cut("\n"+string(b), "\n"+name+":")
+	if !ok {
+		return "", fmt.Errorf("/proc/%s/status has no %s", pid, name)
+	}
+	line, _, _ := strings.Cut(rest, "\n")
+	return strings.TrimSpace(line), nil
 }
