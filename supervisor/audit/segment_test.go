@@ -108,10 +108,12 @@ func TestRollUnderLoad(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	size := l.Size()
+	// Size after Close: a roll due after the last batch writes the next
+	// segment's first record after that batch's writers have returned.
 	if err := l.Close(); err != nil {
 		t.Fatal(err)
 	}
+	size := l.Size()
 	segs := segmentFiles(t, dir)
 	if len(segs) < 10 {
 		t.Fatalf("%d segments for %d records of 16 KiB segments", len(segs), size)
@@ -386,8 +388,8 @@ func TestArchive(t *testing.T) {
 	dir := t.TempDir()
 	l := openLog(t, dir, Options{SegmentBytes: 8 << 10})
 	appendN(t, l, 300)
-	size := l.Size()
 	l.Close()
+	size := l.Size()
 	segs := segmentFiles(t, dir)
 	if len(segs) < 4 {
 		t.Fatalf("%d segments", len(segs))
