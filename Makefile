@@ -44,9 +44,9 @@ deps: ## Install missing system packages (Debian, as root)
 	else echo "deps: all system packages present ($(DEB_PACKAGES))"; fi
 
 .PHONY: build
-build: ## Build carreld, carrel, carrel-policy (the policy engine carrel runs) and carrel-agent (static) into out/bin
+build: ## Build carreld, carrel, carrel-policy (the policy engine carrel runs), carrel-node and carrel-controller (the fleet's) and carrel-agent (static) into out/bin
 	@mkdir -p $(BIN)
-	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/carreld ./cmd/carrel ./cmd/carrel-policy
+	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/carreld ./cmd/carrel ./cmd/carrel-policy ./cmd/carrel-node ./cmd/carrel-controller
 	$(GO) build -trimpath -buildvcs=false -ldflags '$(AGENT_LDFLAGS)' -o $(BIN)/ ./cmd/carrel-agent
 
 .PHONY: run

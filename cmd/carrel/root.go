@@ -33,6 +33,6 @@ func newRootCmd() *cobra.Command {
 	root.PersistentFlags().StringVar(&g.socket, "socket", client.SocketFromEnv(), "carreld's API socket (env CARREL_SOCKET)")
 	root.PersistentFlags().StringVar(&g.token, "token", client.TokenFromEnv(), "call as the holder of this token instead of as the local user (env CARREL_TOKEN)")
 	root.AddCommand(newVMCmd(g), newExecCmd(g), newAttachCmd(g), newShellCmd(g), newPsCmd(g), newKillCmd(g), newCpCmd(g), newWatchCmd(g), newPortForwardCmd(g), newImageCmd(g), newInfoCmd(g),
-		newPolicyCmd(g), newTokenCmd(g), newKeyCmd(g), newAuditCmd(g), newWitnessCmd(), newGPUCmd(g), newMCPCmd(g))
+		newPolicyCmd(g), newTokenCmd(g), newKeyCmd(g), newAuditCmd(g), newWitnessCmd(), newGPUCmd(g), newMCPCmd(g), newFleetCmd())
 	return root
 }

@@ -72,6 +72,19 @@ func main() {
 		cfg.Witnesses = append(cfg.Witnesses, v)
 		return nil
 	})
+	var fleet daemon.FleetConfig
+	flag.StringVar(&fleet.Kubeconfig, "kubeconfig", "", "join a Kubernetes fleet: the kubeconfig of this host's Node identity (user system:node:NAME in group system:nodes); carreld registers the Node, renews its Lease, publishes its GPUs and boots the AgentVM runs placed on it. Off when empty")
+	flag.StringVar(&fleet.NodeName, "node-name", "", "the fleet Node's name (default carrel-HOSTNAME)")
+	flag.DurationVar(&fleet.FenceAfter, "fleet-fence-after", 30*time.Second, "stop this host's fleet VMs, and refuse their calls, once the Node's Lease has gone unrenewed this long; keep it well under carrel-controller's --node-loss-timeout (60s)")
+	flag.DurationVar(&fleet.RenewInterval, "fleet-renew-interval", 10*time.Second, "how often the Node's Lease is renewed")
+	flag.StringVar(&fleet.Helper, "fleet-helper", "", "the carrel-node binary, carreld's Kubernetes node helper (default: beside carreld, else /usr/libexec/carrel/carrel-node)")
+	flag.Int64Var(&fleet.CPUs, "fleet-cpus", 0, "CPUs the fleet may place on this host (default: all of them)")
+	flag.Func("fleet-memory", "memory the fleet may place on this host, e.g. 64G (default: all of it)", func(v string) error {
+		n, err := bytesize.Parse(v)
+		fleet.Memory = int64(n)
+		return err
+	})
+	flag.StringVar(&fleet.FakeGPUs, "fleet-fake-gpus", "", "tests only: publish the GPUs of the fake sysfs at this root, and boot VMs without the GPUs allocated to them")
 	flag.StringVar(&level, "log-level", "info", "debug, info, warn or error")
 	var debugSocket string
 	flag.StringVar(&debugSocket, "debug-socket", "", "serve Go's runtime profiles (net/http/pprof: goroutines, heap, CPU) on this unix socket, mode 0600, for load tests and leak hunts; off when empty. Put it in a directory only root can reach")
@@ -103,7 +116,10 @@ func main() {
 	}
 	// Image builds run tools in other working directories, so every path
 	// given on the command line is made absolute once, here.
-	for _, p := range []*string{&cfg.StateDir, &cfg.Socket, &cfg.CacheDir, &cfg.AgentBinary, &cfg.EgressHosts, &debugSocket} {
+	if fleet.Kubeconfig != "" {
+		cfg.Fleet = &fleet
+	}
+	for _, p := range []*string{&cfg.StateDir, &cfg.Socket, &cfg.CacheDir, &cfg.AgentBinary, &cfg.EgressHosts, &debugSocket, &fleet.Kubeconfig, &fleet.FakeGPUs, &fleet.Helper} {
 		if *p == "" {
 			continue
 		}

@@ -86,6 +86,15 @@ var heldUntilIntent = map[string]bool{
 	agentv1connect.AgentServiceProcessProcedure: true,
 }
 
+// unfenced are the calls a fenced VM still takes: to read, stop and
+// delete it.
+var unfenced = map[string]bool{
+	apiv1connect.VMServiceGetVMProcedure:    true,
+	apiv1connect.VMServiceListVMsProcedure:  true,
+	apiv1connect.VMServiceStopVMProcedure:   true,
+	apiv1connect.VMServiceDeleteVMProcedure: true,
+}
+
 // authorizeOnReceive decides a server-streaming call on its request.
 type authorizeOnReceive struct {
 	connect.StreamingHandlerConn
@@ -139,6 +148,11 @@ func (a authzInterceptor) authorize(ctx context.Context, call *recorder.APICall,
 	}
 	recorded := caller
 	call.Caller, call.VM = &recorded, vm
+	if a.cfg.Fence != nil && vm != "" && !unfenced[call.Procedure] {
+		if err := a.cfg.Fence(call.Procedure, vm); err != nil {
+			return ctx, connect.NewError(connect.CodeUnavailable, err)
+		}
+	}
 	in := &policy.APIInput{Caller: caller, DaemonUID: a.cfg.DaemonUID, Procedure: call.Procedure, VM: vm, GPUs: a.cfg.gpusOf(call.Procedure, vm, msg)}
 	if c, ok := msg.(*apiv1.CreateVMRequest); ok {
 		in.Image, in.VMPolicy = c.Image, c.Policy

@@ -16,6 +16,7 @@ import (
 // one is anonymous unless it brings a token: a client in carreld cannot
 // act as carreld's own user by mistake.
 type Pipe struct {
+	self      bool
 	conns     chan net.Conn
 	done      chan struct{}
 	closeOnce sync.Once
@@ -24,6 +25,16 @@ type Pipe struct {
 // NewPipe returns an open Pipe.
 func NewPipe() *Pipe {
 	return &Pipe{conns: make(chan net.Conn), done: make(chan struct{})}
+}
+
+// NewSelfPipe returns an open Pipe whose connections carry carreld's own
+// credentials: its calls are carreld's, decided by policy and recorded
+// as the calls of carreld's user (the fleet node agent's, which acts for
+// its engine as an operator would).
+func NewSelfPipe() *Pipe {
+	p := NewPipe()
+	p.self = true
+	return p
 }
 
 // pipeConn hides the unix socket underneath from ConnContext.
@@ -50,8 +61,12 @@ func (p *Pipe) Dial(ctx context.Context) (net.Conn, error) {
 		client.Close()
 		return nil, err
 	}
+	var accepted net.Conn = pipeConn{server}
+	if p.self {
+		accepted = server
+	}
 	select {
-	case p.conns <- pipeConn{server}:
+	case p.conns <- accepted:
 		return pipeConn{client}, nil
 	case <-p.done:
 		err = net.ErrClosed

@@ -81,6 +81,11 @@ type Config struct {
 	// AuditDir is the audit log's directory, which ListAuditRecords reads;
 	// "" answers Unimplemented.
 	AuditDir string
+	// Fence, when set, is asked before any call that acts on a VM, except
+	// to read, stop or delete it: an error refuses the call (Unavailable).
+	// A fleet host whose engine has not heard from it fences its fleet VMs
+	// this way (supervisor/fence).
+	Fence func(procedure, vm string) error
 }
 
 // Info describes the supervisor for SystemService.GetInfo.

@@ -28,6 +28,7 @@ import (
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/e2b"
 	"github.com/carrel-os/carrel/supervisor/egress"
+	"github.com/carrel-os/carrel/supervisor/fence"
 	"github.com/carrel-os/carrel/supervisor/gpu"
 	"github.com/carrel-os/carrel/supervisor/guestreq"
 	"github.com/carrel-os/carrel/supervisor/identity"
@@ -90,6 +91,8 @@ type Config struct {
 	// Witnesses cosign the audit log's checkpoints: "URL,KEY" each, the
 	// witness's C2SP tlog-witness URL and its cosignature/v1 verifier key.
 	Witnesses []string
+	// Fleet, when set, makes carreld a node of a Kubernetes fleet.
+	Fleet *FleetConfig
 }
 
 // Run serves until ctx ends. VMs keep running after it returns.
@@ -220,6 +223,12 @@ func Run(ctx context.Context, cfg Config) error {
 		return err
 	}
 	b := &builder{cfg: cfg, images: images, log: log}
+	var fleetFence *fence.Fence
+	var guard func(procedure, vm string) error
+	if cfg.Fleet != nil {
+		fleetFence = newFence(cfg.Fleet, mgr, log)
+		guard = fleetFence.Guard
+	}
 	h := api.Handler(api.Config{
 		Manager: mgr,
 		Images:  images,
@@ -232,6 +241,7 @@ func Run(ctx context.Context, cfg Config) error {
 		Recorder:  rec,
 		GPUs:      gpus,
 		AuditDir:  filepath.Join(cfg.StateDir, "audit"),
+		Fence:     guard,
 		Info: func() api.Info {
 			return api.Info{Version: Version, Accelerator: acc.Name, StateDir: cfg.StateDir, Vsock: vsock}
 		},
@@ -251,6 +261,9 @@ func Run(ctx context.Context, cfg Config) error {
 			}
 		}
 	}()
+	if cfg.Fleet != nil {
+		go runFleet(ctx, cfg, fleetFence, h, auditLog, log)
+	}
 	if cfg.E2BListen != "" {
 		if err := serveE2B(ctx, cfg, h, tokens, log); err != nil {
 			return err

@@ -1,0 +1,114 @@
+// Command carrel-controller places AgentVMs on carrel hosts through
+// Kubernetes' scheduler (supervisor/fleet/controller). It runs in the
+// cluster (carrel fleet manifests deploys it) or beside it with
+// --kubeconfig; replicas elect one leader.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"os"
+
+	"github.com/go-logr/logr"
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/runtime"
+	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	ctrl "sigs.k8s.io/controller-runtime"
+	"sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/metrics/server"
+
+	"github.com/carrel-os/carrel/supervisor/fleet/controller"
+	"github.com/carrel-os/carrel/supervisor/fleet/v1alpha1"
+)
+
+var version = "dev"
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, "carrel-controller:", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	kubeconfig := flag.String("kubeconfig", "", "kubeconfig to reach the cluster with (default: in-cluster, or $KUBECONFIG)")
+	leaderNS := flag.String("leader-election-namespace", "carrel-system", "namespace of the leader election Lease")
+	leaderElect := flag.Bool("leader-elect", true, "elect one active replica")
+	lossTimeout := flag.Duration("node-loss-timeout", controller.DefaultNodeLossTimeout, "how long a host's Lease may go unrenewed before its runs are Lost; hosts fence themselves after half of it (carreld --fleet-fence-after)")
+	metrics := flag.String("metrics-listen", "0", "address to serve Prometheus metrics on; 0 turns them off")
+	health := flag.String("health-listen", "", "address to serve /healthz and /readyz on; off when empty")
+	showVersion := flag.Bool("version", false, "print the version and exit")
+	flag.Parse()
+	if *showVersion {
+		fmt.Println(version)
+		return nil
+	}
+	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	ctrl.SetLogger(logr.FromSlogHandler(log.Handler()))
+
+	cfg, err := restConfig(*kubeconfig)
+	if err != nil {
+		return err
+	}
+	scheme := runtime.NewScheme()
+	for _, add := range []func(*runtime.Scheme) error{clientgoscheme.AddToScheme, v1alpha1.AddToScheme} {
+		if err := add(scheme); err != nil {
+			return err
+		}
+	}
+	runs, err := labels.Parse(v1alpha1.LabelAgentVM)
+	if err != nil {
+		return err
+	}
+	mgr, err := ctrl.NewManager(cfg, ctrl.Options{
+		Scheme:                  scheme,
+		LeaderElection:          *leaderElect,
+		LeaderElectionID:        "carrel-controller",
+		LeaderElectionNamespace: *leaderNS,
+		// A new leader waits out the old one's lease; let go at once on a
+		// clean exit so that one takes over without that wait.
+		LeaderElectionReleaseOnCancel: true,
+		Metrics:                       server.Options{BindAddress: *metrics},
+		HealthProbeBindAddress:        *health,
+		Cache: cache.Options{ByObject: map[client.Object]cache.ByObject{
+			// Only runs' pods, and only the hosts' Leases, are cached.
+			&corev1.Pod{}:           {Label: runs},
+			&coordinationv1.Lease{}: {Namespaces: map[string]cache.Config{"kube-node-lease": {}}},
+		}},
+	})
+	if err != nil {
+		return err
+	}
+	if err := controller.Setup(mgr, controller.Config{NodeLossTimeout: *lossTimeout}); err != nil {
+		return err
+	}
+	if *health != "" {
+		if err := mgr.AddHealthzCheck("ping", func(_ *http.Request) error { return nil }); err != nil {
+			return err
+		}
+		if err := mgr.AddReadyzCheck("ping", func(_ *http.Request) error { return nil }); err != nil {
+			return err
+		}
+	}
+	log.Info("carrel-controller starting", "version", version, "node-loss-timeout", *lossTimeout, "leader-elect", *leaderElect)
+	return mgr.Start(ctrl.SetupSignalHandler())
+}
+
+// restConfig is the cluster's: from a kubeconfig file when one is named
+// (or in $KUBECONFIG), else in-cluster.
+func restConfig(path string) (*rest.Config, error) {
+	if path == "" {
+		path = os.Getenv("KUBECONFIG")
+	}
+	if path != "" {
+		return clientcmd.BuildConfigFromFlags("", path)
+	}
+	return rest.InClusterConfig()
+}

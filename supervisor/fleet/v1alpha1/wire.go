@@ -1,0 +1,39 @@
+package v1alpha1
+
+// What the controller and the hosts' carreld agree on, besides the
+// kinds: the names on the pods, nodes and slices they share.
+const (
+	// LabelHost marks a carreld host's Node; TaintHost keeps every pod
+	// but an AgentVM's run off it.
+	LabelHost = "carrel.dev/host"
+	TaintHost = "carrel.dev/host"
+	// LabelDriver is a host's VM driver (qemu or libvirt): AgentVMs that
+	// name one are placed by it.
+	LabelDriver = "carrel.dev/driver"
+	// LabelAgentVM names a run's pod's AgentVM.
+	LabelAgentVM = "carrel.dev/agentvm"
+	// GPUDriver is the DRA driver name the hosts publish GPUs under, and
+	// the default DeviceClass's name.
+	GPUDriver = "gpu.carrel.dev"
+	// GPUClaim is the name of a run's pod's GPU claim.
+	GPUClaim = "gpus"
+	// ConditionVM is the pod condition a host reports its run in: its
+	// message is a HostReport in JSON.
+	ConditionVM = "carrel.dev/VM"
+	// MaxHostReport caps a HostReport's JSON.
+	MaxHostReport = 8 << 10
+	// PodImage is the image a run's pod names: no kubelet runs it, and
+	// no registry is asked for it.
+	PodImage = "carrel.dev/agentvm"
+)
+
+// HostReport is what a host reports of a run, in its pod's ConditionVM.
+type HostReport struct {
+	// Phase is the host's: Booting, Running, Stopping, Stopped or Failed.
+	Phase   string           `json:"phase"`
+	Session string           `json:"session,omitempty"`
+	GPUs    []string         `json:"gpus,omitempty"`
+	Reason  string           `json:"reason,omitempty"`
+	Message string           `json:"message,omitempty"`
+	Audit   *AuditCheckpoint `json:"audit,omitempty"`
+}
