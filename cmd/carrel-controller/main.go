@@ -17,8 +17,6 @@ import (
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
 	clientgoscheme "k8s.io/client-go/kubernetes/scheme"
-	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/clientcmd"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/cache"
 	"sigs.k8s.io/controller-runtime/pkg/client"
@@ -38,7 +36,6 @@ func main() {
 }
 
 func run() error {
-	kubeconfig := flag.String("kubeconfig", "", "kubeconfig to reach the cluster with (default: in-cluster, or $KUBECONFIG)")
 	leaderNS := flag.String("leader-election-namespace", "carrel-system", "namespace of the leader election Lease")
 	leaderElect := flag.Bool("leader-elect", true, "elect one active replica")
 	lossTimeout := flag.Duration("node-loss-timeout", controller.DefaultNodeLossTimeout, "how long a host's Lease may go unrenewed before its runs are Lost; hosts fence themselves after half of it (carreld --fleet-fence-after)")
@@ -53,7 +50,9 @@ func run() error {
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	ctrl.SetLogger(logr.FromSlogHandler(log.Handler()))
 
-	cfg, err := restConfig(*kubeconfig)
+	// --kubeconfig (or $KUBECONFIG), else in-cluster: controller-runtime's
+	// own flag and lookup.
+	cfg, err := ctrl.GetConfig()
 	if err != nil {
 		return err
 	}
@@ -99,16 +98,4 @@ func run() error {
 	}
 	log.Info("carrel-controller starting", "version", version, "node-loss-timeout", *lossTimeout, "leader-elect", *leaderElect)
 	return mgr.Start(ctrl.SetupSignalHandler())
-}
-
-// restConfig is the cluster's: from a kubeconfig file when one is named
-// (or in $KUBECONFIG), else in-cluster.
-func restConfig(path string) (*rest.Config, error) {
-	if path == "" {
-		path = os.Getenv("KUBECONFIG")
-	}
-	if path != "" {
-		return clientcmd.BuildConfigFromFlags("", path)
-	}
-	return rest.InClusterConfig()
 }

@@ -40,6 +40,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 
 	"github.com/carrel-os/carrel/supervisor/fence"
@@ -136,7 +137,7 @@ func New(cfg Config) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Node{cfg: cfg, log: cfg.Log.With("subsystem", "fleet", "node", cfg.Name), cs: cs, dyn: dyn,
+	return &Node{cfg: cfg, log: cfg.Log.With("node", cfg.Name), cs: cs, dyn: dyn,
 		kick: make(chan struct{}, 1), devices: map[string]string{}, accepted: map[types.UID]acceptedPod{},
 		reported: map[types.UID]string{}}, nil
 }
@@ -187,7 +188,12 @@ func (n *Node) Run(ctx context.Context) error {
 	t := time.NewTicker(2 * time.Second)
 	defer t.Stop()
 	for {
-		if err := n.sync(ctx); err != nil && ctx.Err() == nil {
+		// carreld's calls get a deadline: a frozen carreld must not
+		// hold the sync up for good.
+		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		err := n.sync(sctx)
+		cancel()
+		if err != nil && ctx.Err() == nil {
 			n.log.Warn("fleet sync", "err", err)
 		}
 		select {
@@ -225,6 +231,10 @@ func (n *Node) every(ctx context.Context, d time.Duration, fn func()) {
 // register creates the Node, or brings its labels, taint and status up
 // to date; a cordon (spec.unschedulable) is left as it is.
 func (n *Node) register(ctx context.Context) error {
+	return retry.RetryOnConflict(retry.DefaultBackoff, func() error { return n.registerOnce(ctx) })
+}
+
+func (n *Node) registerOnce(ctx context.Context) error {
 	nodes := n.cs.CoreV1().Nodes()
 	want := n.nodeObject()
 	cur, err := nodes.Get(ctx, n.cfg.Name, metav1.GetOptions{})
@@ -295,11 +305,13 @@ func (n *Node) writeStatus(ctx context.Context, cur *corev1.Node) error {
 }
 
 func (n *Node) heartbeat(ctx context.Context) error {
-	cur, err := n.cs.CoreV1().Nodes().Get(ctx, n.cfg.Name, metav1.GetOptions{})
-	if err != nil {
-		return err
-	}
-	return n.writeStatus(ctx, cur)
+	return retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+		cur, err := n.cs.CoreV1().Nodes().Get(ctx, n.cfg.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		return n.writeStatus(ctx, cur)
+	})
 }
 
 // renew renews the Node's Lease, creating it the first time. The agent
@@ -390,20 +402,30 @@ func (n *Node) publish(ctx context.Context) error {
 	n.mu.Lock()
 	n.devices = names
 	n.mu.Unlock()
-	slices := n.cs.ResourceV1().ResourceSlices()
+	// A node may read only the slices of its own (by this field
+	// selector), and write only those.
+	api := n.cs.ResourceV1().ResourceSlices()
+	list, err := api.List(ctx, metav1.ListOptions{FieldSelector: fields.AndSelectors(
+		fields.OneTermEqualSelector("spec.nodeName", n.cfg.Name),
+		fields.OneTermEqualSelector("spec.driver", v1alpha1.GPUDriver)).String()})
+	if err != nil {
+		return err
+	}
 	name := n.cfg.Name + "-" + v1alpha1.GPUDriver
-	cur, err := slices.Get(ctx, name, metav1.GetOptions{})
-	if apierrors.IsNotFound(err) {
+	var cur *resourcev1.ResourceSlice
+	for i := range list.Items {
+		if list.Items[i].Name == name {
+			cur = &list.Items[i]
+		}
+	}
+	if cur == nil {
 		if len(devs) == 0 {
 			return nil
 		}
 		s := &resourcev1.ResourceSlice{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: resourcev1.ResourceSliceSpec{
 			Driver: v1alpha1.GPUDriver, NodeName: ptr.To(n.cfg.Name), Devices: devs,
 			Pool: resourcev1.ResourcePool{Name: n.cfg.Name, Generation: 1, ResourceSliceCount: 1}}}
-		_, err = slices.Create(ctx, s, metav1.CreateOptions{})
-		return err
-	}
-	if err != nil {
+		_, err = api.Create(ctx, s, metav1.CreateOptions{})
 		return err
 	}
 	if equalDevices(cur.Spec.Devices, devs) {
@@ -411,7 +433,7 @@ func (n *Node) publish(ctx context.Context) error {
 	}
 	cur.Spec.Devices = devs
 	cur.Spec.Pool.Generation++
-	_, err = slices.Update(ctx, cur, metav1.UpdateOptions{})
+	_, err = api.Update(ctx, cur, metav1.UpdateOptions{})
 	return err
 }
 

@@ -64,6 +64,7 @@ type Cluster struct {
 // a file in the cluster's directory.
 type Proc struct {
 	Name   string
+	ended  bool // by Stop or Kill
 	Cmd    *exec.Cmd
 	Log    string
 	exited chan struct{}
@@ -211,6 +212,7 @@ func (p *Proc) Stop() {
 		return
 	default:
 	}
+	p.ended = true
 	p.Cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-p.exited:
@@ -222,6 +224,7 @@ func (p *Proc) Stop() {
 
 // Kill ends p with SIGKILL, as a crash would.
 func (p *Proc) Kill() {
+	p.ended = true
 	p.Cmd.Process.Kill()
 	<-p.exited
 }
@@ -377,34 +380,31 @@ func (c *Cluster) Apply(yaml []byte) {
 // WaitFor polls cond every 200 ms until it holds, failing the test after
 // limit or on cond's error, or when a process of the cluster has exited.
 func (c *Cluster) WaitFor(what string, limit time.Duration, cond func() (bool, error)) {
-	c.t.Helper()
+	c.WaitForIn(c.t, what, limit, cond)
+}
+
+// WaitForIn is WaitFor failing t, a subtest.
+func (c *Cluster) WaitForIn(t testing.TB, what string, limit time.Duration, cond func() (bool, error)) {
+	t.Helper()
 	deadline := time.Now().Add(limit)
 	for {
 		ok, err := cond()
 		if err != nil {
-			c.t.Fatalf("waiting for %s: %v", what, err)
+			t.Fatalf("waiting for %s: %v", what, err)
 		}
 		if ok {
 			return
 		}
 		for _, p := range c.procs {
-			if isCore(p.Name) && p.Exited() {
-				c.t.Fatalf("%s exited while waiting for %s:\n%s", p.Name, what, tail(p.Log, 30))
+			if !p.ended && p.Exited() {
+				t.Fatalf("%s exited while waiting for %s:\n%s", p.Name, what, tail(p.Log, 30))
 			}
 		}
 		if time.Now().After(deadline) {
-			c.t.Fatalf("no %s after %s", what, limit)
+			t.Fatalf("no %s after %s", what, limit)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-}
-
-func isCore(name string) bool {
-	switch name {
-	case "etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager":
-		return true
-	}
-	return false
 }
 
 func (c *Cluster) waitHTTP(what, url string, cfg *rest.Config, limit time.Duration) {
