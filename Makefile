@@ -99,9 +99,11 @@ mcp-inspector: ## Install the MCP Inspector's CLI and Node 22 from npm (pinned b
 # leaves Debian's qemu-ga unpacked in $(CACHE) for tests/qga's client tests
 # against it (a few seconds each once the cache holds the packages).
 .PHONY: integration
-integration: deps build e2b-sdk ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build
+integration: deps build e2b-sdk fleet-tools ## End-to-end tests: a real carreld boots real VMs under QEMU, after a real dev image build; the fleet's under a real Kubernetes control plane
 	CARREL_IMAGE_TEST=1 CARREL_REQUIRE_VM=1 CARREL_IMAGE_CACHE=$(CACHE) $(GO) test -count=1 -run '^TestBuildDebian(QemuGA)?$$' ./image/devimage/
-	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_MCP_INSPECTOR=$(MCP_INSPECTOR) CARREL_NODE=$(NODE) $(GO) test -count=1 -timeout 35m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
+	CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_MCP_INSPECTOR=$(MCP_INSPECTOR) CARREL_NODE=$(NODE) \
+		CARREL_FLEET_TOOLS=$$(GO=$(GO) tests/fleet/build-tools.sh --bin-dir $(FLEET_TOOLS)) \
+		$(GO) test -count=1 -timeout 40m -v ./tests/... 2>&1 | tee out/integration.log; exit $${PIPESTATUS[0]}
 
 # The real e2b SDK, for tests/e2b_test.go: the versions tests/e2b/package-lock.json
 # pins, installed with npm into $(CACHE) once (again when the lock changes).
@@ -174,17 +176,19 @@ lint: ## gofmt and go vet
 PROTOS := $(shell git ls-files --cached --others --exclude-standard "*.proto")
 
 .PHONY: generate
-generate: ## Regenerate protobuf and connect code
+generate: ## Regenerate protobuf and connect code, and the fleet API's deep copies and CRDs
 	@mkdir -p .bin
 	GOBIN=$(CURDIR)/.bin $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go connectrpc.com/connect/cmd/protoc-gen-connect-go
 	PATH=$(CURDIR)/.bin:$$PATH protoc -I guest-agent/proto -I supervisor/proto -I /usr/include \
 		--go_out=. --go_opt=module=github.com/carrel-os/carrel \
 		--connect-go_out=. --connect-go_opt=module=github.com/carrel-os/carrel $(PROTOS)
+	cd tests/fleet/gen && $(GO) build -o $(CURDIR)/.bin/controller-gen sigs.k8s.io/controller-tools/cmd/controller-gen
+	.bin/controller-gen object paths=./supervisor/fleet/v1alpha1/... crd output:crd:dir=./supervisor/fleet/manifests/crd
 
 .PHONY: check-generated
 check-generated: generate ## Fail if generated code is not what `make generate` gives
-	@if [ -n "$$(git status --porcelain -- guest-agent/gen supervisor/gen)" ]; then \
-		git status --short -- guest-agent/gen supervisor/gen; \
+	@if [ -n "$$(git status --porcelain -- guest-agent/gen supervisor/gen supervisor/fleet/v1alpha1 supervisor/fleet/manifests/crd)" ]; then \
+		git status --short -- guest-agent/gen supervisor/gen supervisor/fleet/v1alpha1 supervisor/fleet/manifests/crd; \
 		echo "generated code is stale or uncommitted: run make generate and commit"; exit 1; fi
 
 .PHONY: nix-check

@@ -1,7 +1,9 @@
-# carreld (host supervisor), carrel (CLI) and carrel-agent (static guest
-# agent), built from this checkout. Layout of the output:
-#   bin/carreld, bin/carrel
+# carreld (host supervisor), carrel (CLI), carrel-agent (static guest
+# agent), carrel-node (carreld's fleet node helper) and carrel-controller,
+# built from this checkout. Layout of the output:
+#   bin/carreld, bin/carrel, bin/carrel-controller
 #   libexec/carrel/carrel-agent     the guest binary; not a host command
+#   libexec/carrel/carrel-node      started by carreld --kubeconfig
 #   lib/systemd/system/carreld.{service,socket}
 #   lib/sysusers.d/carrel.conf      the "carrel" group for the API socket
 {
@@ -43,13 +45,15 @@ buildGo126Module (finalAttrs: {
   # "hash mismatch in fixed-output derivation ... got: sha256-...", and the
   # "got" value is the one to put here. `nix/update-vendor-hash.sh --check`
   # fails when it is stale (for CI).
-  vendorHash = "sha256-I6pvMunkECfn7puvWiVyPJhg4oaTwZeNdZhhJyV62lU=";
+  vendorHash = "sha256-NBf5MbNJbLpgoye75au9j1P/S5Iew3hssZ1sin4tznY=";
 
   subPackages = [
     "cmd/carreld"
     "cmd/carrel"
     "cmd/carrel-policy" # the policy engine carrel runs for policy test/check/eval
     "cmd/carrel-agent"
+    "cmd/carrel-node" # carreld's Kubernetes node helper (carreld --kubeconfig)
+    "cmd/carrel-controller" # the fleet's controller, for clusters that run it from Nix
   ];
 
   # Pure Go throughout; carrel-agent must be one static binary because it
@@ -69,6 +73,9 @@ buildGo126Module (finalAttrs: {
     # /usr/libexec/carrel; from the store it is passed with --agent.
     mkdir -p $out/libexec/carrel
     mv $out/bin/carrel-agent $out/libexec/carrel/carrel-agent
+    # carreld starts carrel-node itself, from beside it or with
+    # --fleet-helper; it is no command of its own.
+    mv $out/bin/carrel-node $out/libexec/carrel/carrel-node
 
     # The unit files, for systemd hosts that are not NixOS (NixOS gets its
     # units from nix/modules/carreld.nix). They point into this store path.

@@ -110,6 +110,36 @@ in
       '';
     };
 
+    fleet = {
+      kubeconfig = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        example = "/etc/carrel/kubeconfig";
+        description = ''
+          Join a Kubernetes fleet (carreld's `--kubeconfig`): a kubeconfig
+          file with this host's Node identity (user `system:node:NAME` in
+          groups `system:nodes` and `carrel:nodes`). carreld then registers
+          the Node, renews its Lease, publishes its GPUs and boots the
+          AgentVM runs placed on it. A path outside the store, since it holds
+          a credential. Off when null.
+        '';
+      };
+      nodeName = mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        description = "The fleet Node's name (default `carrel-HOSTNAME`).";
+      };
+      fenceAfter = mkOption {
+        type = types.str;
+        default = "30s";
+        description = ''
+          Stop this host's fleet VMs, and refuse their calls, once the Node's
+          Lease has gone unrenewed this long. Keep it well under
+          carrel-controller's `--node-loss-timeout` (60s).
+        '';
+      };
+    };
+
     extraArgs = mkOption {
       type = types.listOf types.str;
       default = [ ];
@@ -194,6 +224,20 @@ in
             "--e2b-listen"
             cfg.e2bListen
           ]
+          ++ lib.optionals (cfg.fleet.kubeconfig != null) (
+            [
+              "--kubeconfig"
+              cfg.fleet.kubeconfig
+              "--fleet-helper"
+              "${cfg.package}/libexec/carrel/carrel-node"
+              "--fleet-fence-after"
+              cfg.fleet.fenceAfter
+            ]
+            ++ lib.optionals (cfg.fleet.nodeName != null) [
+              "--node-name"
+              cfg.fleet.nodeName
+            ]
+          )
           ++ cfg.extraArgs
         );
         # carreld pings the watchdog at half this interval while healthy; a
