@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
@@ -213,6 +214,11 @@ func TestFleet(t *testing.T) {
 		if out := f.hosts[host].Must("exec", "a1", "--", "echo", "hello from the fleet"); out != "hello from the fleet\n" {
 			t.Fatalf("exec on %s: %q", host, out)
 		}
+		// As an operator elsewhere would: carrel --host, over ssh (a stand-in
+		// here, which runs the remote command on this machine).
+		if out := f.remote(host, "exec", "a1", "--", "echo", "hello over ssh"); out != "hello over ssh\n" {
+			t.Errorf("carrel --host %s exec: %q", host, out)
+		}
 		if s := f.vmSession(host, "a1"); s == "" || s != a.Status.Session {
 			t.Errorf("AgentVM session %q, the host's VM's %q", a.Status.Session, s)
 		}
@@ -374,6 +380,32 @@ func (f *fleet) drain(host string) {
 		}
 		return true
 	})
+}
+
+// remote runs carrel --host HOST: a stand-in for ssh runs the remote
+// side (carrel system dial-stdio) here, against HOST's carreld.
+func (f *fleet) remote(host string, args ...string) string {
+	f.t.Helper()
+	dir := f.t.TempDir()
+	ssh := filepath.Join(dir, "ssh")
+	script := "#!/bin/sh\n# ssh OPTIONS -- DEST COMMAND...: run COMMAND here, for DEST's carreld\n" +
+		"while [ \"$1\" != -- ]; do shift; done; shift; dest=$1; shift\n" +
+		"exec env PATH=" + f.bin + ":$PATH CARREL_SOCKET=$(cat " + dir + "/$dest.sock) \"$@\"\n"
+	if err := os.WriteFile(ssh, []byte(script), 0o755); err != nil {
+		f.t.Fatal(err)
+	}
+	for name, d := range f.hosts {
+		if err := os.WriteFile(filepath.Join(dir, name+".sock"), []byte(d.Socket), 0o644); err != nil {
+			f.t.Fatal(err)
+		}
+	}
+	cmd := exec.Command(filepath.Join(f.bin, "carrel"), append([]string{"--host", host}, args...)...)
+	cmd.Env = append(os.Environ(), "CARREL_SSH="+ssh, "CARREL_SOCKET=/nonexistent/carrel.sock")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		f.t.Fatalf("carrel --host %s %v: %v\n%s", host, args, err, out)
+	}
+	return string(out)
 }
 
 // gracefulStop checks host's audit log records vm's graceful stop.

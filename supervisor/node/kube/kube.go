@@ -298,6 +298,10 @@ func (n *Node) writeStatus(ctx context.Context, cur *corev1.Node) error {
 	if !found {
 		cur.Status.Conditions = append(cur.Status.Conditions, ready)
 	}
+	// Where carrel --host reaches this carreld (over ssh).
+	if h, err := os.Hostname(); err == nil && h != "" {
+		cur.Status.Addresses = []corev1.NodeAddress{{Type: corev1.NodeHostName, Address: h}}
+	}
 	cur.Status.NodeInfo.KubeletVersion = "carreld/" + n.cfg.Version
 	cur.Status.NodeInfo.OperatingSystem, cur.Status.NodeInfo.Architecture = "linux", "amd64"
 	_, err := n.cs.CoreV1().Nodes().UpdateStatus(ctx, cur, metav1.UpdateOptions{})
