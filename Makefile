@@ -149,8 +149,9 @@ integration-libvirt: deps build ## The driver's share of the end-to-end tests ag
 	CARREL_TEST_DRIVER=libvirt CARREL_REQUIRE_VM=1 CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) $(GO) test -count=1 -timeout 15m -v -run '^($(LIBVIRT_TESTS))$$' ./tests/ 2>&1 | tee out/integration-libvirt.log; exit $${PIPESTATUS[0]}
 
 .PHONY: bench
-bench: deps build e2b-sdk ## Benchmarks: boot through the qemu and libvirt drivers vs bare QEMU, the agent image (build, boot, first python3), dm-verity read cost, warm exec, the e2b API and MCP against carrel's own client and CLI, exec and file throughput vs qemu-guest-agent, policy decision latency, egress through the tunnel vs direct
-	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_NODE=$(NODE) $(GO) run ./tests/bench $(BENCH_ARGS)
+bench: deps build e2b-sdk fleet-tools ## Benchmarks: the fleet at scale (1,000 simulated hosts, 5,000 AgentVMs), boot through the qemu and libvirt drivers vs bare QEMU, the agent image (build, boot, first python3), dm-verity read cost, warm exec, the e2b API and MCP against carrel's own client and CLI, exec and file throughput vs qemu-guest-agent, policy decision latency, egress through the tunnel vs direct
+	CARREL_BIN_DIR=$(BIN) CARREL_CACHE_DIR=$(CACHE) CARREL_NODE=$(NODE) CARREL_FLEET_TOOLS=$$(GO=$(GO) tests/fleet/build-tools.sh --bin-dir $(FLEET_TOOLS)) \
+		$(GO) run ./tests/bench $(BENCH_ARGS)
 
 # `make bench -load` cannot work: make reads -load as its own flags -l -o
 # -a -d. The load, fault injection and soak have targets of their own

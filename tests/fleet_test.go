@@ -80,6 +80,7 @@ func startFleet(t *testing.T) *fleet {
 		f.hosts[name] = d
 	}
 	for name := range f.hosts {
+		f.admit(name)
 		f.waitFor("node "+name+" Ready", 60*time.Second, func() bool {
 			n, err := f.cs.CoreV1().Nodes().Get(context.Background(), name, metav1.GetOptions{})
 			if err != nil {
@@ -94,6 +95,21 @@ func startFleet(t *testing.T) *fleet {
 		})
 	}
 	return f
+}
+
+// admit labels a host's Node as an administrator admits it to the fleet.
+func (f *fleet) admit(name string) {
+	f.t.Helper()
+	ctx := context.Background()
+	f.waitFor("node "+name+" registered", 60*time.Second, func() bool {
+		n, err := f.cs.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return false
+		}
+		n.Labels[v1alpha1.LabelAdmitted] = "true"
+		_, err = f.cs.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{})
+		return err == nil
+	})
 }
 
 func (f *fleet) startController() {

@@ -39,6 +39,9 @@ func run() error {
 	leaderNS := flag.String("leader-election-namespace", "carrel-system", "namespace of the leader election Lease")
 	leaderElect := flag.Bool("leader-elect", true, "elect one active replica")
 	lossTimeout := flag.Duration("node-loss-timeout", controller.DefaultNodeLossTimeout, "how long a host's Lease may go unrenewed before its runs are Lost; hosts fence themselves after half of it (carreld --fleet-fence-after)")
+	qps := flag.Float64("kube-api-qps", 50, "requests per second to the API server, sustained")
+	burst := flag.Int("kube-api-burst", 100, "requests to the API server in a burst")
+	workers := flag.Int("workers", 8, "AgentVMs reconciled at once")
 	metrics := flag.String("metrics-listen", "0", "address to serve Prometheus metrics on; 0 turns them off")
 	health := flag.String("health-listen", "", "address to serve /healthz and /readyz on; off when empty")
 	showVersion := flag.Bool("version", false, "print the version and exit")
@@ -56,6 +59,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
+	cfg.QPS, cfg.Burst = float32(*qps), *burst
 	scheme := runtime.NewScheme()
 	for _, add := range []func(*runtime.Scheme) error{clientgoscheme.AddToScheme, v1alpha1.AddToScheme} {
 		if err := add(scheme); err != nil {
@@ -85,7 +89,7 @@ func run() error {
 	if err != nil {
 		return err
 	}
-	if err := controller.Setup(mgr, controller.Config{NodeLossTimeout: *lossTimeout}); err != nil {
+	if err := controller.Setup(mgr, controller.Config{NodeLossTimeout: *lossTimeout, Workers: *workers}); err != nil {
 		return err
 	}
 	if *health != "" {

@@ -8,8 +8,8 @@
 // carreld hands it two sockets: fd 3, on which carreld serves its API
 // (its calls are carreld's own, decided by policy and recorded), and
 // fd 4, on which it reports each renewal ("heard MONO") for carreld's
-// fence (supervisor/fence) and hears carreld's latest audit checkpoint
-// ("checkpoint ORIGIN SIZE ROOT"). It renews the Lease only while
+// fence (supervisor/fence; MONO is CLOCK_BOOTTIME) and hears carreld's
+// latest audit checkpoint ("checkpoint ORIGIN SIZE ROOT"). It renews the Lease only while
 // carreld answers on fd 3, and exits when either socket closes.
 package main
 
@@ -116,10 +116,10 @@ func run() error {
 			_, err := api.System.GetInfo(ctx, connect.NewRequest(&apiv1.GetInfoRequest{}))
 			return err
 		},
-		Heard: func(_ time.Time, mono int64) {
+		Heard: func(_ time.Time, boot int64) {
 			writeMu.Lock()
 			defer writeMu.Unlock()
-			if _, err := reports.Write([]byte(fence.Report(mono))); err != nil {
+			if _, err := reports.Write([]byte(fence.Report(boot))); err != nil {
 				log.Error("carreld is gone: stopping", "err", err)
 				stop()
 			}
@@ -176,7 +176,7 @@ func (c *checkpoints) latest() *v1alpha1.AuditCheckpoint {
 
 func (c *checkpoints) read(r net.Conn) error {
 	s := bufio.NewScanner(r)
-	s.Buffer(make([]byte, 512), 512)
+	s.Buffer(make([]byte, 4096), 4096)
 	for s.Scan() {
 		f := strings.Fields(s.Text())
 		if len(f) != 4 || f[0] != "checkpoint" {

@@ -86,13 +86,16 @@ var heldUntilIntent = map[string]bool{
 	agentv1connect.AgentServiceProcessProcedure: true,
 }
 
-// unfenced are the calls a fenced VM still takes: to read, stop and
-// delete it.
+// unfenced are the calls a fenced VM still takes: to read about it,
+// stop it and delete it.
 var unfenced = map[string]bool{
-	apiv1connect.VMServiceGetVMProcedure:    true,
-	apiv1connect.VMServiceListVMsProcedure:  true,
-	apiv1connect.VMServiceStopVMProcedure:   true,
-	apiv1connect.VMServiceDeleteVMProcedure: true,
+	apiv1connect.VMServiceGetVMProcedure:            true,
+	apiv1connect.VMServiceListVMsProcedure:          true,
+	apiv1connect.VMServiceStopVMProcedure:           true,
+	apiv1connect.VMServiceDeleteVMProcedure:         true,
+	apiv1connect.VMServiceGetConsoleProcedure:       true,
+	apiv1connect.VMServiceListSnapshotsProcedure:    true,
+	apiv1connect.VMServiceListAuditRecordsProcedure: true,
 }
 
 // authorizeOnReceive decides a server-streaming call on its request.

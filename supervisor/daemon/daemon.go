@@ -226,7 +226,7 @@ func Run(ctx context.Context, cfg Config) error {
 	var fleetFence *fence.Fence
 	var guard func(procedure, vm string) error
 	if cfg.Fleet != nil {
-		fleetFence = newFence(cfg.Fleet, mgr, log)
+		fleetFence = newFence(ctx, cfg.Fleet, cfg.StateDir, mgr, log)
 		guard = fleetFence.Guard
 	}
 	h := api.Handler(api.Config{

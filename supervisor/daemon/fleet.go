@@ -52,12 +52,13 @@ type FleetConfig struct {
 
 // newFence is the fleet VMs' fence: the API asks it before acting on a
 // VM, and it stops the fleet VMs when the helper's renewals stop.
-func newFence(fc *FleetConfig, mgr *vm.Manager, log *slog.Logger) *fence.Fence {
+func newFence(ctx context.Context, fc *FleetConfig, stateDir string, mgr *vm.Manager, log *slog.Logger) *fence.Fence {
 	if fc.FenceAfter == 0 {
 		fc.FenceAfter = 30 * time.Second
 	}
-	return fence.New(fence.Config{
+	f := fence.New(fence.Config{
 		After: fc.FenceAfter,
+		State: filepath.Join(stateDir, "fleet-heard"),
 		Log:   log.With("subsystem", "fence"),
 		Labels: func(name string) map[string]string {
 			st, err := mgr.Get(name)
@@ -80,6 +81,10 @@ func newFence(fc *FleetConfig, mgr *vm.Manager, log *slog.Logger) *fence.Fence {
 			return err
 		},
 	})
+	// Before any call is served: a carreld restarted after its time ran
+	// out stops the fleet VMs that ran on meanwhile.
+	f.Check(ctx)
+	return f
 }
 
 // runFleet runs the node helper until ctx ends, starting it again when

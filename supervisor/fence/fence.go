@@ -9,7 +9,10 @@
 // even before the stop, and even after carreld itself was frozen.
 //
 // The engine declares the host lost only after a longer timeout; the
-// difference is the time the stop may take.
+// difference is the time the stop may take. Time is CLOCK_BOOTTIME, which
+// goes on while the host is suspended, and the last renewal heard is kept
+// in a file, so that neither a suspend nor a restart of carreld (whose
+// VMs run on meanwhile) gives the fleet VMs time they did not have.
 package fence
 
 import (
@@ -19,12 +22,15 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/carrel-os/carrel/supervisor/atomicfile"
 )
 
 // LabelRun marks a fleet VM: its value is the run's id.
@@ -33,13 +39,16 @@ const LabelRun = "carrel.dev/run"
 // ErrFenced refuses a call to a fleet VM of a fenced host.
 var ErrFenced = errors.New("this host's fleet engine has not heard from it in time, so its fleet VMs are fenced: the engine may run their agents on another host now")
 
-// ErrEngineOwned refuses starting a fleet VM again: a run ends once.
-var ErrEngineOwned = errors.New("this VM is a fleet run's, which ends once: the fleet engine starts a new run instead")
+// ErrEngineOwned refuses starting, restoring or forking a fleet VM: a
+// run ends once, and the engine starts a new run instead.
+var ErrEngineOwned = errors.New("this VM is a fleet run's, which ends once and is not copied: the fleet engine starts a new run instead")
 
 // Config configures a Fence.
 type Config struct {
 	// After is how long the engine may go unheard.
 	After time.Duration
+	// State keeps the last renewal heard across restarts ("": none).
+	State string
 	// Labels returns a VM's labels (nil for no such VM).
 	Labels func(vm string) map[string]string
 	// Fleet lists the fleet VMs that run.
@@ -53,28 +62,56 @@ type Config struct {
 type Fence struct {
 	cfg   Config
 	mu    sync.Mutex
-	heard time.Time // by the monotonic clock
+	heard int64 // CLOCK_BOOTTIME, ns
+	boot  string
 	// fenced is set from when the time ran out until the engine is heard
 	// again; the VMs it stopped stay stopped.
 	fenced bool
 }
 
-// New returns a Fence that counts as just heard.
+// New returns a Fence. It counts as just heard unless State says when
+// it last heard, in this boot of the host: a carreld restarted after its
+// time ran out starts fenced (Check stops its fleet VMs).
 func New(cfg Config) *Fence {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	return &Fence{cfg: cfg, heard: time.Now()}
+	f := &Fence{cfg: cfg, heard: Boottime(), boot: bootID()}
+	if cfg.State == "" {
+		return f
+	}
+	b, err := os.ReadFile(cfg.State)
+	if err != nil {
+		if !errors.Is(err, os.ErrNotExist) {
+			cfg.Log.Warn("fence state unreadable: counting the engine as just heard", "file", cfg.State, "err", err)
+		}
+		return f
+	}
+	boot, v, _ := strings.Cut(strings.TrimSpace(string(b)), " ")
+	t, err := strconv.ParseInt(v, 10, 64)
+	if err == nil && boot == f.boot && boot != "" && t <= f.heard {
+		f.heard = t
+		if f.fencedLocked() {
+			cfg.Log.Warn("the fleet engine went unheard while carreld was down: the fleet VMs are fenced", "unheard", time.Duration(Boottime()-t).Round(time.Millisecond))
+		}
+	}
+	return f
 }
 
-// Heard says that a renewal that began at t succeeded.
-func (f *Fence) Heard(t time.Time) {
+// Heard says that a renewal that began at t (Boottime) succeeded.
+func (f *Fence) Heard(t int64) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if t.After(f.heard) {
-		f.heard = t
+	if t <= f.heard {
+		return
 	}
-	if f.fenced && time.Since(f.heard) < f.cfg.After {
+	f.heard = t
+	if f.cfg.State != "" {
+		if err := atomicfile.WriteFile(f.cfg.State, []byte(f.boot+" "+strconv.FormatInt(t, 10)+"\n"), 0o600); err != nil {
+			f.cfg.Log.Warn("fence state not kept", "file", f.cfg.State, "err", err)
+		}
+	}
+	if f.fenced && time.Duration(Boottime()-f.heard) < f.cfg.After {
 		f.fenced = false
 		f.cfg.Log.Info("fleet engine heard again: fleet VMs may be called again")
 	}
@@ -84,14 +121,21 @@ func (f *Fence) Heard(t time.Time) {
 func (f *Fence) Fenced() bool {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.fenced || time.Since(f.heard) >= f.cfg.After
+	return f.fencedLocked()
 }
 
-// startProcedures start or resume a VM: a fleet VM is never started again.
+func (f *Fence) fencedLocked() bool {
+	return f.fenced || time.Duration(Boottime()-f.heard) >= f.cfg.After
+}
+
+// startProcedures would run a fleet VM again, or its state as another
+// VM: a run ends once, and its state stays with it.
 var startProcedures = map[string]bool{
-	"/carrel.api.v1.VMService/StartVM":  true,
-	"/carrel.api.v1.VMService/ResumeVM": true,
-	"/carrel.api.v1.VMService/ResetVM":  true,
+	"/carrel.api.v1.VMService/StartVM":   true,
+	"/carrel.api.v1.VMService/ResumeVM":  true,
+	"/carrel.api.v1.VMService/ResetVM":   true,
+	"/carrel.api.v1.VMService/RestoreVM": true,
+	"/carrel.api.v1.VMService/ForkVM":    true,
 }
 
 // Guard refuses a call to act on vm (not to read, stop or delete it,
@@ -120,15 +164,21 @@ func (f *Fence) Watch(ctx context.Context, tick time.Duration) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			f.check(ctx)
+			f.Check(ctx)
 		}
 	}
 }
 
-func (f *Fence) check(ctx context.Context) {
+// stopTimeout bounds one fence stop; a VM still running is stopped
+// again at the next check.
+const stopTimeout = 10 * time.Second
+
+// Check stops every running fleet VM, by force and all at once, if the
+// host is fenced.
+func (f *Fence) Check(ctx context.Context) {
 	f.mu.Lock()
-	unheard := time.Since(f.heard)
-	due := unheard >= f.cfg.After
+	unheard := time.Duration(Boottime() - f.heard)
+	due := f.fencedLocked()
 	first := due && !f.fenced
 	if due {
 		f.fenced = true
@@ -141,36 +191,50 @@ func (f *Fence) check(ctx context.Context) {
 	if first || len(vms) > 0 {
 		f.cfg.Log.Warn("fleet engine unheard: fencing the fleet VMs", "unheard", unheard.Round(time.Millisecond), "after", f.cfg.After, "vms", vms)
 	}
+	var wg sync.WaitGroup
 	for _, vm := range vms {
-		if err := f.cfg.Stop(ctx, vm); err != nil {
-			f.cfg.Log.Error("fence: VM not stopped", "vm", vm, "err", err)
-		}
+		wg.Go(func() {
+			sctx, cancel := context.WithTimeout(ctx, stopTimeout)
+			defer cancel()
+			if err := f.cfg.Stop(sctx, vm); err != nil {
+				f.cfg.Log.Error("fence: VM not stopped; trying again", "vm", vm, "err", err)
+			}
+		})
 	}
+	wg.Wait()
 }
 
-// Monotonic is CLOCK_MONOTONIC in nanoseconds: one clock for every
-// process of the host.
-func Monotonic() int64 {
+// Boottime is CLOCK_BOOTTIME in nanoseconds: one clock for every process
+// of the host, which goes on while it is suspended.
+func Boottime() int64 {
 	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
-		panic(err) // Linux always has it
+	if err := unix.ClockGettime(unix.CLOCK_BOOTTIME, &ts); err != nil {
+		panic(err) // Linux has had it since 2.6.39
 	}
 	return ts.Nano()
+}
+
+func bootID() string {
+	b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
 }
 
 // maxReport caps one report line.
 const maxReport = 64
 
-// Report formats a renewal report: it began at mono (Monotonic).
-func Report(mono int64) string { return "heard " + strconv.FormatInt(mono, 10) + "\n" }
+// Report formats a renewal report: it began at t (Boottime).
+func Report(t int64) string { return "heard " + strconv.FormatInt(t, 10) + "\n" }
 
 // ReadReports reads the helper's renewal reports from r until it ends.
-// A report must be of the past minute by the host's monotonic clock.
+// A report must be of the past minute by the host's clock.
 func (f *Fence) ReadReports(r io.Reader) error {
 	s := bufio.NewScanner(r)
 	s.Buffer(make([]byte, maxReport), maxReport)
 	for s.Scan() {
-		t, err := parseReport(s.Text(), Monotonic(), time.Now())
+		t, err := parseReport(s.Text(), Boottime())
 		if err != nil {
 			return err
 		}
@@ -179,20 +243,18 @@ func (f *Fence) ReadReports(r io.Reader) error {
 	return s.Err()
 }
 
-// parseReport turns a report into a time by the local clock, given the
-// monotonic clock and the wall clock read together.
-func parseReport(line string, nowMono int64, now time.Time) (time.Time, error) {
+// parseReport checks a report against the clock's reading now.
+func parseReport(line string, now int64) (int64, error) {
 	v, ok := strings.CutPrefix(line, "heard ")
 	if !ok {
-		return time.Time{}, fmt.Errorf("fleet helper: bad report %.64q", line)
+		return 0, fmt.Errorf("fleet helper: bad report %.64q", line)
 	}
-	mono, err := strconv.ParseInt(v, 10, 64)
+	t, err := strconv.ParseInt(v, 10, 64)
 	if err != nil {
-		return time.Time{}, fmt.Errorf("fleet helper: bad report %.64q", line)
+		return 0, fmt.Errorf("fleet helper: bad report %.64q", line)
 	}
-	age := time.Duration(nowMono - mono)
-	if age < 0 || age > time.Minute {
-		return time.Time{}, fmt.Errorf("fleet helper: report of %s ago is out of range", age)
+	if age := time.Duration(now - t); t < 0 || age < 0 || age > time.Minute {
+		return 0, fmt.Errorf("fleet helper: report of %s ago is out of range", age)
 	}
-	return now.Add(-age), nil
+	return t, nil
 }

@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 )
@@ -195,8 +196,10 @@ var ErrFenced = errors.New("the fleet engine did not hear from this host in time
 // Sync makes the runs the engine wants the runs this host has: new ones
 // are booted, withdrawn ones stopped and deleted, in the background.
 // VMs labelled as runs the engine no longer has are withdrawn too (after
-// a restart of carreld, say).
-func (a *Agent) Sync(ctx context.Context, want []Run) error {
+// a restart of carreld, say), except those of the runs in keep, which
+// the engine still has but could not say more of just now. Runs gone
+// and withdrawn are forgotten.
+func (a *Agent) Sync(ctx context.Context, want []Run, keep []string) error {
 	vms, err := a.cfg.VMs.List(ctx)
 	if err != nil {
 		return fmt.Errorf("list vms: %w", err)
@@ -204,6 +207,14 @@ func (a *Agent) Sync(ctx context.Context, want []Run) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	wanted := map[string]bool{}
+	for _, id := range keep {
+		wanted[id] = true
+	}
+	for id, r := range a.runs {
+		if r.phase == Gone && !slices.ContainsFunc(want, func(w Run) bool { return w.ID == id }) {
+			delete(a.runs, id)
+		}
+	}
 	for _, w := range want {
 		wanted[w.ID] = true
 		if r, ok := a.runs[w.ID]; ok {
@@ -215,7 +226,7 @@ func (a *Agent) Sync(ctx context.Context, want []Run) error {
 		a.start(ctx, r, vms)
 	}
 	for id, r := range a.runs {
-		if !wanted[id] && !r.ending {
+		if !wanted[id] && !r.ending && r.phase != Gone {
 			a.withdraw(ctx, r)
 		}
 	}
@@ -384,15 +395,6 @@ func (a *Agent) Statuses(ctx context.Context) (map[string]Status, error) {
 		out[id] = st
 	}
 	return out, nil
-}
-
-// Forget drops a run that is Gone, once the engine has let go of it too.
-func (a *Agent) Forget(id string) {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if r, ok := a.runs[id]; ok && r.phase == Gone {
-		delete(a.runs, id)
-	}
 }
 
 // Watch marks the runs fenced when the engine has gone unheard for

@@ -128,6 +128,14 @@ func main() {
 	snapForks := flag.Int("snapshot-forks", 5, "forks (and cold boots) -snapshot measures host memory with")
 	snapLibvirt := flag.Bool("snapshot-libvirt", true, "with -snapshot, measure through the libvirt driver too (a second carreld; starts libvirtd if need be)")
 	doAgents := flag.Bool("agents", true, "agent doors: the e2b SDK's commands.run through the e2b API against carrel's Go client, MCP's exec against the CLI's")
+	doFleet := flag.Bool("fleet", true, "the fleet at scale: a real control plane places -fleet-vms AgentVMs on -fleet-nodes simulated hosts (kwok) of -fleet-gpus GPUs and one real carreld; placement rate, create→Running, memory, and -fleet-lost hosts lost (needs make fleet-tools)")
+	var fleetCfg fleetConfig
+	flag.IntVar(&fleetCfg.nodes, "fleet-nodes", 1000, "simulated hosts for -fleet")
+	flag.IntVar(&fleetCfg.gpus, "fleet-gpus", 8, "GPUs of each simulated host")
+	flag.IntVar(&fleetCfg.vms, "fleet-vms", 5000, "AgentVMs for -fleet (50000 for the long run)")
+	flag.IntVar(&fleetCfg.lost, "fleet-lost", 50, "simulated hosts -fleet loses (their Leases stopped) once every AgentVM runs")
+	flag.DurationVar(&fleetCfg.lossTimeout, "fleet-loss-timeout", 40*time.Second, "carrel-controller's --node-loss-timeout for -fleet")
+	flag.DurationVar(&fleetCfg.limit, "fleet-limit", 20*time.Minute, "longest -fleet waits for every AgentVM to run")
 	doLoad := flag.Bool("load", false, "load: -load-vms VMs x -load-clients clients for -load-duration, with pass/fail checks; alone, turns the default sections off")
 	doFault := flag.Bool("fault", false, "fault injection: the load (its flags), with one VM's QEMU stopped for -fault-stop midway")
 	doSoak := flag.Bool("soak", false, "soak: a lower-rate load for -soak-duration with carreld killed and restarted every -soak-restart")
@@ -154,7 +162,7 @@ func main() {
 		flag.Visit(func(f *flag.Flag) { named[f.Name] = true })
 		for name, on := range map[string]*bool{"boot": doBoot, "warm-exec": doWarm, "qga-exec": doQGAExec, "qga-files": doQGAFiles,
 			"policy": doPolicy, "audit": doAudit, "egress": doEgress, "overhead": doOverhead, "image": doImage, "verity": doVerity,
-			"snapshot": doSnapshot, "agents": doAgents} {
+			"snapshot": doSnapshot, "agents": doAgents, "fleet": doFleet} {
 			if !named[name] {
 				*on = false
 			}
@@ -189,7 +197,7 @@ func main() {
 		}
 	}
 	loadMode := *doLoad || *doFault || *doSoak
-	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity && !*doSnapshot && !*doAgents && !loadMode {
+	if !*doBoot && !*doWarm && !*doQGAExec && !*doQGAFiles && !*doEgress && !*doOverhead && !*doImage && !*doVerity && !*doSnapshot && !*doAgents && !loadMode && !*doFleet {
 		return // no VM needed
 	}
 
@@ -197,6 +205,11 @@ func main() {
 	os.Unsetenv(harness.DriverEnv)
 	t := &tb{}
 	defer t.cleanup()
+	if *doFleet {
+		ft := &tb{}
+		benchFleet(ft, fleetCfg)
+		ft.cleanup()
+	}
 	hostsDir, err := os.MkdirTemp("", "carrel-bench-")
 	if err != nil {
 		log.Fatal(err)

@@ -38,6 +38,7 @@ import (
 	"k8s.io/utils/ptr"
 	ctrl "sigs.k8s.io/controller-runtime"
 	"sigs.k8s.io/controller-runtime/pkg/client"
+	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/log"
@@ -62,6 +63,8 @@ type Config struct {
 	// NodeLossTimeout is how long a host's Lease may go unrenewed before
 	// its runs are Lost. Hosts fence themselves well before it.
 	NodeLossTimeout time.Duration
+	// Workers is how many AgentVMs are reconciled at once (1 when 0).
+	Workers int
 	// now is the clock; tests replace it.
 	now func() time.Time
 }
@@ -69,6 +72,8 @@ type Config struct {
 // Reconciler reconciles AgentVMs.
 type Reconciler struct {
 	client.Client
+	// reader reads the API server, not the cache.
+	reader client.Reader
 	cfg    Config
 	leases *leases
 	events events.EventRecorder
@@ -82,7 +87,7 @@ func Setup(mgr ctrl.Manager, cfg Config) error {
 	if cfg.now == nil {
 		cfg.now = time.Now
 	}
-	r := &Reconciler{Client: mgr.GetClient(), cfg: cfg, leases: newLeases(cfg.now),
+	r := &Reconciler{Client: mgr.GetClient(), reader: mgr.GetAPIReader(), cfg: cfg, leases: newLeases(cfg.now),
 		events: mgr.GetEventRecorder("carrel-controller")}
 	if err := mgr.GetFieldIndexer().IndexField(context.Background(), &v1alpha1.AgentVM{}, indexNode, func(o client.Object) []string {
 		if n := o.(*v1alpha1.AgentVM).Status.Node; n != "" {
@@ -94,6 +99,7 @@ func Setup(mgr ctrl.Manager, cfg Config) error {
 	}
 	return ctrl.NewControllerManagedBy(mgr).
 		Named("agentvm").
+		WithOptions(controller.Options{MaxConcurrentReconciles: max(cfg.Workers, 1)}).
 		For(&v1alpha1.AgentVM{}).
 		Owns(&corev1.Pod{}).
 		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.leaseChanged)).
@@ -182,11 +188,28 @@ func active(p v1alpha1.Phase) bool {
 // Reconcile moves one AgentVM on.
 func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reconcile.Result, error) {
 	var avm v1alpha1.AgentVM
-	if err := r.Get(ctx, req.NamespacedName, &avm); err != nil {
-		return reconcile.Result{}, client.IgnoreNotFound(err)
+	if err := r.Get(ctx, req.NamespacedName, &avm); apierrors.IsNotFound(err) {
+		// Gone, and its pods with it (garbage collection): each is let go
+		// of once its host has stopped and deleted its VM.
+		orphans, err := r.orphans(ctx, req.NamespacedName)
+		for _, p := range orphans {
+			r.retire(ctx, p)
+		}
+		return r.again(len(orphans) > 0), err
+	} else if err != nil {
+		return reconcile.Result{}, err
+	}
+	pods, err := r.runPods(ctx, &avm)
+	if err != nil {
+		return reconcile.Result{}, err
 	}
 	if avm.DeletionTimestamp != nil {
-		return reconcile.Result{}, nil // its pods and template go with it
+		// Its pods go with it (garbage collection); each is let go of
+		// once its host has stopped and deleted its VM.
+		for _, p := range pods {
+			r.retire(ctx, p)
+		}
+		return r.again(len(pods) > 0), nil
 	}
 	st := avm.Status.DeepCopy()
 	st.ObservedGeneration = avm.Generation
@@ -195,41 +218,71 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 		r.newRun(&avm, st)
 		return reconcile.Result{}, r.writeStatus(ctx, &avm, st)
 	}
+	// Earlier runs' pods, and any not the run's, are retired.
+	var pod *corev1.Pod
+	for _, p := range pods {
+		if p.Name == st.Pod && (st.PodUID == "" || p.UID == st.PodUID) {
+			pod = p
+		} else {
+			r.retire(ctx, p)
+		}
+	}
+	if pod != nil && st.PodUID == "" {
+		// Made by a controller that died before it recorded the pod.
+		want := PodFor(&avm, st)
+		if !sameRun(pod, want) {
+			r.release(ctx, pod)
+			r.newRun(&avm, st)
+			return reconcile.Result{}, r.writeStatus(ctx, &avm, st)
+		}
+		st.PodUID = pod.UID
+	}
 	if !active(st.Phase) {
-		return reconcile.Result{}, r.writeStatus(ctx, &avm, st)
+		return r.again(len(pods) > 1), r.writeStatus(ctx, &avm, st)
 	}
 	if avm.Spec.GPUs != nil {
 		if err := r.ensureTemplate(ctx, &avm); err != nil {
-			return reconcile.Result{}, err
+			return reconcile.Result{}, r.failOn(ctx, &avm, st, err)
 		}
 	}
-	var pod corev1.Pod
-	err := r.Get(ctx, types.NamespacedName{Namespace: avm.Namespace, Name: st.Pod}, &pod)
-	switch {
-	case apierrors.IsNotFound(err) && st.Phase == v1alpha1.PhasePending:
-		if err := r.createPod(ctx, &avm, st); err != nil {
-			return reconcile.Result{}, err
+	if pod == nil {
+		if st.Phase == v1alpha1.PhasePending && st.PodUID == "" {
+			if err := r.createPod(ctx, &avm, st); err != nil {
+				return reconcile.Result{}, r.failOn(ctx, &avm, st, err)
+			}
+			return reconcile.Result{}, r.writeStatus(ctx, &avm, st)
 		}
-		return reconcile.Result{}, r.writeStatus(ctx, &avm, st)
-	case apierrors.IsNotFound(err):
-		// A placed run's pod went away: drained, evicted, or deleted.
+		// The run's pod is gone, and its host let go of it: drained,
+		// evicted, or deleted.
 		r.runEnded(&avm, st, v1alpha1.PhaseStopped, "Evicted", fmt.Sprintf("the run's pod %s was deleted on %s (a drain or an eviction): its VM was stopped there", st.Pod, st.Node))
 		return reconcile.Result{}, r.writeStatus(ctx, &avm, st)
-	case err != nil:
-		return reconcile.Result{}, err
 	}
-	if !metav1.IsControlledBy(&pod, &avm) {
-		st.Phase, st.Message = v1alpha1.PhaseFailed, fmt.Sprintf("pod %s is not this AgentVM's", pod.Name)
-		return reconcile.Result{}, r.writeStatus(ctx, &avm, st)
+	mirror(pod, st)
+	if pod.DeletionTimestamp != nil {
+		r.retire(ctx, pod)
 	}
-	mirror(&pod, st)
+	lostWhy := ""
 	switch {
-	case st.Phase == v1alpha1.PhaseFailed && hostFenced(&pod):
-		r.lose(ctx, &avm, st, &pod, "the host fenced the run: it had not been heard in time")
+	case st.Phase == v1alpha1.PhaseFailed && hostFenced(pod):
+		lostWhy = "the host fenced the run: it had not been heard in time"
 	case st.Node != "" && active(st.Phase):
-		if silent := r.leases.silent(st.Node); silent > r.cfg.NodeLossTimeout {
-			r.lose(ctx, &avm, st, &pod, fmt.Sprintf("host %s unheard for %s (over %s)", st.Node, silent.Round(time.Second), r.cfg.NodeLossTimeout))
+		if silent := r.silent(ctx, st.Node); silent > r.cfg.NodeLossTimeout {
+			lostWhy = fmt.Sprintf("host %s unheard for %s (over %s)", st.Node, silent.Round(time.Second), r.cfg.NodeLossTimeout)
 		}
+	}
+	if lostWhy != "" {
+		// On record first: a controller that dies next still knows the
+		// host is lost, and keeps the next run off it.
+		lost := st.Node
+		if !slices.Contains(st.LostNodes, lost) {
+			st.LostNodes = append(st.LostNodes, lost)
+		}
+		r.runEnded(&avm, st, v1alpha1.PhaseLost, "NodeLost", lostWhy)
+		if err := r.writeStatus(ctx, &avm, st); err != nil {
+			return reconcile.Result{}, err
+		}
+		r.release(ctx, pod)
+		return reconcile.Result{Requeue: true}, nil
 	}
 	if err := r.writeStatus(ctx, &avm, st); err != nil {
 		return reconcile.Result{}, err
@@ -240,10 +293,125 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 	return reconcile.Result{}, nil
 }
 
+// again asks for another look soon, when pods are still on their way out.
+func (r *Reconciler) again(waiting bool) reconcile.Result {
+	if waiting {
+		return reconcile.Result{RequeueAfter: 2 * time.Second}
+	}
+	return reconcile.Result{}
+}
+
+// failOn fails the AgentVM for an error the API server calls invalid
+// (a GPU selector that does not compile, say), and returns others.
+func (r *Reconciler) failOn(ctx context.Context, avm *v1alpha1.AgentVM, st *v1alpha1.AgentVMStatus, err error) error {
+	if !apierrors.IsInvalid(err) && !apierrors.IsForbidden(err) {
+		return err
+	}
+	st.Phase, st.Message = v1alpha1.PhaseFailed, err.Error()
+	meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: "Ready", Status: metav1.ConditionFalse, Reason: "Invalid",
+		Message: truncate(err.Error(), 1024), ObservedGeneration: avm.Generation})
+	return r.writeStatus(ctx, avm, st)
+}
+
+func truncate(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
+}
+
+// runPods are the pods of the AgentVM's runs, current and earlier.
+func (r *Reconciler) runPods(ctx context.Context, avm *v1alpha1.AgentVM) ([]*corev1.Pod, error) {
+	var list corev1.PodList
+	if err := r.List(ctx, &list, client.InNamespace(avm.Namespace), client.MatchingLabels{v1alpha1.LabelAgentVM: avm.Name}); err != nil {
+		return nil, err
+	}
+	var out []*corev1.Pod
+	for i := range list.Items {
+		p := &list.Items[i]
+		if metav1.IsControlledBy(p, avm) {
+			out = append(out, p)
+		} else if metav1.GetControllerOf(p) == nil && p.DeletionTimestamp == nil {
+			// Labelled as a run but nobody's: not a host's to run.
+			_ = r.Delete(ctx, p, client.Preconditions{UID: &p.UID})
+		}
+	}
+	return out, nil
+}
+
+// orphans are the run pods of an AgentVM that is gone.
+func (r *Reconciler) orphans(ctx context.Context, avm types.NamespacedName) ([]*corev1.Pod, error) {
+	var list corev1.PodList
+	if err := r.List(ctx, &list, client.InNamespace(avm.Namespace), client.MatchingLabels{v1alpha1.LabelAgentVM: avm.Name}); err != nil {
+		return nil, err
+	}
+	var out []*corev1.Pod
+	for i := range list.Items {
+		if o := metav1.GetControllerOf(&list.Items[i]); o != nil && o.Kind == "AgentVM" && o.Name == avm.Name {
+			out = append(out, &list.Items[i])
+		}
+	}
+	return out, nil
+}
+
+// retire deletes a pod that is no longer its AgentVM's current run, and
+// lets go of it (its finalizer) once its host is done with its VM: the
+// host reported it gone, or the host is lost, or it never had one.
+func (r *Reconciler) retire(ctx context.Context, p *corev1.Pod) {
+	if p.DeletionTimestamp == nil {
+		if err := r.Delete(ctx, p, client.Preconditions{UID: &p.UID}); err != nil && !apierrors.IsNotFound(err) {
+			log.FromContext(ctx).Error(err, "earlier run's pod not deleted", "pod", p.Name)
+		}
+		return
+	}
+	if !slices.Contains(p.Finalizers, v1alpha1.RunFinalizer) {
+		return
+	}
+	rep := report(p)
+	switch {
+	case p.Spec.NodeName == "", rep != nil && rep.Phase == "Gone", r.silent(ctx, p.Spec.NodeName) > r.cfg.NodeLossTimeout:
+		r.release(ctx, p)
+	default:
+		var n corev1.Node
+		if err := r.reader.Get(ctx, types.NamespacedName{Name: p.Spec.NodeName}, &n); apierrors.IsNotFound(err) {
+			r.release(ctx, p)
+		}
+	}
+}
+
+// release lets go of a pod: its finalizer goes, and it is deleted at once.
+func (r *Reconciler) release(ctx context.Context, p *corev1.Pod) {
+	if slices.Contains(p.Finalizers, v1alpha1.RunFinalizer) {
+		q := p.DeepCopy()
+		q.Finalizers = slices.DeleteFunc(q.Finalizers, func(f string) bool { return f == v1alpha1.RunFinalizer })
+		if err := r.Patch(ctx, q, client.MergeFromWithOptions(p, client.MergeFromWithOptimisticLock{})); err != nil && !apierrors.IsNotFound(err) {
+			log.FromContext(ctx).Error(err, "run pod's finalizer not removed", "pod", p.Name)
+			return
+		}
+	}
+	if err := r.Delete(ctx, p, client.GracePeriodSeconds(0), client.Preconditions{UID: &p.UID}); err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+		log.FromContext(ctx).Error(err, "run pod not deleted", "pod", p.Name)
+	}
+}
+
+// silent is how long node's Lease has gone unrenewed; past the timeout
+// by the cache, it is read again from the API server before it counts.
+func (r *Reconciler) silent(ctx context.Context, node string) time.Duration {
+	d := r.leases.silent(node)
+	if d <= r.cfg.NodeLossTimeout || r.reader == nil {
+		return d
+	}
+	var l coordinationv1.Lease
+	if err := r.reader.Get(ctx, types.NamespacedName{Namespace: "kube-node-lease", Name: node}, &l); err == nil {
+		r.leases.observe(&l)
+	}
+	return r.leases.silent(node)
+}
+
 func (r *Reconciler) newRun(avm *v1alpha1.AgentVM, st *v1alpha1.AgentVMStatus) {
 	st.Run++
 	st.Pod = PodName(avm.Name, st.Run)
-	st.Phase, st.Node, st.Session, st.GPUs, st.Message = v1alpha1.PhasePending, "", "", nil, ""
+	st.Phase, st.Node, st.Session, st.GPUs, st.Message, st.PodUID = v1alpha1.PhasePending, "", "", nil, "", ""
 	meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: "Ready", Status: metav1.ConditionFalse, Reason: "NewRun",
 		Message: "run " + strconv.Itoa(int(st.Run)) + " waits for a host", ObservedGeneration: avm.Generation})
 }
@@ -260,19 +428,6 @@ func (r *Reconciler) runEnded(avm *v1alpha1.AgentVM, st *v1alpha1.AgentVMStatus,
 	st.Phase, st.Message = phase, msg
 	meta.SetStatusCondition(&st.Conditions, metav1.Condition{Type: "Ready", Status: metav1.ConditionFalse, Reason: reason,
 		Message: msg, ObservedGeneration: avm.Generation})
-}
-
-// lose declares the run's host lost: its pod is deleted at once (the
-// host fenced the VM already), which frees the run's GPUs.
-func (r *Reconciler) lose(ctx context.Context, avm *v1alpha1.AgentVM, st *v1alpha1.AgentVMStatus, pod *corev1.Pod, why string) {
-	lost := st.Node
-	if err := r.Delete(ctx, pod, client.GracePeriodSeconds(0), client.Preconditions{UID: &pod.UID}); err != nil && !apierrors.IsNotFound(err) {
-		log.FromContext(ctx).Error(err, "lost run's pod not deleted", "pod", pod.Name)
-	}
-	if lost != "" && !slices.Contains(st.LostNodes, lost) {
-		st.LostNodes = append(st.LostNodes, lost)
-	}
-	r.runEnded(avm, st, v1alpha1.PhaseLost, "NodeLost", why)
 }
 
 func hostFenced(p *corev1.Pod) bool {
@@ -372,22 +527,73 @@ func (r *Reconciler) ensureTemplate(ctx context.Context, avm *v1alpha1.AgentVM) 
 	if err := controllerutil.SetControllerReference(avm, t, r.Scheme()); err != nil {
 		return err
 	}
-	if err := r.Create(ctx, t); err != nil && !apierrors.IsAlreadyExists(err) {
-		return fmt.Errorf("create claim template: %w", err)
+	err := r.Create(ctx, t)
+	if !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	var have resourcev1.ResourceClaimTemplate
+	if err := r.reader.Get(ctx, client.ObjectKeyFromObject(t), &have); err != nil {
+		return err
+	}
+	if !metav1.IsControlledBy(&have, avm) || !equality.Semantic.DeepEqual(have.Spec, t.Spec) {
+		return apierrors.NewForbidden(resourcev1.Resource("resourceclaimtemplates"), t.Name,
+			fmt.Errorf("a claim template of that name is not this AgentVM's: delete it"))
 	}
 	return nil
 }
 
-// createPod makes the current run's pod; one made already is kept.
+// createPod makes the current run's pod and records its UID. A pod of
+// the name made already is the run's only if it is the pod the
+// controller would make (a controller killed after making it left it):
+// otherwise it is deleted, and the next run named.
 func (r *Reconciler) createPod(ctx context.Context, avm *v1alpha1.AgentVM, st *v1alpha1.AgentVMStatus) error {
-	p := PodFor(avm, st)
-	if err := controllerutil.SetControllerReference(avm, p, r.Scheme()); err != nil {
+	want := PodFor(avm, st)
+	if err := controllerutil.SetControllerReference(avm, want, r.Scheme()); err != nil {
 		return err
 	}
-	if err := r.Create(ctx, p); err != nil && !apierrors.IsAlreadyExists(err) {
-		return fmt.Errorf("create pod %s: %w", p.Name, err)
+	err := r.Create(ctx, want)
+	if err == nil {
+		st.PodUID = want.UID
+		return nil
 	}
+	if !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create pod %s: %w", want.Name, err)
+	}
+	var have corev1.Pod
+	if err := r.reader.Get(ctx, client.ObjectKeyFromObject(want), &have); err != nil {
+		return err
+	}
+	if sameRun(&have, want) && metav1.IsControlledBy(&have, avm) {
+		st.PodUID = have.UID
+		return nil
+	}
+	log.FromContext(ctx).Info("a pod of the run's name is not the run's: deleting it, and naming the next run", "pod", have.Name)
+	r.release(ctx, &have)
+	r.newRun(avm, st)
 	return nil
+}
+
+// sameRun reports whether have is the pod want describes, placed by the
+// scheduler if at all.
+func sameRun(have, want *corev1.Pod) bool {
+	if have.Spec.NodeName != "" {
+		scheduled := false
+		for _, c := range have.Status.Conditions {
+			scheduled = scheduled || c.Type == corev1.PodScheduled && c.Status == corev1.ConditionTrue
+		}
+		if !scheduled {
+			return false
+		}
+	}
+	if len(have.Spec.Containers) != 1 || have.Spec.Containers[0].Image != want.Spec.Containers[0].Image ||
+		!equality.Semantic.DeepEqual(have.Spec.Containers[0].Resources, want.Spec.Containers[0].Resources) {
+		return false
+	}
+	return equality.Semantic.DeepEqual(have.Spec.NodeSelector, want.Spec.NodeSelector) &&
+		equality.Semantic.DeepEqual(have.Spec.Tolerations, want.Spec.Tolerations) &&
+		equality.Semantic.DeepEqual(have.Spec.Affinity, want.Spec.Affinity) &&
+		equality.Semantic.DeepEqual(have.Spec.ResourceClaims, want.Spec.ResourceClaims) &&
+		slices.Contains(have.Finalizers, v1alpha1.RunFinalizer)
 }
 
 // PodFor is the pod of the AgentVM's current run.
@@ -404,9 +610,14 @@ func PodFor(avm *v1alpha1.AgentVM, st *v1alpha1.AgentVMStatus) *corev1.Pod {
 		Resources: corev1.ResourceRequirements{Requests: res, Limits: res.DeepCopy()}}
 	p := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{Name: st.Pod, Namespace: avm.Namespace,
-			Labels: map[string]string{v1alpha1.LabelAgentVM: avm.Name}},
+			Labels: map[string]string{v1alpha1.LabelAgentVM: avm.Name},
+			// Held until its host has stopped and deleted the VM, so the
+			// next run starts only after this one has ended there.
+			Finalizers: []string{v1alpha1.RunFinalizer}},
 		Spec: corev1.PodSpec{
-			NodeSelector: map[string]string{v1alpha1.LabelHost: "true"},
+			// Hosts an administrator admitted: a node cannot set this
+			// label on itself.
+			NodeSelector: map[string]string{v1alpha1.LabelAdmitted: "true"},
 			Tolerations: []corev1.Toleration{
 				{Key: v1alpha1.TaintHost, Operator: corev1.TolerationOpExists, Effect: corev1.TaintEffectNoSchedule},
 				// No time limit: evicting a run destroys its VM. A

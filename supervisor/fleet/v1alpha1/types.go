@@ -3,6 +3,7 @@ package v1alpha1
 import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 )
 
 // AgentVM is one agent computer: a carrel VM that Kubernetes' scheduler
@@ -19,6 +20,7 @@ import (
 // +kubebuilder:printcolumn:name="GPUs",type=string,JSONPath=`.status.gpus`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
 // +kubebuilder:validation:XValidation:rule="self.metadata.name.matches('^[a-z][a-z0-9-]{0,62}$')",message="an AgentVM's name is its VM's name on its host: 1-63 lower-case letters, digits and '-', starting with a letter"
+// +kubebuilder:validation:XValidation:rule="!self.metadata.name.startsWith('e2b-')",message="names starting e2b- are the e2b API keys' VMs on the hosts"
 type AgentVM struct {
 	metav1.TypeMeta   `json:",inline"`
 	metav1.ObjectMeta `json:"metadata,omitempty"`
@@ -31,6 +33,8 @@ type AgentVM struct {
 // what the controller reads again at the next run (none of it).
 //
 // +kubebuilder:validation:XValidation:rule="self == oldSelf",message="an AgentVM's spec cannot change: delete it and create another"
+// +kubebuilder:validation:XValidation:rule="!has(self.memory) || quantity(string(self.memory)).compareTo(quantity('128Mi')) >= 0",message="memory must be at least 128Mi"
+// +kubebuilder:validation:XValidation:rule="!has(self.workspace) || quantity(string(self.workspace)).compareTo(quantity('64Mi')) >= 0",message="workspace must be at least 64Mi"
 type AgentVMSpec struct {
 	// Image is the image's tag or digest on the hosts (carrel image ls).
 	// +kubebuilder:validation:MinLength=1
@@ -66,6 +70,7 @@ type AgentVMSpec struct {
 	// DeadlineSeconds ends a run that long after its VM was created: the
 	// VM is stopped and the AgentVM is Stopped.
 	// +kubebuilder:validation:Minimum=1
+	// +kubebuilder:validation:Maximum=31536000
 	// +optional
 	DeadlineSeconds *int64 `json:"deadlineSeconds,omitempty"`
 	// OnNodeLoss says what follows when the run's host is lost or
@@ -126,9 +131,12 @@ type AgentVMStatus struct {
 	// Run counts the runs: the current run's pod is <name>-<run>.
 	// +optional
 	Run int32 `json:"run,omitempty"`
-	// Pod is the current run's pod.
+	// Pod is the current run's pod, and PodUID its UID once made: its
+	// host runs that pod alone.
 	// +optional
 	Pod string `json:"pod,omitempty"`
+	// +optional
+	PodUID types.UID `json:"podUID,omitempty"`
 	// Node is the host the current run was placed on.
 	// +optional
 	Node string `json:"node,omitempty"`

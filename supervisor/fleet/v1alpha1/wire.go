@@ -10,6 +10,13 @@ const (
 	// LabelDriver is a host's VM driver (qemu or libvirt): AgentVMs that
 	// name one are placed by it.
 	LabelDriver = "carrel.dev/driver"
+	// LabelAdmitted marks a host an administrator admitted to the fleet:
+	// runs are placed only there. A node cannot set labels under
+	// node-restriction.kubernetes.io/ on itself (NodeRestriction).
+	LabelAdmitted = "node-restriction.kubernetes.io/carrel-host"
+	// RunFinalizer holds a run's pod until its host has stopped and
+	// deleted the VM (or the host is lost).
+	RunFinalizer = "carrel.dev/run"
 	// LabelAgentVM names a run's pod's AgentVM.
 	LabelAgentVM = "carrel.dev/agentvm"
 	// GPUDriver is the DRA driver name the hosts publish GPUs under, and

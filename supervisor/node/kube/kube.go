@@ -61,9 +61,9 @@ type Config struct {
 	// Alive checks carreld answers: the Lease is renewed only then, so
 	// that a frozen carreld loses it.
 	Alive func(ctx context.Context) error
-	// Heard is told of each renewal, with when it began by the wall and
-	// the monotonic clocks (fence.Monotonic).
-	Heard func(start time.Time, mono int64)
+	// Heard is told of each renewal, with when it began by the wall
+	// clock and by CLOCK_BOOTTIME (fence.Boottime).
+	Heard func(start time.Time, boot int64)
 	// GPUs lists the host's GPUs; the assignable ones are published.
 	GPUs func() (gpu.Inventory, error)
 	// Driver is carreld's driver for new VMs, put on the Node's labels.
@@ -110,7 +110,8 @@ type Node struct {
 
 type acceptedPod struct {
 	run node.Run
-	err error // why the pod runs nothing
+	err error     // why the pod runs nothing
+	at  time.Time // when it was checked
 }
 
 var agentVMs = v1alpha1.GroupVersion.WithResource("agentvms")
@@ -322,7 +323,7 @@ func (n *Node) heartbeat(ctx context.Context) error {
 // hears of each success with the time the attempt began: the API server
 // saw the renewal after that.
 func (n *Node) renew(ctx context.Context) error {
-	start, mono := time.Now(), fence.Monotonic()
+	start, boot := time.Now(), fence.Boottime()
 	ctx, cancel := context.WithTimeout(ctx, n.cfg.RenewInterval)
 	defer cancel()
 	if n.cfg.Alive != nil {
@@ -361,7 +362,7 @@ func (n *Node) renew(ctx context.Context) error {
 	}
 	n.cfg.Agent.Heard(start)
 	if n.cfg.Heard != nil {
-		n.cfg.Heard(start, mono)
+		n.cfg.Heard(start, boot)
 	}
 	return nil
 }
@@ -458,19 +459,28 @@ func truncate(s string, n int) string {
 // each run in its pod's status.
 func (n *Node) sync(ctx context.Context) error {
 	var want []node.Run
+	var keep []string                // runs of pods that could not be checked just now
 	pods := map[string]*corev1.Pod{} // by run id
 	var deleting []*corev1.Pod
+	present := map[types.UID]bool{}
 	for _, o := range n.pods.List() {
 		p, ok := o.(*corev1.Pod)
 		if !ok || p.Labels[v1alpha1.LabelAgentVM] == "" {
 			continue
 		}
+		present[p.UID] = true
 		if p.DeletionTimestamp != nil {
 			deleting = append(deleting, p)
 			continue
 		}
 		acc := n.accept(ctx, p)
-		if acc.err != nil {
+		switch {
+		case acc.err != nil && isTransient(acc.err):
+			// Neither refused nor run: asked again at the next sync, and
+			// a VM it has is left as it is.
+			keep = append(keep, string(p.UID))
+			continue
+		case acc.err != nil:
 			n.report(ctx, p, v1alpha1.HostReport{Phase: string(node.Failed), Reason: "Refused", Message: acc.err.Error()})
 			continue
 		}
@@ -479,7 +489,15 @@ func (n *Node) sync(ctx context.Context) error {
 		want = append(want, r)
 		pods[r.ID] = p
 	}
-	if err := n.cfg.Agent.Sync(ctx, want); err != nil {
+	n.mu.Lock()
+	for uid := range n.accepted {
+		if !present[uid] {
+			delete(n.accepted, uid)
+			delete(n.reported, uid)
+		}
+	}
+	n.mu.Unlock()
+	if err := n.cfg.Agent.Sync(ctx, want, keep); err != nil {
 		return err
 	}
 	st, err := n.cfg.Agent.Statuses(ctx)
@@ -498,47 +516,55 @@ func (n *Node) sync(ctx context.Context) error {
 		n.report(ctx, p, v1alpha1.HostReport{Phase: string(s.Phase), Session: s.Session, GPUs: s.GPUs,
 			Reason: s.Reason, Message: s.Message, Audit: audit})
 	}
-	// A pod being deleted is let go once its run's VM is gone.
+	// A pod being deleted is let go once its run's VM is gone: reported
+	// Gone (the controller then lifts its finalizer) and deleted.
 	for _, p := range deleting {
 		id := string(p.UID)
 		if s, ok := st[id]; ok && s.Phase != node.Gone {
+			n.report(ctx, p, v1alpha1.HostReport{Phase: string(s.Phase), Session: s.Session, GPUs: s.GPUs, Reason: s.Reason, Message: s.Message})
 			continue
 		}
+		n.report(ctx, p, v1alpha1.HostReport{Phase: string(node.Gone), Message: "the run's VM was stopped and deleted"})
 		err := n.cs.CoreV1().Pods(p.Namespace).Delete(ctx, p.Name, metav1.DeleteOptions{
 			GracePeriodSeconds: ptr.To(int64(0)), Preconditions: &metav1.Preconditions{UID: &p.UID}})
 		if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
 			n.log.Warn("pod not deleted", "pod", p.Namespace+"/"+p.Name, "err", err)
-			continue
 		}
-		n.cfg.Agent.Forget(id)
-		n.mu.Lock()
-		delete(n.accepted, p.UID)
-		delete(n.reported, p.UID)
-		n.mu.Unlock()
 	}
 	return nil
 }
 
-// accept checks a pod against its AgentVM, once: the AgentVM must own it
-// and name it as its current run. The run's GPUs are those its claim
-// was allocated from this host's slice.
+// recheck is how often an accepted pod is checked against its AgentVM
+// again: one the AgentVM no longer names is withdrawn.
+const recheck = 30 * time.Second
+
+// accept checks a pod against its AgentVM: the AgentVM must own it and
+// name it, by UID, as its current run. The run's GPUs are those its
+// claim was allocated from this host's slice. A pod accepted is checked
+// again every recheck; one that cannot be checked just now keeps what
+// it had.
 func (n *Node) accept(ctx context.Context, p *corev1.Pod) acceptedPod {
 	n.mu.Lock()
 	acc, ok := n.accepted[p.UID]
 	n.mu.Unlock()
-	if ok && acc.err == nil {
+	if ok && (acc.err != nil || time.Since(acc.at) < recheck) {
 		return acc
 	}
-	acc = acceptedPod{}
-	acc.run, acc.err = n.runOf(ctx, p)
-	if acc.err != nil && isTransient(acc.err) {
-		return acc // asked again at the next sync
+	run, err := n.runOf(ctx, p)
+	switch {
+	case err != nil && isTransient(err) && ok:
+		return acc
+	case err != nil && isTransient(err):
+		return acceptedPod{err: err}
+	case ok && err == nil:
+		run.GPUs = acc.run.GPUs // allocated once, at the start
 	}
+	acc = acceptedPod{run: run, err: err, at: time.Now()}
 	n.mu.Lock()
 	n.accepted[p.UID] = acc
 	n.mu.Unlock()
-	if acc.err != nil {
-		n.log.Warn("pod refused", "pod", p.Namespace+"/"+p.Name, "err", acc.err)
+	if err != nil {
+		n.log.Warn("pod refused", "pod", p.Namespace+"/"+p.Name, "err", err)
 	}
 	return acc
 }
@@ -568,8 +594,13 @@ func (n *Node) runOf(ctx context.Context, p *corev1.Pod) (node.Run, error) {
 	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &avm); err != nil {
 		return node.Run{}, fmt.Errorf("AgentVM %s/%s: %w", p.Namespace, owner.Name, err)
 	}
-	if avm.UID != owner.UID || avm.Status.Pod != p.Name {
+	switch {
+	case avm.UID != owner.UID || avm.Status.Pod != p.Name:
 		return node.Run{}, fmt.Errorf("AgentVM %s/%s does not name pod %s as its current run", p.Namespace, owner.Name, p.Name)
+	case avm.Status.PodUID == "":
+		return node.Run{}, transient{fmt.Errorf("AgentVM %s/%s has not recorded its pod yet", p.Namespace, owner.Name)}
+	case avm.Status.PodUID != p.UID:
+		return node.Run{}, fmt.Errorf("AgentVM %s/%s names another pod %s as its current run", p.Namespace, owner.Name, p.Name)
 	}
 	spec, err := SpecOf(&avm)
 	if err != nil {
@@ -669,8 +700,10 @@ func (n *Node) report(ctx context.Context, p *corev1.Pod, r v1alpha1.HostReport)
 		q.Status.Phase = corev1.PodSucceeded
 	case node.Failed:
 		q.Status.Phase = corev1.PodFailed
-	default:
-		q.Status.Phase = corev1.PodPending
+	case node.Booting:
+		if q.Status.Phase == "" {
+			q.Status.Phase = corev1.PodPending
+		}
 	}
 	// A pod that ended stays ended (the API server holds it to that).
 	if p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {

@@ -30,7 +30,6 @@ import (
 	"strings"
 	"sync"
 	"syscall"
-	"testing"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -45,6 +44,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/restmapper"
+
+	"github.com/carrel-os/carrel/tests/harness"
 )
 
 // ToolsEnv names the directory of the control plane's binaries.
@@ -52,7 +53,7 @@ const ToolsEnv = "CARREL_FLEET_TOOLS"
 
 // Cluster is a running control plane.
 type Cluster struct {
-	t      testing.TB
+	t      harness.TB
 	Dir    string
 	URL    string
 	tokens map[string]string // user -> token
@@ -73,7 +74,7 @@ type Proc struct {
 // Bin returns the control plane's binary directory, skipping the test
 // with how to build it when it is missing (failing when CARREL_REQUIRE_VM
 // says the suite must run in full).
-func Bin(t testing.TB) string {
+func Bin(t harness.TB) string {
 	dir := os.Getenv(ToolsEnv)
 	missing := dir == ""
 	for _, b := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"} {
@@ -99,7 +100,7 @@ type User struct {
 
 // Start starts the control plane. users get static tokens, beside the
 // admin, the scheduler and the controller manager.
-func Start(t testing.TB, users ...User) *Cluster {
+func Start(t harness.TB, users ...User) *Cluster {
 	bin := Bin(t)
 	dir, err := os.MkdirTemp("/tmp", "cfleet-")
 	if err != nil {
@@ -161,14 +162,17 @@ func Start(t testing.TB, users ...User) *Cluster {
 		"--service-account-signing-key-file", p("sa.key"), "--service-cluster-ip-range", "10.96.0.0/16",
 		// The endpoint reconciler refuses a loopback advertise address;
 		// nothing here needs the kubernetes Service's endpoints.
-		"--endpoint-reconciler-type", "none", "--max-requests-inflight", "800", "--max-mutating-requests-inflight", "400")
+		"--endpoint-reconciler-type", "none",
+		// No request limits: one client here may be 1,000 simulated nodes.
+		"--max-requests-inflight", "0", "--max-mutating-requests-inflight", "0", "--enable-priority-and-fairness=false")
 	c.Admin = c.Config("carrel-test-admin")
 	c.waitHTTP("kube-apiserver", c.URL+"/readyz", c.Admin, 120*time.Second)
 
 	serving := []string{"--tls-cert-file", p("serving.crt"), "--tls-private-key-file", p("serving.key"), "--bind-address", "127.0.0.1"}
 	sched := c.Kubeconfig("system:kube-scheduler")
 	c.Run("kube-scheduler", append([]string{filepath.Join(bin, "kube-scheduler"), "--kubeconfig", sched,
-		"--authentication-kubeconfig", sched, "--authorization-kubeconfig", sched, "--secure-port", strconv.Itoa(freePort(t))}, serving...)...)
+		"--authentication-kubeconfig", sched, "--authorization-kubeconfig", sched, "--secure-port", strconv.Itoa(freePort(t)),
+		"--kube-api-qps", "5000", "--kube-api-burst", "10000"}, serving...)...)
 	kcm := c.Kubeconfig("system:kube-controller-manager")
 	c.Run("kube-controller-manager", append([]string{filepath.Join(bin, "kube-controller-manager"), "--kubeconfig", kcm,
 		"--authentication-kubeconfig", kcm, "--authorization-kubeconfig", kcm, "--secure-port", strconv.Itoa(freePort(t)),
@@ -176,7 +180,7 @@ func Start(t testing.TB, users ...User) *Cluster {
 		"--cluster-signing-cert-file", p("ca.crt"), "--cluster-signing-key-file", p("ca.key"),
 		// kube-controller-manager's own loss detection, slower than the
 		// carrel controller's in these tests, as in production.
-		"--node-monitor-grace-period", "40s"}, serving...)...)
+		"--node-monitor-grace-period", "40s", "--kube-api-qps", "5000", "--kube-api-burst", "10000"}, serving...)...)
 	c.WaitFor("the default ServiceAccount", 90*time.Second, func() (bool, error) {
 		_, err := c.Clientset(c.Admin).CoreV1().ServiceAccounts("default").Get(context.Background(), "default", metav1.GetOptions{})
 		return err == nil, nil
@@ -203,6 +207,16 @@ func (c *Cluster) Run(name string, argv ...string) *Proc {
 	go func() { cmd.Wait(); close(p.exited) }()
 	c.procs = append(c.procs, p)
 	return p
+}
+
+// Proc is the last process started under name, or nil.
+func (c *Cluster) Proc(name string) *Proc {
+	for i := len(c.procs) - 1; i >= 0; i-- {
+		if c.procs[i].Name == name {
+			return c.procs[i]
+		}
+	}
+	return nil
 }
 
 // Stop ends p with SIGTERM, then SIGKILL after 20 s.
@@ -384,7 +398,7 @@ func (c *Cluster) WaitFor(what string, limit time.Duration, cond func() (bool, e
 }
 
 // WaitForIn is WaitFor failing t, a subtest.
-func (c *Cluster) WaitForIn(t testing.TB, what string, limit time.Duration, cond func() (bool, error)) {
+func (c *Cluster) WaitForIn(t harness.TB, what string, limit time.Duration, cond func() (bool, error)) {
 	t.Helper()
 	deadline := time.Now().Add(limit)
 	for {
@@ -480,7 +494,7 @@ var portMu sync.Mutex
 var portsTaken = map[int]bool{}
 
 // freePort picks a loopback port nothing listens on.
-func freePort(t testing.TB) int {
+func freePort(t harness.TB) int {
 	portMu.Lock()
 	defer portMu.Unlock()
 	for {
