@@ -237,6 +237,7 @@ func (a *Agent) Sync(ctx context.Context, want []Run, keep []string) error {
 			continue
 		}
 		r := &run{Run: Run{ID: id, Owner: v.Labels[LabelOwner], VM: v.Name}, phase: Stopping, done: make(chan struct{})}
+		close(r.done) // it has no worker to wait for
 		a.runs[id] = r
 		a.withdraw(ctx, r)
 	}
