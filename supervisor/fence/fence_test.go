@@ -6,6 +6,8 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -35,8 +37,15 @@ func newHost() *host {
 // fence returns a Fence over h, with an After of a minute, that has
 // gone unheard for unheard.
 func (h *host) fence(unheard time.Duration) *Fence {
-	f := New(Config{
+	f := h.fenceWith(Config{})
+	f.heard = Boottime() - int64(unheard)
+	return f
+}
+
+func (h *host) fenceWith(cfg Config) *Fence {
+	return New(Config{
 		After: time.Minute,
+		State: cfg.State,
 		Labels: func(vm string) map[string]string {
 			h.mu.Lock()
 			defer h.mu.Unlock()
@@ -61,8 +70,6 @@ func (h *host) fence(unheard time.Duration) *Fence {
 		},
 		Log: slog.New(slog.DiscardHandler),
 	})
-	f.heard = time.Now().Add(-unheard)
-	return f
 }
 
 func (h *host) stops() []string {
@@ -74,13 +81,12 @@ func (h *host) stops() []string {
 }
 
 func TestParseReport(t *testing.T) {
-	const nowMono = int64(3600 * time.Second)
-	now := time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
-	at := func(age time.Duration) string { return strings.TrimSuffix(Report(nowMono-int64(age)), "\n") }
+	const now = int64(3600 * time.Second)
+	at := func(age time.Duration) string { return strings.TrimSuffix(Report(now-int64(age)), "\n") }
 	for _, age := range []time.Duration{0, time.Second, time.Minute} {
-		got, err := parseReport(at(age), nowMono, now)
-		if err != nil || !got.Equal(now.Add(-age)) {
-			t.Errorf("report of %s ago: %v, %v; want %v", age, got, err, now.Add(-age))
+		got, err := parseReport(at(age), now)
+		if err != nil || got != now-int64(age) {
+			t.Errorf("report of %s ago: %v, %v; want %v", age, got, err, now-int64(age))
 		}
 	}
 	for _, line := range []string{
@@ -88,6 +94,7 @@ func TestParseReport(t *testing.T) {
 		at(-time.Hour),                    // far in the future
 		at(time.Minute + time.Nanosecond), // over a minute old
 		"heard 1",                         // an hour old
+		"heard -1",
 		"heard ",
 		"heard",
 		"heard x",
@@ -98,7 +105,7 @@ func TestParseReport(t *testing.T) {
 		"heard 99999999999999999999",
 		"",
 	} {
-		if got, err := parseReport(line, nowMono, now); err == nil {
+		if got, err := parseReport(line, now); err == nil {
 			t.Errorf("parseReport(%q) = %v, want an error", line, got)
 		}
 	}
@@ -106,9 +113,9 @@ func TestParseReport(t *testing.T) {
 
 // FuzzParseReport feeds parseReport arbitrary lines, as from a helper
 // that cannot be trusted. Whatever the line, a time it accepts is of the
-// past minute, and it is accepted only as a decimal monotonic time.
+// past minute, and it is accepted only as a decimal time.
 func FuzzParseReport(f *testing.F) {
-	const nowMono = int64(3600 * time.Second)
+	const now = int64(3600 * time.Second)
 	f.Add("heard 3600000000000")
 	f.Add("heard 3599000000000")
 	f.Add("heard 3540000000000")
@@ -120,21 +127,20 @@ func FuzzParseReport(f *testing.F) {
 	f.Add("heard 0x10")
 	f.Add("heard \xff\xfe" + strings.Repeat("é", 100))
 	f.Add("")
-	now := time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
 	f.Fuzz(func(t *testing.T, line string) {
-		got, err := parseReport(line, nowMono, now)
+		got, err := parseReport(line, now)
 		if err != nil {
 			if len(err.Error()) > 1024 {
 				t.Fatalf("error of %d bytes: the line is not capped in it", len(err.Error()))
 			}
 			return
 		}
-		if got.After(now) || now.Sub(got) > time.Minute {
+		if got > now || now-got > int64(time.Minute) {
 			t.Fatalf("parseReport(%q) = %v: not of the past minute before %v", line, got, now)
 		}
 		v, ok := strings.CutPrefix(line, "heard ")
-		mono, perr := strconv.ParseInt(v, 10, 64)
-		if !ok || perr != nil || !got.Equal(now.Add(-time.Duration(nowMono-mono))) {
+		n, perr := strconv.ParseInt(v, 10, 64)
+		if !ok || perr != nil || got != n {
 			t.Fatalf("parseReport(%q) = %v: accepted a line that is not a report", line, got)
 		}
 	})
@@ -146,7 +152,7 @@ func TestReadReports(t *testing.T) {
 	if !f.Fenced() {
 		t.Fatal("unheard for an hour, and not fenced")
 	}
-	if err := f.ReadReports(strings.NewReader(Report(Monotonic()) + Report(Monotonic()))); err != nil {
+	if err := f.ReadReports(strings.NewReader(Report(Boottime()) + Report(Boottime()))); err != nil {
 		t.Fatal(err)
 	}
 	if f.Fenced() {
@@ -156,15 +162,15 @@ func TestReadReports(t *testing.T) {
 
 func TestReadReportsRefuses(t *testing.T) {
 	for name, in := range map[string]string{
-		"future":    Report(Monotonic() + int64(time.Hour)),
-		"old":       Report(Monotonic() - int64(2*time.Minute)),
+		"future":    Report(Boottime() + int64(time.Hour)),
+		"old":       Report(Boottime() - int64(2*time.Minute)),
 		"malformed": "heard now\n",
 		"oversized": "heard " + strings.Repeat("1", maxReport) + "\n",
 	} {
 		t.Run(name, func(t *testing.T) {
 			f := newHost().fence(time.Hour)
 			// A good report after the bad one is never read.
-			err := f.ReadReports(io.MultiReader(strings.NewReader(in), strings.NewReader(Report(Monotonic()))))
+			err := f.ReadReports(io.MultiReader(strings.NewReader(in), strings.NewReader(Report(Boottime()))))
 			if err == nil {
 				t.Fatal("no error")
 			}
@@ -184,6 +190,8 @@ func TestGuard(t *testing.T) {
 		apiv1connect.VMServiceStartVMProcedure,
 		apiv1connect.VMServiceResumeVMProcedure,
 		apiv1connect.VMServiceResetVMProcedure,
+		apiv1connect.VMServiceRestoreVMProcedure,
+		apiv1connect.VMServiceForkVMProcedure,
 	}
 	for _, unheard := range []time.Duration{0, time.Hour} {
 		f := newHost().fence(unheard)
@@ -214,28 +222,28 @@ func TestGuard(t *testing.T) {
 func TestCheck(t *testing.T) {
 	h := newHost()
 	f := h.fence(0)
-	f.check(context.Background())
+	f.Check(context.Background())
 	if s := h.stops(); len(s) != 0 {
 		t.Fatalf("stopped %v while heard", s)
 	}
 
 	h.stopErr = map[string]error{"fleet-a": errors.New("boom")}
-	f.heard = time.Now().Add(-f.cfg.After)
-	f.check(context.Background())
+	f.heard = Boottime() - int64(f.cfg.After)
+	f.Check(context.Background())
 	if s, want := h.stops(), []string{"fleet-a", "fleet-b"}; !slices.Equal(s, want) {
 		t.Fatalf("stopped %v, want %v: every fleet VM, and no other", s, want)
 	}
 
 	// Heard of a renewal that began too long ago: still fenced.
-	f.Heard(time.Now().Add(-time.Hour))
+	f.Heard(Boottime() - int64(time.Hour))
 	if !f.Fenced() {
 		t.Fatal("no longer fenced after an old renewal")
 	}
-	f.Heard(time.Now())
+	f.Heard(Boottime())
 	if f.Fenced() {
 		t.Fatal("still fenced after a renewal of now")
 	}
-	f.Heard(time.Now().Add(-time.Hour))
+	f.Heard(Boottime() - int64(time.Hour))
 	if f.Fenced() {
 		t.Fatal("an old renewal heard late took the place of a newer one")
 	}
@@ -261,5 +269,49 @@ func TestWatch(t *testing.T) {
 	<-done
 	if s := h.stops(); !slices.Contains(s, "fleet-a") || !slices.Contains(s, "fleet-b") || slices.Contains(s, "mine") {
 		t.Errorf("stopped %v, want the fleet VMs alone", s)
+	}
+}
+
+// TestStateKept: the last renewal heard outlives carreld. A carreld that
+// starts again after the time ran out starts fenced, and its first Check
+// stops the fleet VMs that ran on meanwhile; one that starts in time
+// does not.
+func TestStateKept(t *testing.T) {
+	state := filepath.Join(t.TempDir(), "fleet-heard")
+	h := newHost()
+	f := h.fenceWith(Config{State: state})
+	f.heard = Boottime() - int64(40*time.Second)
+	f.Heard(Boottime() - int64(30*time.Second))
+	if again := h.fenceWith(Config{State: state}); again.Fenced() {
+		t.Fatal("fenced at a restart within the time")
+	}
+	f.Heard(Boottime() - int64(59*time.Second)) // older: not kept
+	b, err := os.ReadFile(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	boot, v, _ := strings.Cut(strings.TrimSpace(string(b)), " ")
+	kept, _ := strconv.ParseInt(v, 10, 64)
+	if boot != bootID() || Boottime()-kept < int64(30*time.Second) || Boottime()-kept > int64(time.Minute) {
+		t.Fatalf("state %q: want this boot and the renewal of 30 s ago", b)
+	}
+	// As if carreld had been down for two minutes.
+	if err := os.WriteFile(state, []byte(boot+" "+strconv.FormatInt(Boottime()-int64(2*time.Minute), 10)+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	again := h.fenceWith(Config{State: state})
+	if !again.Fenced() {
+		t.Fatal("not fenced at a restart after the time ran out")
+	}
+	again.Check(context.Background())
+	if s := h.stops(); !slices.Equal(s, []string{"fleet-a", "fleet-b"}) {
+		t.Errorf("stopped %v at the restart, want the fleet VMs", s)
+	}
+	// Another boot's state says nothing of this one.
+	if err := os.WriteFile(state, []byte("another-boot 1\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if h.fenceWith(Config{State: state}).Fenced() {
+		t.Error("fenced by the state of another boot")
 	}
 }

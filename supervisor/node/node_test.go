@@ -135,7 +135,7 @@ func webRun() Run {
 // engineWants syncs a to the runs the engine wants.
 func engineWants(t *testing.T, a *Agent, runs ...Run) {
 	t.Helper()
-	if err := a.Sync(context.Background(), runs); err != nil {
+	if err := a.Sync(context.Background(), runs, nil); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -238,10 +238,6 @@ func TestWithdraw(t *testing.T) {
 		vms := newFakeVMs()
 		a, _ := newAgent(vms)
 		bootWeb(t, a, vms)
-		a.Forget("uid-web")
-		if _, ok := status(t, a, "uid-web"); !ok {
-			t.Fatal("Forget dropped a run that is not Gone")
-		}
 
 		want := []string{"create web", "stop web", "delete web"}
 		if !graceful {
@@ -253,9 +249,9 @@ func TestWithdraw(t *testing.T) {
 		if calls := vms.callsMade(); !slices.Equal(calls, want) {
 			t.Errorf("graceful stop works %v: calls %q, want %q", graceful, calls, want)
 		}
-		a.Forget("uid-web")
+		engineWants(t, a) // a run gone and withdrawn is forgotten
 		if st, ok := status(t, a, "uid-web"); ok {
-			t.Errorf("run reported after Forget: %+v", st)
+			t.Errorf("run reported after the next sync: %+v", st)
 		}
 	}
 }
@@ -383,5 +379,26 @@ func TestFenceWhileBooting(t *testing.T) {
 	}
 	if st, _ := status(t, a, "uid-web"); st.Phase != Failed || st.Reason != "Fenced" {
 		t.Errorf("status %+v, want Failed, Fenced", st)
+	}
+}
+
+// TestKeep: a run the engine still has, but could not say more of just
+// now (its pod could not be checked), keeps its VM, and is not booted.
+func TestKeep(t *testing.T) {
+	vms := newFakeVMs(VM{Name: "web", Labels: map[string]string{LabelRun: "uid-web", LabelOwner: "ns/web"}, Running: true, Ready: true})
+	a, _ := newAgent(vms)
+	if err := a.Sync(context.Background(), nil, []string{"uid-web"}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(10 * time.Millisecond)
+	if calls := vms.callsMade(); len(calls) != 0 {
+		t.Fatalf("calls %q for a run kept", calls)
+	}
+	if err := a.Sync(context.Background(), nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	waitCalls(t, vms, 2)
+	if calls := vms.callsMade(); !slices.Equal(calls, []string{"stop web", "delete web"}) {
+		t.Errorf("calls %q once the run is no longer kept, want it withdrawn", calls)
 	}
 }

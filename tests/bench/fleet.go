@@ -98,7 +98,7 @@ func benchFleet(t *tb, cfg fleetConfig) {
 		n := &corev1.Node{
 			ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"kwok.x-k8s.io/node": "fake",
 				v1alpha1.LabelHost: "true", v1alpha1.LabelAdmitted: "true", v1alpha1.LabelDriver: "qemu", "kubernetes.io/hostname": name, "type": "kwok"}},
-			Spec: corev1.NodeSpec{Taints: []corev1.Taint{{Key: v1alpha1.TaintHost, Value: "true", Effect: corev1.TaintEffectNoSchedule}}},
+			Spec:   corev1.NodeSpec{Taints: []corev1.Taint{{Key: v1alpha1.TaintHost, Value: "true", Effect: corev1.TaintEffectNoSchedule}}},
 			Status: corev1.NodeStatus{Allocatable: simCapacity(), Capacity: simCapacity()},
 		}
 		if _, err := cs.CoreV1().Nodes().Create(ctx, n, metav1.CreateOptions{}); err != nil {

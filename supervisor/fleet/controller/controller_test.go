@@ -131,7 +131,7 @@ func TestPodFor(t *testing.T) {
 			t.Errorf("tolerations %+v lack %+v without a time limit", p.Spec.Tolerations, want)
 		}
 	}
-	wantSel := map[string]string{v1alpha1.LabelHost: "true", v1alpha1.LabelDriver: "libvirt"}
+	wantSel := map[string]string{v1alpha1.LabelAdmitted: "true", v1alpha1.LabelDriver: "libvirt"}
 	if !maps.Equal(p.Spec.NodeSelector, wantSel) {
 		t.Errorf("node selector %v, want %v", p.Spec.NodeSelector, wantSel)
 	}
@@ -174,8 +174,8 @@ func TestPodForDefaults(t *testing.T) {
 	if req.Memory().Value() != 1<<30+PodMemoryOverhead || req.Cpu().Value() != 1 {
 		t.Errorf("requests %v, want 1 CPU and 1 GiB and the overhead", req)
 	}
-	if !maps.Equal(p.Spec.NodeSelector, map[string]string{v1alpha1.LabelHost: "true"}) {
-		t.Errorf("node selector %v, want the hosts alone", p.Spec.NodeSelector)
+	if !maps.Equal(p.Spec.NodeSelector, map[string]string{v1alpha1.LabelAdmitted: "true"}) {
+		t.Errorf("node selector %v, want the admitted hosts alone", p.Spec.NodeSelector)
 	}
 	if p.Spec.ResourceClaims != nil || p.Spec.Containers[0].Resources.Claims != nil || p.Spec.Affinity != nil {
 		t.Errorf("claims %v, affinity %v: want none", p.Spec.ResourceClaims, p.Spec.Affinity)

@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -42,7 +43,7 @@ func newFleet(t *testing.T, avm *v1alpha1.AgentVM, objs ...client.Object) *fleet
 	c := fake.NewClientBuilder().WithScheme(s).WithObjects(append(objs, avm)...).
 		WithStatusSubresource(&v1alpha1.AgentVM{}).Build()
 	clk := newClock()
-	r := &Reconciler{Client: c, cfg: Config{NodeLossTimeout: lossTimeout, now: clk.now}, leases: newLeases(clk.now),
+	r := &Reconciler{Client: c, reader: c, cfg: Config{NodeLossTimeout: lossTimeout, now: clk.now}, leases: newLeases(clk.now),
 		events: events.NewFakeRecorder(16)}
 	return &fleet{t: t, r: r, clk: clk}
 }
@@ -87,9 +88,9 @@ func (f *fleet) pods() []corev1.Pod {
 func (f *fleet) runPod(avm *v1alpha1.AgentVM, node string, rep v1alpha1.HostReport) *corev1.Pod {
 	f.t.Helper()
 	p := PodFor(avm, &avm.Status)
-	p.UID = "uid-pod"
+	p.UID = avm.Status.PodUID
 	p.Spec.NodeName = node
-	p.Status.Conditions = []corev1.PodCondition{reportCondition(f.t, rep)}
+	p.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodScheduled, Status: corev1.ConditionTrue}, reportCondition(f.t, rep)}
 	if err := controllerutil.SetControllerReference(avm, p, f.r.Scheme()); err != nil {
 		f.t.Fatal(err)
 	}
@@ -124,7 +125,7 @@ func TestReconcileNewRun(t *testing.T) {
 }
 
 func TestReconcilePodGone(t *testing.T) {
-	placed := v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", Phase: v1alpha1.PhaseRunning, Node: "host-a", Session: "s-1"}
+	placed := v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", PodUID: "uid-pod", Phase: v1alpha1.PhaseRunning, Node: "host-a", Session: "s-1"}
 
 	f := newFleet(t, agentVM(v1alpha1.NodeLossFail, placed))
 	f.reconcile()
@@ -149,7 +150,7 @@ func TestReconcilePodGone(t *testing.T) {
 
 func TestReconcileNodeLost(t *testing.T) {
 	for _, how := range []v1alpha1.NodeLossAction{v1alpha1.NodeLossFail, v1alpha1.NodeLossRecreate} {
-		avm := agentVM(how, v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", Phase: v1alpha1.PhaseRunning, Node: "host-a"})
+		avm := agentVM(how, v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", PodUID: "uid-pod", Phase: v1alpha1.PhaseRunning, Node: "host-a"})
 		f := newFleet(t, avm)
 		if err := f.r.Create(context.Background(), f.runPod(avm, "host-a", v1alpha1.HostReport{Phase: "Running", Session: "s-1"})); err != nil {
 			t.Fatal(err)
@@ -191,7 +192,7 @@ func TestReconcileNodeLost(t *testing.T) {
 }
 
 func TestReconcileHostFenced(t *testing.T) {
-	avm := agentVM(v1alpha1.NodeLossFail, v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", Phase: v1alpha1.PhaseRunning, Node: "host-a"})
+	avm := agentVM(v1alpha1.NodeLossFail, v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", PodUID: "uid-pod", Phase: v1alpha1.PhaseRunning, Node: "host-a"})
 	f := newFleet(t, avm)
 	if err := f.r.Create(context.Background(), f.runPod(avm, "host-a", v1alpha1.HostReport{Phase: "Failed", Reason: "Fenced"})); err != nil {
 		t.Fatal(err)
@@ -200,6 +201,80 @@ func TestReconcileHostFenced(t *testing.T) {
 	if st := f.status(); st.Phase != v1alpha1.PhaseLost || !slices.Equal(st.LostNodes, []string{"host-a"}) || len(f.pods()) != 0 {
 		t.Errorf("status %+v, %d pods: want Lost on host-a at once, and its pod deleted", st, len(f.pods()))
 	}
+}
+
+// TestReconcileSquattedPod: a pod of the run's name that is not the pod
+// the controller makes (bound by hand, past the scheduler) is deleted,
+// and the next run named.
+func TestReconcileSquattedPod(t *testing.T) {
+	avm := agentVM(v1alpha1.NodeLossFail, v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", Phase: v1alpha1.PhasePending})
+	f := newFleet(t, avm)
+	p := f.runPod(avm, "host-x", v1alpha1.HostReport{Phase: "Running"})
+	p.UID = "uid-squatter"
+	p.Status.Conditions = nil // bound without the scheduler
+	if err := f.r.Create(context.Background(), p); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile()
+	if st := f.status(); st.Run != 2 || st.Pod != "web-2" || st.PodUID != "" {
+		t.Fatalf("status %+v, want run 2 named", st)
+	}
+	if pods := f.pods(); len(pods) != 0 {
+		t.Fatalf("pods %v, want the squatter gone", podNames(pods))
+	}
+	f.reconcile()
+	pods := f.pods()
+	if len(pods) != 1 || pods[0].Name != "web-2" || pods[0].Spec.NodeName != "" {
+		t.Fatalf("pods %v, want web-2, unbound", podNames(pods))
+	}
+	if st := f.status(); st.PodUID != pods[0].UID {
+		t.Errorf("pod UID on record %q, want %q", st.PodUID, pods[0].UID)
+	}
+}
+
+// TestReconcileDrainWaitsForHost: a run's pod being deleted is held by
+// its finalizer until the host reports its VM gone; only then does the
+// next run start.
+func TestReconcileDrainWaitsForHost(t *testing.T) {
+	avm := agentVM(v1alpha1.NodeLossRecreate, v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", PodUID: "uid-pod", Phase: v1alpha1.PhaseRunning, Node: "host-a"})
+	f := newFleet(t, avm)
+	ctx := context.Background()
+	if err := f.r.Create(ctx, f.runPod(avm, "host-a", v1alpha1.HostReport{Phase: "Running"})); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.r.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "host-a"}}); err != nil {
+		t.Fatal(err)
+	}
+	f.leasesHeard("host-a")
+	var p corev1.Pod
+	if err := f.r.Get(ctx, types.NamespacedName{Namespace: "team", Name: "web-1"}, &p); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.r.Delete(ctx, &p); err != nil { // an eviction
+		t.Fatal(err)
+	}
+	f.reconcile()
+	if st := f.status(); st.Run != 1 || st.Phase != v1alpha1.PhaseStopping || len(f.pods()) != 1 {
+		t.Fatalf("status %+v, %d pods: want run 1 Stopping, its pod held", st, len(f.pods()))
+	}
+	if err := f.r.Get(ctx, types.NamespacedName{Namespace: "team", Name: "web-1"}, &p); err != nil {
+		t.Fatal(err)
+	}
+	p.Status.Conditions = []corev1.PodCondition{reportCondition(t, v1alpha1.HostReport{Phase: "Gone"})}
+	if err := f.r.Status().Update(ctx, &p); err != nil {
+		t.Fatal(err)
+	}
+	f.reconcile() // lets go of the pod
+	f.reconcile() // the run has ended: the next one
+	if st := f.status(); st.Run != 2 || st.Phase != v1alpha1.PhasePending {
+		t.Fatalf("status %+v, want run 2 once the host let go", st)
+	}
+}
+
+// leasesHeard makes the controller see node's Lease renewed now.
+func (f *fleet) leasesHeard(node string) {
+	now := metav1.NewMicroTime(f.clk.now())
+	f.r.leases.observe(&coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: node}, Spec: coordinationv1.LeaseSpec{RenewTime: &now}})
 }
 
 func podNames(pods []corev1.Pod) []string {
