@@ -251,6 +251,44 @@ func TestFleet(t *testing.T) {
 		f.gracefulStop(host, "a1")
 	})
 
+	t.Run("Policy", func(t *testing.T) {
+		f.t = t
+		// The default bundle's data, with uname denied: a Policy as an
+		// operator would write one from carrel's own.
+		b, err := os.ReadFile(filepath.Join(harness.RepoRoot(), "policy", "bundle", "data.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var data map[string]any
+		if err := json.Unmarshal(b, &data); err != nil {
+			t.Fatal(err)
+		}
+		data["settings"].(map[string]any)["exec"].(map[string]any)["denied_commands"] = []any{"uname"}
+		b, _ = json.Marshal(data)
+		pol := &unstructured.Unstructured{Object: map[string]any{"apiVersion": v1alpha1.GroupVersion.String(), "kind": "Policy",
+			"metadata": map[string]any{"name": "no-uname"}, "spec": map[string]any{"files": map[string]any{"data.json": string(b)}}}}
+		if _, err := f.c.Dynamic(f.c.Admin).Resource(v1alpha1.GroupVersion.WithResource("policies")).Namespace(fleetNS).Create(ctx, pol, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		f.create("p1", map[string]any{"image": "dev", "memory": "512Mi", "policyRef": "no-uname"})
+		a := f.waitPhase("p1", v1alpha1.PhaseRunning, 1, 180*time.Second)
+		d := f.hosts[a.Status.Node]
+		var v struct {
+			Policy string `json:"policy"`
+		}
+		if err := json.Unmarshal([]byte(d.Must("vm", "inspect", "p1")), &v); err != nil || v.Policy != v1alpha1.HostPolicyName(fleetNS, "no-uname") {
+			t.Errorf("p1's policy on its host: %q, %v; want %s", v.Policy, err, v1alpha1.HostPolicyName(fleetNS, "no-uname"))
+		}
+		if r := d.Carrel("exec", "p1", "--", "uname"); r.Code == 0 || !strings.Contains(r.Stderr, "denied") {
+			t.Errorf("uname in p1 under the Policy: exit %d, %q", r.Code, r.Stderr)
+		}
+		if out := d.Must("exec", "p1", "--", "echo", "allowed"); out != "allowed\n" {
+			t.Errorf("echo in p1: %q", out)
+		}
+		f.delete("p1")
+		f.waitFor("p1's VM deleted", 90*time.Second, func() bool { return len(f.vmsNamed("p1")) == 0 })
+	})
+
 	t.Run("GPUPlacement", func(t *testing.T) {
 		f.t = t
 		f.create("g1", map[string]any{"image": "dev", "memory": "512Mi", "gpus": map[string]any{"count": 1}})

@@ -110,6 +110,10 @@ func run() error {
 		REST: rest, Name: *name, Agent: agent, GPUs: host.List, Driver: *driver,
 		CPUs: c, Memory: m, Pods: *pods, Version: version, RenewInterval: *renew, Log: log,
 		Audit: cps.latest,
+		ApplyPolicy: func(ctx context.Context, name string, files map[string][]byte) error {
+			_, err := api.Policies.ApplyPolicy(ctx, connect.NewRequest(&apiv1.ApplyPolicyRequest{Name: name, Files: files}))
+			return err
+		},
 		Alive: func(ctx context.Context) error {
 			ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 			defer cancel()

@@ -166,12 +166,17 @@ func runHelper(ctx context.Context, helper string, args []string, f *fence.Fence
 	apiConn, err := net.FileConn(apiOurs)
 	apiOurs.Close()
 	if err != nil {
+		repOurs.Close()
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
 		return err
 	}
 	repConn, err := net.FileConn(repOurs)
 	repOurs.Close()
 	if err != nil {
 		apiConn.Close()
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
 		return err
 	}
 	defer repConn.Close()

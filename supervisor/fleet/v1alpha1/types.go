@@ -185,39 +185,30 @@ type AgentVMList struct {
 	Items           []AgentVM `json:"items"`
 }
 
-// Policy is a Rego bundle, as carrel policy apply takes, for the hosts
-// to apply under its name.
+// Policy is a Rego bundle, as carrel policy apply takes. An AgentVM
+// whose policyRef names a Policy of its namespace is bound, on its host,
+// to that bundle: the host applies it before it boots the VM, under a
+// name of its own (HostPolicyName), so no Policy can replace a policy the
+// host's operator installed.
 //
 // +kubebuilder:object:root=true
-// +kubebuilder:subresource:status
 // +kubebuilder:resource:categories=carrel
-// +kubebuilder:printcolumn:name="Revision",type=string,JSONPath=`.status.revision`
 // +kubebuilder:printcolumn:name="Age",type=date,JSONPath=`.metadata.creationTimestamp`
+// +kubebuilder:validation:XValidation:rule="self.metadata.name.matches('^[a-z][a-z0-9-]{0,62}$')",message="a Policy's name: 1-63 lower-case letters, digits and '-', starting with a letter"
 type Policy struct {
 	metav1.TypeMeta   `json:",inline"`
 	metav1.ObjectMeta `json:"metadata,omitempty"`
 
-	Spec   PolicySpec   `json:"spec"`
-	Status PolicyStatus `json:"status,omitempty"`
+	Spec PolicySpec `json:"spec"`
 }
 
 // PolicySpec is the bundle: its files by name.
 type PolicySpec struct {
-	// Files are the bundle's .rego and data files by name.
+	// Files are the bundle's .rego files and its data.json, by relative
+	// path, as carrel policy apply takes a directory's.
 	// +kubebuilder:validation:MinProperties=1
 	// +kubebuilder:validation:MaxProperties=64
 	Files map[string]string `json:"files"`
-}
-
-// PolicyStatus is what the hosts made of it.
-type PolicyStatus struct {
-	// Revision is the revision the hosts applied.
-	// +optional
-	Revision string `json:"revision,omitempty"`
-	// +listType=map
-	// +listMapKey=type
-	// +optional
-	Conditions []metav1.Condition `json:"conditions,omitempty"`
 }
 
 // PolicyList is a list of Policies.

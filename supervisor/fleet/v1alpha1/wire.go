@@ -1,5 +1,26 @@
 package v1alpha1
 
+import (
+	"crypto/sha256"
+	"encoding/hex"
+)
+
+// HostPolicyName is the name a host applies a Policy under: "k8s-", a
+// hash of its namespace and name, and as much of its name as fits. It
+// cannot be a policy the host's operator named (they do not start so by
+// convention), and Policies of two namespaces do not meet.
+func HostPolicyName(namespace, name string) string {
+	h := sha256.Sum256([]byte(namespace + "/" + name))
+	out := "k8s-" + hex.EncodeToString(h[:4]) + "-" + name
+	if len(out) > 63 {
+		out = out[:63]
+	}
+	for len(out) > 0 && out[len(out)-1] == '-' {
+		out = out[:len(out)-1]
+	}
+	return out
+}
+
 // What the controller and the hosts' carreld agree on, besides the
 // kinds: the names on the pods, nodes and slices they share.
 const (

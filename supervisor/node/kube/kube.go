@@ -74,6 +74,9 @@ type Config struct {
 	Pods   int64
 	// Version is carreld's, put on the Node.
 	Version string
+	// ApplyPolicy applies a Policy's bundle on the host under name, as
+	// carrel policy apply does.
+	ApplyPolicy func(ctx context.Context, name string, files map[string][]byte) error
 	// Audit returns the host's latest audit checkpoint, or nil.
 	Audit func() *v1alpha1.AuditCheckpoint
 	// LeaseDuration is the Lease's declared duration; RenewInterval is
@@ -104,6 +107,7 @@ type Node struct {
 
 	mu       sync.Mutex
 	devices  map[string]string         // published device name -> PCI address
+	policies map[types.UID]int64       // Policies applied, at their generation
 	accepted map[types.UID]acceptedPod // pods checked against their AgentVMs
 	reported map[types.UID]string      // the last report written, by pod
 }
@@ -139,7 +143,7 @@ func New(cfg Config) (*Node, error) {
 		return nil, err
 	}
 	return &Node{cfg: cfg, log: cfg.Log.With("node", cfg.Name), cs: cs, dyn: dyn,
-		kick: make(chan struct{}, 1), devices: map[string]string{}, accepted: map[types.UID]acceptedPod{},
+		kick: make(chan struct{}, 1), devices: map[string]string{}, accepted: map[types.UID]acceptedPod{}, policies: map[types.UID]int64{},
 		reported: map[types.UID]string{}}, nil
 }
 
@@ -606,6 +610,9 @@ func (n *Node) runOf(ctx context.Context, p *corev1.Pod) (node.Run, error) {
 	if err != nil {
 		return node.Run{}, err
 	}
+	if spec.Policy, err = n.policy(ctx, p.Namespace, avm.Spec.PolicyRef); err != nil {
+		return node.Run{}, err
+	}
 	r := node.Run{ID: string(p.UID), Owner: p.Namespace + "/" + avm.Name, VM: avm.Name, Spec: spec}
 	if avm.Spec.GPUs != nil {
 		if r.GPUs, err = n.allocated(ctx, p, int(avm.Spec.GPUs.Count)); err != nil {
@@ -613,6 +620,50 @@ func (n *Node) runOf(ctx context.Context, p *corev1.Pod) (node.Run, error) {
 		}
 	}
 	return r, nil
+}
+
+var policies = v1alpha1.GroupVersion.WithResource("policies")
+
+// policy resolves an AgentVM's policyRef: a Policy of its namespace is
+// applied on the host (again when it changed) and named as the host
+// names it; otherwise the ref names a policy the host has.
+func (n *Node) policy(ctx context.Context, namespace, ref string) (string, error) {
+	if ref == "" {
+		return "", nil
+	}
+	u, err := n.dyn.Resource(policies).Namespace(namespace).Get(ctx, ref, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return ref, nil
+	case err != nil:
+		return "", transient{fmt.Errorf("read Policy %s/%s: %w", namespace, ref, err)}
+	}
+	name := v1alpha1.HostPolicyName(namespace, ref)
+	n.mu.Lock()
+	applied, ok := n.policies[u.GetUID()]
+	n.mu.Unlock()
+	if ok && applied == u.GetGeneration() {
+		return name, nil
+	}
+	var pol v1alpha1.Policy
+	if err := runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &pol); err != nil {
+		return "", fmt.Errorf("Policy %s/%s: %w", namespace, ref, err)
+	}
+	files := make(map[string][]byte, len(pol.Spec.Files))
+	for f, body := range pol.Spec.Files {
+		files[f] = []byte(body)
+	}
+	if n.cfg.ApplyPolicy == nil {
+		return "", errors.New("this host applies no Policies")
+	}
+	if err := n.cfg.ApplyPolicy(ctx, name, files); err != nil {
+		return "", fmt.Errorf("apply Policy %s/%s as %s: %w", namespace, ref, name, err)
+	}
+	n.log.Info("Policy applied", "policy", namespace+"/"+ref, "as", name, "generation", u.GetGeneration())
+	n.mu.Lock()
+	n.policies[u.GetUID()] = u.GetGeneration()
+	n.mu.Unlock()
+	return name, nil
 }
 
 // SpecOf is the VM an AgentVM's runs boot.
