@@ -49,6 +49,14 @@ build: ## Build carreld, carrel, carrel-policy (the policy engine carrel runs), 
 	$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/carreld ./cmd/carrel ./cmd/carrel-policy ./cmd/carrel-node ./cmd/carrel-controller
 	$(GO) build -trimpath -buildvcs=false -ldflags '$(AGENT_LDFLAGS)' -o $(BIN)/ ./cmd/carrel-agent
 
+# carrel-controller's container image, for carrel fleet manifests'
+# Deployment: the binary alone, as an OCI layout (push it with skopeo or
+# crane). Two builds of one binary give one digest.
+.PHONY: controller-image
+controller-image: build ## Write carrel-controller's container image (an OCI layout) to out/carrel-controller-image
+	@rm -rf out/carrel-controller-image
+	$(BIN)/carrel-controller image --out out/carrel-controller-image --tag carrel-controller:$(VERSION)
+
 .PHONY: run
 run: deps build ## Build, start carreld, build the dev image, boot a VM, run a short session, tear down
 	@BIN=$(BIN) CACHE=$(CACHE) ./tests/run-demo.sh

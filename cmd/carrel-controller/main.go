@@ -1,7 +1,8 @@
 // Command carrel-controller places AgentVMs on carrel hosts through
 // Kubernetes' scheduler (supervisor/fleet/controller). It runs in the
 // cluster (carrel fleet manifests deploys it) or beside it with
-// --kubeconfig; replicas elect one leader.
+// --kubeconfig; replicas elect one leader. `carrel-controller image
+// --out DIR` writes its own container image, as an OCI layout.
 package main
 
 import (
@@ -36,6 +37,9 @@ func main() {
 }
 
 func run() error {
+	if len(os.Args) > 1 && os.Args[1] == "image" {
+		return runImage(os.Args[2:])
+	}
 	leaderNS := flag.String("leader-election-namespace", "carrel-system", "namespace of the leader election Lease")
 	leaderElect := flag.Bool("leader-elect", true, "elect one active replica")
 	lossTimeout := flag.Duration("node-loss-timeout", controller.DefaultNodeLossTimeout, "how long a host's Lease may go unrenewed before its runs are Lost; hosts fence themselves after half of it (carreld --fleet-fence-after)")
@@ -102,4 +106,27 @@ func run() error {
 	}
 	log.Info("carrel-controller starting", "version", version, "node-loss-timeout", *lossTimeout, "leader-elect", *leaderElect)
 	return mgr.Start(ctrl.SetupSignalHandler())
+}
+
+func runImage(args []string) error {
+	fs := flag.NewFlagSet("image", flag.ContinueOnError)
+	out := fs.String("out", "", "directory to write the OCI image layout to (new)")
+	tag := fs.String("tag", "carrel-controller:"+version, "the image's name in the layout (org.opencontainers.image.ref.name)")
+	fs.Usage = func() {
+		fmt.Fprintln(fs.Output(), "usage: carrel-controller image --out DIR [--tag NAME]\n\nWrites this binary's container image as an OCI layout; push it with, e.g.,\n  skopeo copy oci:DIR docker://REGISTRY/carrel-controller:VERSION")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *out == "" || fs.NArg() > 0 {
+		fs.Usage()
+		return fmt.Errorf("--out is required")
+	}
+	d, err := writeImage(*out, *tag)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%s %s\n", *tag, d)
+	return nil
 }

@@ -20,8 +20,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
 
 	"github.com/carrel-os/carrel/supervisor/fleet/v1alpha1"
@@ -163,12 +164,19 @@ func benchFleet(t *tb, cfg fleetConfig) {
 
 	// Watch every AgentVM's phase from the start.
 	avms := c.Dynamic(c.Admin).Resource(v1alpha1.GroupVersion.WithResource("agentvms")).Namespace("default")
+	// An informer, which lists again and watches on when the API server
+	// drops a watcher that falls behind (as it does under this load).
 	tr := newTracker()
-	w, err := avms.Watch(ctx, metav1.ListOptions{})
-	if err != nil {
+	inf := dynamicinformer.NewFilteredDynamicInformer(c.Dynamic(c.Admin), v1alpha1.GroupVersion.WithResource("agentvms"), "default", 0, cache.Indexers{}, nil)
+	if _, err := inf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    tr.seen,
+		UpdateFunc: func(_, o any) { tr.seen(o) },
+	}); err != nil {
 		t.Fatal(err)
 	}
-	go tr.follow(w)
+	stop := make(chan struct{})
+	defer close(stop)
+	go inf.Informer().Run(stop)
 
 	// The workload: 90% 2 vCPU / 4 GiB, 10% with 1 to 8 GPUs.
 	rng := rand.New(rand.NewPCG(1, 2))
@@ -321,11 +329,10 @@ func checkPlacement(t *tb, cs *kubernetes.Clientset, cfg fleetConfig) {
 
 // tracker follows AgentVMs' phases from a watch.
 type tracker struct {
-	mu      sync.Mutex
-	made    map[string]time.Time
-	ran     map[string]time.Duration // first create→Running
-	st      map[string]v1alpha1.AgentVMStatus
-	nRunnng int
+	mu   sync.Mutex
+	made map[string]time.Time
+	ran  map[string]time.Duration // first create→Running
+	st   map[string]v1alpha1.AgentVMStatus
 }
 
 func newTracker() *tracker {
@@ -338,24 +345,22 @@ func (tr *tracker) created(name string) {
 	tr.mu.Unlock()
 }
 
-func (tr *tracker) follow(w watch.Interface) {
-	for ev := range w.ResultChan() {
-		u, ok := ev.Object.(*unstructured.Unstructured)
-		if !ok {
-			continue
+func (tr *tracker) seen(o any) {
+	u, ok := o.(*unstructured.Unstructured)
+	if !ok {
+		return
+	}
+	var a v1alpha1.AgentVM
+	if runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &a) != nil {
+		return
+	}
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	tr.st[a.Name] = a.Status
+	if _, seen := tr.ran[a.Name]; !seen && a.Status.Phase == v1alpha1.PhaseRunning {
+		if t0, ok := tr.made[a.Name]; ok {
+			tr.ran[a.Name] = time.Since(t0)
 		}
-		var a v1alpha1.AgentVM
-		if runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, &a) != nil {
-			continue
-		}
-		tr.mu.Lock()
-		tr.st[a.Name] = a.Status
-		if _, seen := tr.ran[a.Name]; !seen && a.Status.Phase == v1alpha1.PhaseRunning {
-			if t0, ok := tr.made[a.Name]; ok {
-				tr.ran[a.Name] = time.Since(t0)
-			}
-		}
-		tr.mu.Unlock()
 	}
 }
 
