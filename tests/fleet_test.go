@@ -265,8 +265,21 @@ func TestFleet(t *testing.T) {
 		}
 		data["settings"].(map[string]any)["exec"].(map[string]any)["denied_commands"] = []any{"uname"}
 		b, _ = json.Marshal(data)
+		// A bundle brings its tests: this one's, that uname is denied.
+		test := `package no_uname_test
+
+import data.carrel.exec
+
+test_uname_denied if {
+	d := exec.decision with input as {"version": 1, "vm": "p1", "caller": {"type": "peer", "uid": 0},
+		"argv": ["uname"], "env": {}, "cwd": "/workspace", "user": "agent", "tty": false}
+	d.allow == false
+	d.rule == "carrel.exec.denied_command"
+}
+`
 		pol := &unstructured.Unstructured{Object: map[string]any{"apiVersion": v1alpha1.GroupVersion.String(), "kind": "Policy",
-			"metadata": map[string]any{"name": "no-uname"}, "spec": map[string]any{"files": map[string]any{"data.json": string(b)}}}}
+			"metadata": map[string]any{"name": "no-uname"}, "spec": map[string]any{"files": map[string]any{
+				"data.json": string(b), "no_uname_test.rego": test}}}}
 		if _, err := f.c.Dynamic(f.c.Admin).Resource(v1alpha1.GroupVersion.WithResource("policies")).Namespace(fleetNS).Create(ctx, pol, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}

@@ -40,9 +40,12 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/controller"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/handler"
 	"sigs.k8s.io/controller-runtime/pkg/log"
+	"sigs.k8s.io/controller-runtime/pkg/manager"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
+	"sigs.k8s.io/controller-runtime/pkg/source"
 
 	"github.com/carrel-os/carrel/supervisor/fleet/v1alpha1"
 )
@@ -54,8 +57,10 @@ const (
 	PodMemoryOverhead = 256 << 20
 	// podGracePeriod bounds a host's graceful stop of a run's VM.
 	podGracePeriod = 60
-	// indexNode indexes AgentVMs by status.node.
-	indexNode = "status.node"
+	// indexNode indexes AgentVMs by status.node; indexOwner, pods by the
+	// AgentVM that controls them.
+	indexNode  = "status.node"
+	indexOwner = "agentvm"
 )
 
 // Config configures the controller.
@@ -89,12 +94,20 @@ func Setup(mgr ctrl.Manager, cfg Config) error {
 	}
 	r := &Reconciler{Client: mgr.GetClient(), reader: mgr.GetAPIReader(), cfg: cfg, leases: newLeases(cfg.now),
 		events: mgr.GetEventRecorder("carrel-controller")}
-	if err := mgr.GetFieldIndexer().IndexField(context.Background(), &v1alpha1.AgentVM{}, indexNode, func(o client.Object) []string {
-		if n := o.(*v1alpha1.AgentVM).Status.Node; n != "" {
-			return []string{n}
-		}
+	idx := mgr.GetFieldIndexer()
+	if err := idx.IndexField(context.Background(), &v1alpha1.AgentVM{}, indexNode, nodeOf); err != nil {
+		return err
+	}
+	if err := idx.IndexField(context.Background(), &corev1.Pod{}, indexOwner, ownerOf); err != nil {
+		return err
+	}
+	// Hosts that go silent: their AgentVMs are looked at once their
+	// time is up, by one watcher, not by each AgentVM polling.
+	lost := make(chan event.GenericEvent, 1024)
+	if err := mgr.Add(manager.RunnableFunc(func(ctx context.Context) error {
+		r.watchLoss(ctx, lost)
 		return nil
-	}); err != nil {
+	})); err != nil {
 		return err
 	}
 	return ctrl.NewControllerManagedBy(mgr).
@@ -103,27 +116,66 @@ func Setup(mgr ctrl.Manager, cfg Config) error {
 		For(&v1alpha1.AgentVM{}).
 		Owns(&corev1.Pod{}).
 		Watches(&coordinationv1.Lease{}, handler.EnqueueRequestsFromMapFunc(r.leaseChanged)).
+		WatchesRawSource(source.Channel(lost, &handler.EnqueueRequestForObject{})).
 		Complete(r)
 }
 
-// leaseChanged notes a host's renewal and wakes the AgentVMs placed on it.
+// nodeOf indexes an AgentVM by its host.
+func nodeOf(o client.Object) []string {
+	if n := o.(*v1alpha1.AgentVM).Status.Node; n != "" {
+		return []string{n}
+	}
+	return nil
+}
+
+// ownerOf indexes a pod by the AgentVM that controls it.
+func ownerOf(o client.Object) []string {
+	if ref := metav1.GetControllerOf(o); ref != nil && ref.Kind == "AgentVM" {
+		return []string{ref.Name}
+	}
+	return nil
+}
+
+// leaseChanged notes a host's renewal. It wakes no AgentVM: a renewal
+// changes nothing for them (watchLoss wakes them when renewals stop).
 func (r *Reconciler) leaseChanged(ctx context.Context, o client.Object) []reconcile.Request {
-	l, ok := o.(*coordinationv1.Lease)
-	if !ok || l.Namespace != "kube-node-lease" {
-		return nil
+	if l, ok := o.(*coordinationv1.Lease); ok && l.Namespace == "kube-node-lease" {
+		r.leases.observe(l)
 	}
-	if !r.leases.observe(l) {
-		return nil
+	return nil
+}
+
+// watchLoss wakes the AgentVMs of each host whose Lease has gone
+// unrenewed past the timeout, once per silence, checking every second.
+func (r *Reconciler) watchLoss(ctx context.Context, out chan<- event.GenericEvent) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	woken := map[string]string{} // host -> the renewal it was woken after
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, node := range r.leases.silentOver(r.cfg.NodeLossTimeout) {
+			renew := r.leases.renewal(node)
+			if w, ok := woken[node]; ok && w == renew {
+				continue
+			}
+			var list v1alpha1.AgentVMList
+			if err := r.List(ctx, &list, client.MatchingFields{indexNode: node}); err != nil {
+				continue
+			}
+			woken[node] = renew
+			for i := range list.Items {
+				select {
+				case out <- event.GenericEvent{Object: &list.Items[i]}:
+				case <-ctx.Done():
+					return
+				}
+			}
+		}
 	}
-	var list v1alpha1.AgentVMList
-	if err := r.List(ctx, &list, client.MatchingFields{indexNode: l.Name}); err != nil {
-		return nil
-	}
-	out := make([]reconcile.Request, 0, len(list.Items))
-	for _, a := range list.Items {
-		out = append(out, reconcile.Request{NamespacedName: types.NamespacedName{Namespace: a.Namespace, Name: a.Name}})
-	}
-	return out
 }
 
 // leases tracks when each host's Lease was last seen renewed, by this
@@ -155,6 +207,26 @@ func (ls *leases) observe(l *coordinationv1.Lease) bool {
 	}
 	ls.seen[l.Name] = leaseSeen{renew: renew, at: ls.now()}
 	return true
+}
+
+// silentOver lists the hosts seen whose last renewal is older than d.
+func (ls *leases) silentOver(d time.Duration) []string {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	var out []string
+	for n, s := range ls.seen {
+		if ls.now().Sub(s.at) > d {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// renewal is the last renewal seen of node.
+func (ls *leases) renewal(node string) string {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return ls.seen[node].renew
 }
 
 // silent is how long node has gone without a renewal this controller
@@ -287,9 +359,6 @@ func (r *Reconciler) Reconcile(ctx context.Context, req reconcile.Request) (reco
 	if err := r.writeStatus(ctx, &avm, st); err != nil {
 		return reconcile.Result{}, err
 	}
-	if active(st.Phase) && st.Node != "" {
-		return reconcile.Result{RequeueAfter: r.cfg.NodeLossTimeout / 4}, nil
-	}
 	return reconcile.Result{}, nil
 }
 
@@ -323,17 +392,13 @@ func truncate(s string, n int) string {
 // runPods are the pods of the AgentVM's runs, current and earlier.
 func (r *Reconciler) runPods(ctx context.Context, avm *v1alpha1.AgentVM) ([]*corev1.Pod, error) {
 	var list corev1.PodList
-	if err := r.List(ctx, &list, client.InNamespace(avm.Namespace), client.MatchingLabels{v1alpha1.LabelAgentVM: avm.Name}); err != nil {
+	if err := r.List(ctx, &list, client.InNamespace(avm.Namespace), client.MatchingFields{indexOwner: avm.Name}); err != nil {
 		return nil, err
 	}
 	var out []*corev1.Pod
 	for i := range list.Items {
-		p := &list.Items[i]
-		if metav1.IsControlledBy(p, avm) {
+		if p := &list.Items[i]; metav1.IsControlledBy(p, avm) {
 			out = append(out, p)
-		} else if metav1.GetControllerOf(p) == nil && p.DeletionTimestamp == nil {
-			// Labelled as a run but nobody's: not a host's to run.
-			_ = r.Delete(ctx, p, client.Preconditions{UID: &p.UID})
 		}
 	}
 	return out, nil
@@ -342,14 +407,12 @@ func (r *Reconciler) runPods(ctx context.Context, avm *v1alpha1.AgentVM) ([]*cor
 // orphans are the run pods of an AgentVM that is gone.
 func (r *Reconciler) orphans(ctx context.Context, avm types.NamespacedName) ([]*corev1.Pod, error) {
 	var list corev1.PodList
-	if err := r.List(ctx, &list, client.InNamespace(avm.Namespace), client.MatchingLabels{v1alpha1.LabelAgentVM: avm.Name}); err != nil {
+	if err := r.List(ctx, &list, client.InNamespace(avm.Namespace), client.MatchingFields{indexOwner: avm.Name}); err != nil {
 		return nil, err
 	}
-	var out []*corev1.Pod
+	out := make([]*corev1.Pod, 0, len(list.Items))
 	for i := range list.Items {
-		if o := metav1.GetControllerOf(&list.Items[i]); o != nil && o.Kind == "AgentVM" && o.Name == avm.Name {
-			out = append(out, &list.Items[i])
-		}
+		out = append(out, &list.Items[i])
 	}
 	return out, nil
 }

@@ -16,6 +16,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/client"
 	"sigs.k8s.io/controller-runtime/pkg/client/fake"
 	"sigs.k8s.io/controller-runtime/pkg/controller/controllerutil"
+	"sigs.k8s.io/controller-runtime/pkg/event"
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	"github.com/carrel-os/carrel/supervisor/fleet/v1alpha1"
@@ -41,7 +42,8 @@ func newFleet(t *testing.T, avm *v1alpha1.AgentVM, objs ...client.Object) *fleet
 		t.Fatal(err)
 	}
 	c := fake.NewClientBuilder().WithScheme(s).WithObjects(append(objs, avm)...).
-		WithStatusSubresource(&v1alpha1.AgentVM{}).Build()
+		WithStatusSubresource(&v1alpha1.AgentVM{}).
+		WithIndex(&corev1.Pod{}, indexOwner, ownerOf).WithIndex(&v1alpha1.AgentVM{}, indexNode, nodeOf).Build()
 	clk := newClock()
 	r := &Reconciler{Client: c, reader: c, cfg: Config{NodeLossTimeout: lossTimeout, now: clk.now}, leases: newLeases(clk.now),
 		events: events.NewFakeRecorder(16)}
@@ -156,8 +158,8 @@ func TestReconcileNodeLost(t *testing.T) {
 			t.Fatal(err)
 		}
 
-		if res := f.reconcile(); res.RequeueAfter != lossTimeout/4 {
-			t.Errorf("%s: a placed run is looked at again after %s, want %s", how, res.RequeueAfter, lossTimeout/4)
+		if res := f.reconcile(); res.RequeueAfter != 0 {
+			t.Errorf("%s: a placed run polled every %s: watchLoss wakes it", how, res.RequeueAfter)
 		}
 		f.clk.advance(lossTimeout)
 		f.reconcile()
@@ -283,4 +285,36 @@ func podNames(pods []corev1.Pod) []string {
 		out = append(out, p.Name)
 	}
 	return out
+}
+
+// TestWatchLoss: a host silent past the timeout wakes its AgentVMs once
+// per silence, and a host that renews does not.
+func TestWatchLoss(t *testing.T) {
+	avm := agentVM(v1alpha1.NodeLossFail, v1alpha1.AgentVMStatus{Run: 1, Pod: "web-1", PodUID: "uid-pod", Phase: v1alpha1.PhaseRunning, Node: "host-a"})
+	f := newFleet(t, avm)
+	f.leasesHeard("host-a")
+	f.leasesHeard("host-b")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	out := make(chan event.GenericEvent, 8)
+	go f.r.watchLoss(ctx, out)
+	select {
+	case ev := <-out:
+		t.Fatalf("woke %s while its host renews", ev.Object.GetName())
+	case <-time.After(1500 * time.Millisecond):
+	}
+	f.clk.advance(lossTimeout + time.Second)
+	select {
+	case ev := <-out:
+		if ev.Object.GetName() != "web" {
+			t.Fatalf("woke %s", ev.Object.GetName())
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the AgentVM of a silent host was not woken")
+	}
+	select {
+	case ev := <-out:
+		t.Fatalf("woke %s twice for one silence", ev.Object.GetName())
+	case <-time.After(1500 * time.Millisecond):
+	}
 }
