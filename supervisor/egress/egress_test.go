@@ -338,7 +338,11 @@ func TestAllowedConnections(t *testing.T) {
 		len(h.Decisions) != 2 || h.Rule != "carrel.net.egress_allow" || h.BytesUp == 0 || h.BytesDown == 0 || h.DurationNs <= 0 || h.Error != "" {
 		t.Errorf("plain http record %+v", h)
 	}
-	if c.Outcome != outcomeAllowed || c.SNI != "allowed.test" || c.BytesUp < 200 || c.BytesDown < 200 || c.Error != "" {
+	// The tunnel may still end in a reset, recorded as such: the server's
+	// close_notify, answering the client's, can reach a client socket
+	// that is closed already, whose kernel resets it (seen under load).
+	if c.Outcome != outcomeAllowed || c.SNI != "allowed.test" || c.BytesUp < 200 || c.BytesDown < 200 ||
+		c.Error != "" && !strings.HasSuffix(c.Error, "connection reset by peer") {
 		t.Errorf("CONNECT record %+v", c)
 	}
 	if h.PID == 0 {
