@@ -219,6 +219,8 @@ func benchFleet(t *tb, cfg fleetConfig) {
 	for _, p := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "carrel-controller", "kwok"} {
 		log.Printf("fleet: %-24s peak RSS %s", p, peakRSS(c, p))
 	}
+	log.Printf("fleet: %-24s peak RSS %s (the real host's node helper)", "carrel-node", pidRSS(childNamed(d.Pid(), "carrel-node")))
+	log.Printf("fleet: %-24s peak RSS %s (the real host, %d VMs)", "carreld", pidRSS(d.Pid()), realVMs)
 
 	checkPlacement(t, cs, cfg)
 	real := tr.onNode("carrel-real")
@@ -482,13 +484,47 @@ func parallel(n, k int, fn func(int)) {
 	wg.Wait()
 }
 
-// peakRSS is a process's peak resident set (VmHWM).
+// peakRSS is a cluster process's peak resident set (VmHWM).
 func peakRSS(c *cluster.Cluster, name string) string {
 	p := c.Proc(name)
 	if p == nil {
 		return "?"
 	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.Cmd.Process.Pid))
+	return pidRSS(p.Cmd.Process.Pid)
+}
+
+// childNamed is the pid of parent's child running comm, or 0.
+func childNamed(parent int, comm string) int {
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...
+		s := string(b)
+		i, j := strings.IndexByte(s, '('), strings.LastIndexByte(s, ')')
+		if i < 0 || j < i {
+			continue
+		}
+		f := strings.Fields(s[j+1:])
+		if s[i+1:j] == comm && len(f) > 1 && f[1] == strconv.Itoa(parent) {
+			return pid
+		}
+	}
+	return 0
+}
+
+// pidRSS is a process's peak resident set (VmHWM).
+func pidRSS(pid int) string {
+	if pid == 0 {
+		return "?"
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return "?"
 	}
