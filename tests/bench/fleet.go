@@ -262,7 +262,7 @@ func benchFleet(t *tb, cfg fleetConfig) {
 		waiting := map[string]int{}
 		for _, v := range victims {
 			if tr.run(v) <= runs[v] || tr.phase(v) != v1alpha1.PhaseRunning || slices.Contains(lost, tr.node(v)) {
-				waiting[fmt.Sprintf("run %d %s", tr.run(v)-runs[v]+1, tr.phase(v))]++
+				waiting[fmt.Sprintf("run %d %s: %.200s", tr.run(v), tr.phase(v), tr.message(v))]++
 			}
 		}
 		if len(waiting) == 0 {
@@ -450,6 +450,12 @@ func (tr *tracker) phase(name string) v1alpha1.Phase {
 	tr.mu.Lock()
 	defer tr.mu.Unlock()
 	return tr.st[name].Phase
+}
+
+func (tr *tracker) message(name string) string {
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	return tr.st[name].Message
 }
 
 func (tr *tracker) node(name string) string {

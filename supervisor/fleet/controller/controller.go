@@ -702,9 +702,12 @@ func PodFor(avm *v1alpha1.AgentVM, st *v1alpha1.AgentVMStatus) *corev1.Pod {
 		c.Resources.Claims = []corev1.ResourceClaim{{Name: v1alpha1.GPUClaim}}
 	}
 	if len(st.LostNodes) > 0 {
+		// By the hostname label, which hosts set to their Node's name: a
+		// field selector on metadata.name takes one value only, and runs
+		// may be lost on several hosts (a rack).
 		p.Spec.Affinity = &corev1.Affinity{NodeAffinity: &corev1.NodeAffinity{RequiredDuringSchedulingIgnoredDuringExecution: &corev1.NodeSelector{
-			NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchFields: []corev1.NodeSelectorRequirement{{
-				Key: "metadata.name", Operator: corev1.NodeSelectorOpNotIn, Values: st.LostNodes}}}}}}}
+			NodeSelectorTerms: []corev1.NodeSelectorTerm{{MatchExpressions: []corev1.NodeSelectorRequirement{{
+				Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpNotIn, Values: st.LostNodes}}}}}}}
 	}
 	p.Spec.Containers = []corev1.Container{c}
 	return p

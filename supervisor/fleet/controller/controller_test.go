@@ -173,10 +173,10 @@ func TestPodFor(t *testing.T) {
 		t.Fatalf("affinity %+v, want a required node affinity", a)
 	}
 	terms := a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms
-	want := corev1.NodeSelectorRequirement{Key: "metadata.name", Operator: corev1.NodeSelectorOpNotIn, Values: st.LostNodes}
-	if len(terms) != 1 || len(terms[0].MatchFields) != 1 || terms[0].MatchFields[0].Key != want.Key ||
-		terms[0].MatchFields[0].Operator != want.Operator || !slices.Equal(terms[0].MatchFields[0].Values, want.Values) {
-		t.Errorf("node selector terms %+v, want one field %+v", terms, want)
+	want := corev1.NodeSelectorRequirement{Key: corev1.LabelHostname, Operator: corev1.NodeSelectorOpNotIn, Values: st.LostNodes}
+	if len(terms) != 1 || len(terms[0].MatchExpressions) != 1 || terms[0].MatchExpressions[0].Key != want.Key ||
+		terms[0].MatchExpressions[0].Operator != want.Operator || !slices.Equal(terms[0].MatchExpressions[0].Values, want.Values) {
+		t.Errorf("node selector terms %+v, want one expression %+v", terms, want)
 	}
 }
 
