@@ -33,7 +33,7 @@ func main() {
 	flag.StringVar(&cfg.StateDir, "state-dir", "/var/lib/carrel", "directory for images, VM records and sockets")
 	flag.StringVar(&cfg.Socket, "socket", "/run/carrel/carrel.sock", "unix socket to serve the API on (ignored when socket-activated)")
 	flag.StringVar(&cfg.CacheDir, "cache-dir", "/var/cache/carrel", "directory for downloaded packages used by image builds")
-	flag.StringVar(&cfg.AgentBinary, "agent", defaultAgent(), "static carrel-agent binary put into development images")
+	flag.StringVar(&cfg.AgentBinary, "agent", besideCarreld("carrel-agent"), "static carrel-agent binary put into development images")
 	flag.StringVar(&cfg.QEMUBinary, "qemu", "qemu-system-x86_64", "QEMU binary")
 	flag.BoolVar(&cfg.JailQEMU, "jail-qemu", true, "run each QEMU of the qemu driver as an unprivileged user of its own, in a jail that shows it only its own files (needs root)")
 	flag.Func("jail-uid-base", fmt.Sprintf("the first of the %d user ids jailed QEMUs run as; none may be in /etc/passwd or /etc/group (default %d)", qemu.DefaultUIDs, qemu.DefaultUIDBase), func(v string) error {
@@ -77,7 +77,7 @@ func main() {
 	flag.StringVar(&fleet.NodeName, "node-name", "", "the fleet Node's name (default carrel-HOSTNAME)")
 	flag.DurationVar(&fleet.FenceAfter, "fleet-fence-after", 30*time.Second, "stop this host's fleet VMs, and refuse their calls, once the Node's Lease has gone unrenewed this long; keep it well under carrel-controller's --node-loss-timeout (60s)")
 	flag.DurationVar(&fleet.RenewInterval, "fleet-renew-interval", 10*time.Second, "how often the Node's Lease is renewed")
-	flag.StringVar(&fleet.Helper, "fleet-helper", "", "the carrel-node binary, carreld's Kubernetes node helper (default: beside carreld, else /usr/libexec/carrel/carrel-node)")
+	flag.StringVar(&fleet.Helper, "fleet-helper", besideCarreld("carrel-node"), "the carrel-node binary, carreld's Kubernetes node helper")
 	flag.Int64Var(&fleet.CPUs, "fleet-cpus", 0, "CPUs the fleet may place on this host (default: all of them)")
 	flag.Func("fleet-memory", "memory the fleet may place on this host, e.g. 64G (default: all of it)", func(v string) error {
 		n, err := bytesize.Parse(v)
@@ -147,16 +147,16 @@ func main() {
 	}
 }
 
-// defaultAgent is carrel-agent beside the carreld binary, else the
-// packaged location.
-func defaultAgent() string {
+// besideCarreld is the named binary beside carreld's own, else its
+// packaged location in /usr/libexec/carrel: carrel-agent, carrel-node.
+func besideCarreld(name string) string {
 	if exe, err := os.Executable(); err == nil {
-		p := filepath.Join(filepath.Dir(exe), "carrel-agent")
+		p := filepath.Join(filepath.Dir(exe), name)
 		if _, err := os.Stat(p); err == nil {
 			return p
 		}
 	}
-	return "/usr/libexec/carrel/carrel-agent"
+	return filepath.Join("/usr/libexec/carrel", name)
 }
 
 // serveDebug starts the profiles server on a unix socket at path, replacing

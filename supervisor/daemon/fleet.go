@@ -45,8 +45,7 @@ type FleetConfig struct {
 	// FakeGPUs, for fleet tests, is the sysfs root of a fake host: its
 	// GPUs are published and allocated, and VMs boot without them.
 	FakeGPUs string
-	// Helper is the carrel-node binary ("": beside carreld's, else
-	// /usr/libexec/carrel/carrel-node).
+	// Helper is the carrel-node binary (carreld's --fleet-helper).
 	Helper string
 }
 
@@ -95,9 +94,6 @@ func runFleet(ctx context.Context, cfg Config, f *fence.Fence, h http.Handler, a
 	log = log.With("subsystem", "fleet")
 	go f.Watch(ctx, 250*time.Millisecond)
 	helper := fc.Helper
-	if helper == "" {
-		helper = defaultHelper()
-	}
 	args := []string{"--kubeconfig", fc.Kubeconfig, "--fence-after", fc.FenceAfter.String(), "--driver", cfg.Driver}
 	for flag, v := range map[string]string{"--node-name": fc.NodeName, "--fake-gpus": fc.FakeGPUs} {
 		if v != "" {
@@ -228,18 +224,6 @@ func socketPair() (ours, theirs *os.File, err error) {
 		return nil, nil, fmt.Errorf("socketpair: %w", err)
 	}
 	return os.NewFile(uintptr(fds[0]), "fleet"), os.NewFile(uintptr(fds[1]), "fleet-helper"), nil
-}
-
-// defaultHelper is carrel-node beside the carreld binary, else the
-// packaged location.
-func defaultHelper() string {
-	if exe, err := os.Executable(); err == nil {
-		p := filepath.Join(filepath.Dir(exe), "carrel-node")
-		if _, err := os.Stat(p); err == nil {
-			return p
-		}
-	}
-	return "/usr/libexec/carrel/carrel-node"
 }
 
 // oneConn is a listener that accepts one connection, then waits for
