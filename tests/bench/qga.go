@@ -75,8 +75,7 @@ func setupQGA(ctx context.Context, d *harness.Daemon, c *client.Client, memory s
 	if err != nil {
 		return nil, err
 	}
-	b := &qgaBench{d: d, c: c, vm: qgaVMName, dir: dir,
-		qgaSock: filepath.Join(dir, "qga.sock"), rawSock: filepath.Join(dir, "raw.sock")}
+	b := &qgaBench{d: d, c: c, vm: qgaVMName, dir: dir}
 
 	st, err := store.Open(filepath.Join(d.State, "images"))
 	if err != nil {
@@ -105,6 +104,12 @@ func setupQGA(ctx context.Context, d *harness.Daemon, c *client.Client, memory s
 		fs["read_write"] = append(fs["read_write"].([]any), "/dev", "/run")
 	})
 	d.Must("vm", "create", b.vm, "--image", qgaImageTag, "--memory", memory, "--cpus", "1", "--policy", pol)
+	// The hot-added ports' sockets are QEMU's to make, and a jailed QEMU
+	// sees only its VM's directory, as the user it runs as: they go in a
+	// directory of that user's there.
+	if err := b.socketDir(); err != nil {
+		return b, err
+	}
 
 	if err := b.hotplug(); err != nil {
 		return b, err
@@ -147,6 +152,43 @@ func (b *qgaBench) close() {
 // hotplug adds the qemu-ga and raw ports to the running VM through its QMP
 // socket. carreld opens QMP only briefly, per operation, so a short
 // connection here does not get in its way.
+// socketDir makes the sockets' directory in the VM's own, owned by the
+// user its QEMU runs as.
+func (b *qgaBench) socketDir() error {
+	var v struct {
+		Pid int `json:"pid"`
+	}
+	if err := json.Unmarshal([]byte(b.d.Must("vm", "inspect", b.vm)), &v); err != nil || v.Pid == 0 {
+		return fmt.Errorf("the QEMU of %s: pid %d, %v", b.vm, v.Pid, err)
+	}
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", v.Pid))
+	if err != nil {
+		return err
+	}
+	uid, gid := -1, -1
+	for l := range strings.Lines(string(status)) {
+		f := strings.Fields(l)
+		switch {
+		case len(f) > 1 && f[0] == "Uid:":
+			uid, _ = strconv.Atoi(f[1])
+		case len(f) > 1 && f[0] == "Gid:":
+			gid, _ = strconv.Atoi(f[1])
+		}
+	}
+	if uid < 0 || gid < 0 {
+		return fmt.Errorf("no user in QEMU's /proc/%d/status", v.Pid)
+	}
+	dir := filepath.Join(b.d.State, "vms", b.vm, "qgab")
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return err
+	}
+	if err := os.Chown(dir, uid, gid); err != nil {
+		return err
+	}
+	b.qgaSock, b.rawSock = filepath.Join(dir, "qga.sock"), filepath.Join(dir, "raw.sock")
+	return nil
+}
+
 func (b *qgaBench) hotplug() error {
 	mon, err := qmp.NewSocketMonitor("unix", filepath.Join(b.d.State, "vms", b.vm, "qmp.sock"), 10*time.Second)
 	if err != nil {
