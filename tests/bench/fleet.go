@@ -26,6 +26,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
 
+	"github.com/carrel-os/carrel/supervisor/fleet/controller"
 	"github.com/carrel-os/carrel/supervisor/fleet/v1alpha1"
 	"github.com/carrel-os/carrel/tests/fleet/cluster"
 	"github.com/carrel-os/carrel/tests/harness"
@@ -191,6 +192,8 @@ func benchFleet(t *tb, cfg fleetConfig) {
 			gpuOf[i] = 1 + rng.IntN(8)
 		}
 	}
+	bare := benchBarePods(t, c, cs, gpuOf)
+
 	createStart := time.Now()
 	parallel(cfg.vms, 32, func(i int) {
 		spec := map[string]any{"image": "dev", "cpus": int64(2), "memory": "4Gi", "onNodeLoss": "Recreate"}
@@ -216,6 +219,7 @@ func benchFleet(t *tb, cfg fleetConfig) {
 	lat := tr.latencies()
 	log.Printf("fleet: all %d Running %s after the first create: %.1f placements/s; create→Running p50 %s, p99 %s, max %s",
 		cfg.vms, all.Round(time.Millisecond), float64(cfg.vms)/all.Seconds(), pct(lat, 50), pct(lat, 99), pct(lat, 100))
+	log.Printf("fleet: AgentVMs ÷ the same pods made directly (the floor): %.2f× the time to all Running", all.Seconds()/bare.Seconds())
 	for _, p := range []string{"etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "carrel-controller", "kwok"} {
 		log.Printf("fleet: %-24s peak RSS %s", p, peakRSS(c, p))
 	}
@@ -277,6 +281,57 @@ func benchFleet(t *tb, cfg fleetConfig) {
 	checkPlacement(t, cs, cfg)
 	ctrl.Stop()
 	log.Printf("fleet: done in %s", time.Since(start).Round(time.Second))
+}
+
+// benchBarePods is the floor: the pods carrel-controller would make for
+// the same workload, made directly (no AgentVM, no controller, no
+// finalizer), placed by the same scheduler and marked Running by kwok on
+// the simulated hosts. It returns the time from the first create until
+// all run, and deletes them.
+func benchBarePods(t *tb, c *cluster.Cluster, cs *kubernetes.Clientset, gpuOf []int) time.Duration {
+	ctx := context.Background()
+	const ns = "bare"
+	if _, err := cs.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for g := 1; g <= 8; g++ {
+		avm := &v1alpha1.AgentVM{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("g%d", g), Namespace: ns}, Spec: v1alpha1.AgentVMSpec{GPUs: &v1alpha1.GPURequest{Count: int32(g)}}}
+		tmpl := &resourcev1.ResourceClaimTemplate{ObjectMeta: metav1.ObjectMeta{Name: controller.TemplateName(avm.Name), Namespace: ns},
+			Spec: resourcev1.ResourceClaimTemplateSpec{Spec: resourcev1.ResourceClaimSpec{Devices: resourcev1.DeviceClaim{
+				Requests: []resourcev1.DeviceRequest{{Name: v1alpha1.GPUClaim, Exactly: &resourcev1.ExactDeviceRequest{
+					DeviceClassName: v1alpha1.GPUDriver, AllocationMode: resourcev1.DeviceAllocationModeExactCount, Count: int64(g)}}}}}}}
+		if _, err := cs.ResourceV1().ResourceClaimTemplates(ns).Create(ctx, tmpl, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	start := time.Now()
+	parallel(len(gpuOf), 32, func(i int) {
+		avm := &v1alpha1.AgentVM{ObjectMeta: metav1.ObjectMeta{Name: fmt.Sprintf("g%d", gpuOf[i]), Namespace: ns},
+			Spec: v1alpha1.AgentVMSpec{CPUs: 2, Memory: ptr.To(resource.MustParse("4Gi")), Driver: "kwok"}}
+		if g := gpuOf[i]; g > 0 {
+			avm.Spec.GPUs = &v1alpha1.GPURequest{Count: int32(g)}
+		}
+		p := controller.PodFor(avm, &v1alpha1.AgentVMStatus{Pod: fmt.Sprintf("bare-%05d", i)})
+		p.Labels, p.Finalizers = nil, nil
+		if _, err := cs.CoreV1().Pods(ns).Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create bare pod: %v", err)
+		}
+	})
+	c.WaitFor("every bare pod Running", 20*time.Minute, func() (bool, error) {
+		pods, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{FieldSelector: "status.phase=Running"})
+		return err == nil && len(pods.Items) == len(gpuOf), nil
+	})
+	took := time.Since(start)
+	log.Printf("fleet: floor: the same %d pods made directly all Running %s after the first create: %.1f placements/s",
+		len(gpuOf), took.Round(time.Millisecond), float64(len(gpuOf))/took.Seconds())
+	if err := cs.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	c.WaitFor("the bare pods gone", 10*time.Minute, func() (bool, error) {
+		pods, err := cs.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{Limit: 1})
+		return err == nil && len(pods.Items) == 0, nil
+	})
+	return took
 }
 
 func simCapacity() corev1.ResourceList {
