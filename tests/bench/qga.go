@@ -59,7 +59,7 @@ type qgaBench struct {
 	d       *harness.Daemon
 	c       *client.Client
 	vm      string
-	dir     string // host side sockets
+	dir     string // the variant image is built here
 	qgaSock string
 	rawSock string
 	rawDev  string // guest device node of the raw port
