@@ -45,7 +45,7 @@ buildGo126Module (finalAttrs: {
   # "hash mismatch in fixed-output derivation ... got: sha256-...", and the
   # "got" value is the one to put here. `nix/update-vendor-hash.sh --check`
   # fails when it is stale (for CI).
-  vendorHash = "sha256-faGy7c+p3ZHT7Hc+7vHQPD25JV2KBn/daV3Z8sWHcdI=";
+  vendorHash = "sha256-W6nblEPL4de3cVbbnJ9begfmVqK24XpRFky+ejo9uLw=";
 
   subPackages = [
     "cmd/carreld"
