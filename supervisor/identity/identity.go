@@ -19,7 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
-	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
 // ErrUnauthenticated is returned when a call carries neither usable peer
@@ -116,49 +116,49 @@ func PeerFrom(ctx context.Context) (Peer, bool) {
 // names, and scoped to it.
 // A token that is present but not valid is an error, never a fall back to
 // the peer's identity.
-func Authenticate(ctx context.Context, h http.Header, tokens *Tokens) (policy.Caller, error) {
+func Authenticate(ctx context.Context, h http.Header, tokens *Tokens) (audit.Caller, error) {
 	if auth := h.Get("Authorization"); auth != "" {
 		secret, ok := strings.CutPrefix(auth, "Bearer ")
 		if !ok {
-			return policy.Caller{}, errors.Join(ErrUnauthenticated, errors.New("the Authorization header must be \"Bearer <token>\""))
+			return audit.Caller{}, errors.Join(ErrUnauthenticated, errors.New("the Authorization header must be \"Bearer <token>\""))
 		}
 		if tokens == nil {
-			return policy.Caller{}, errors.Join(ErrUnauthenticated, errors.New("tokens are not enabled"))
+			return audit.Caller{}, errors.Join(ErrUnauthenticated, errors.New("tokens are not enabled"))
 		}
 		secret = strings.TrimSpace(secret)
 		if strings.HasPrefix(secret, sandboxPrefix) {
 			vm := h.Get(protocol.VMHeader)
 			t, err := tokens.VerifySandbox(secret, vm)
 			if err != nil {
-				return policy.Caller{}, err
+				return audit.Caller{}, err
 			}
 			return keyCaller(t, vm), nil
 		}
 		t, err := tokens.Verify(secret)
 		if err != nil {
-			return policy.Caller{}, err
+			return audit.Caller{}, err
 		}
 		if t.Key != nil {
 			return keyCaller(t, ""), nil
 		}
-		return policy.Caller{Type: policy.CallerToken, TokenID: t.ID, VM: t.VM}, nil
+		return audit.Caller{Type: audit.CallerToken, TokenID: t.ID, VM: t.VM}, nil
 	}
 	p, ok := PeerFrom(ctx)
 	if !ok {
-		return policy.Caller{}, errors.Join(ErrUnauthenticated, errors.New("no peer credentials on this connection and no token"))
+		return audit.Caller{}, errors.Join(ErrUnauthenticated, errors.New("no peer credentials on this connection and no token"))
 	}
-	return policy.Caller{Type: policy.CallerPeer, UID: p.UID, GID: p.GID, PID: p.PID, Groups: p.Groups}, nil
+	return audit.Caller{Type: audit.CallerPeer, UID: p.UID, GID: p.GID, PID: p.PID, Groups: p.Groups}, nil
 }
 
 type callerKey struct{}
 
 // WithCaller stores the authenticated caller for handlers further in.
-func WithCaller(ctx context.Context, c policy.Caller) context.Context {
+func WithCaller(ctx context.Context, c audit.Caller) context.Context {
 	return context.WithValue(ctx, callerKey{}, c)
 }
 
 // CallerFrom returns the caller WithCaller stored.
-func CallerFrom(ctx context.Context) (policy.Caller, bool) {
-	c, ok := ctx.Value(callerKey{}).(policy.Caller)
+func CallerFrom(ctx context.Context) (audit.Caller, bool) {
+	c, ok := ctx.Value(callerKey{}).(audit.Caller)
 	return c, ok
 }

@@ -13,8 +13,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/atomicfile"
+	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
 // An API key is a token that is not scoped to one VM: it names an
@@ -179,18 +179,18 @@ func (t *Tokens) VerifySandbox(full, vm string) (Token, error) {
 }
 
 // keyCaller is the policy's caller for a key, scoped to vm when not "".
-func keyCaller(tok Token, vm string) policy.Caller {
-	return policy.Caller{Type: policy.CallerKey, KeyID: tok.ID, Name: tok.Key.Name, Images: tok.Key.Images, Policy: tok.Key.Policy, VM: vm}
+func keyCaller(tok Token, vm string) audit.Caller {
+	return audit.Caller{Type: audit.CallerKey, KeyID: tok.ID, Name: tok.Key.Name, Images: tok.Key.Images, Policy: tok.Key.Policy, VM: vm}
 }
 
 // Sees reports whether caller may see VM name in a listing: a key sees
 // only its own VMs (and a sandbox token only its one), a VM token its VM
 // alone; anyone else sees every VM the policy let it list.
-func Sees(caller policy.Caller, name string) bool {
+func Sees(caller audit.Caller, name string) bool {
 	switch caller.Type {
-	case policy.CallerToken:
+	case audit.CallerToken:
 		return caller.VM != "" && caller.VM == name
-	case policy.CallerKey:
+	case audit.CallerKey:
 	default:
 		return true
 	}

@@ -13,7 +13,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
-	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/audit"
 )
 
 func openTokens(t *testing.T) (*Tokens, string) {
@@ -372,20 +372,20 @@ func TestAuthenticate(t *testing.T) {
 		}
 		return h
 	}
-	wantKey := policy.Caller{Type: policy.CallerKey, KeyID: tok.ID, Name: "alice", Images: []string{"dev", "base"}, Policy: "strict"}
+	wantKey := audit.Caller{Type: audit.CallerKey, KeyID: tok.ID, Name: "alice", Images: []string{"dev", "base"}, Policy: "strict"}
 	wantSandbox := wantKey
 	wantSandbox.VM = vm
 	good := []struct {
 		name string
 		h    http.Header
-		want policy.Caller
+		want audit.Caller
 	}{
 		{"a key", header("Authorization", "Bearer "+secret), wantKey},
 		{"a key, with a VM named", header("Authorization", "Bearer "+secret, protocol.VMHeader, vm), wantKey},
 		{"a sandbox token", header("Authorization", "Bearer "+sbx, protocol.VMHeader, vm), wantSandbox},
 		{"a sandbox token, padded", header("Authorization", "Bearer  "+sbx+" ", protocol.VMHeader, vm), wantSandbox},
-		{"a VM token", header("Authorization", "Bearer "+vmSecret), policy.Caller{Type: policy.CallerToken, TokenID: vmTok.ID, VM: "demo"}},
-		{"the peer", header(), policy.Caller{Type: policy.CallerPeer, UID: 1000, GID: 1000, PID: 42, Groups: []string{"agent"}}},
+		{"a VM token", header("Authorization", "Bearer "+vmSecret), audit.Caller{Type: audit.CallerToken, TokenID: vmTok.ID, VM: "demo"}},
+		{"the peer", header(), audit.Caller{Type: audit.CallerPeer, UID: 1000, GID: 1000, PID: 42, Groups: []string{"agent"}}},
 	}
 	for _, tt := range good {
 		got, err := Authenticate(ctx, tt.h, tk)
@@ -408,7 +408,7 @@ func TestAuthenticate(t *testing.T) {
 	}
 	for _, tt := range bad {
 		got, err := Authenticate(ctx, tt.h, tt.tokens)
-		if !errors.Is(err, ErrUnauthenticated) || !reflect.DeepEqual(got, policy.Caller{}) {
+		if !errors.Is(err, ErrUnauthenticated) || !reflect.DeepEqual(got, audit.Caller{}) {
 			t.Errorf("%s: %+v, %v; want unauthenticated", tt.name, got, err)
 		}
 	}
@@ -426,17 +426,17 @@ func TestAuthenticate(t *testing.T) {
 }
 
 func TestSees(t *testing.T) {
-	key := policy.Caller{Type: policy.CallerKey, KeyID: "0123456789abcdef", Name: "ab"}
+	key := audit.Caller{Type: audit.CallerKey, KeyID: "0123456789abcdef", Name: "ab"}
 	sandbox := key
 	sandbox.VM = "e2b-ab-0001"
 	tests := []struct {
-		caller policy.Caller
+		caller audit.Caller
 		vm     string
 		want   bool
 	}{
-		{policy.Caller{Type: policy.CallerPeer}, "anything", true},
-		{policy.Caller{Type: policy.CallerToken, VM: "demo"}, "other", false}, // a VM token sees its VM alone
-		{policy.Caller{Type: policy.CallerToken, VM: "demo"}, "demo", true},
+		{audit.Caller{Type: audit.CallerPeer}, "anything", true},
+		{audit.Caller{Type: audit.CallerToken, VM: "demo"}, "other", false}, // a VM token sees its VM alone
+		{audit.Caller{Type: audit.CallerToken, VM: "demo"}, "demo", true},
 		{key, "e2b-ab-0001", true},
 		{key, "e2b-ab-x", true},
 		{key, "e2b-abc-0001", false}, // another key's, whose name begins with this one's
