@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"errors"
 	"io"
 	"net"
 	"os"
@@ -39,7 +40,19 @@ type portWriter struct {
 	err      error         // the first failed write
 	idle     chan struct{} // closed, and replaced, whenever a write ends
 	deadline time.Time     // for a Write that waits
+	// armed is the port's own write deadline as last set; only the
+	// writer of the moment (busy) reads or sets it.
+	armed time.Time
+	// stallLimit is how long a write to the port may take nothing before
+	// it fails, and the connection with it (defaultStallLimit).
+	stallLimit time.Duration
 }
+
+// defaultStallLimit bounds a write to the port that makes no progress:
+// the host has stopped reading. It matches the HTTP/2 server's
+// WriteByteTimeout (protocol.HTTP2), which bounded these writes before
+// the port's deadline was kept here.
+const defaultStallLimit = 10 * time.Second
 
 // deadlineWriter is the port: an *os.File.
 type deadlineWriter interface {
@@ -48,7 +61,7 @@ type deadlineWriter interface {
 }
 
 func newPortWriter(f deadlineWriter) *portWriter {
-	return &portWriter{f: f, idle: make(chan struct{})}
+	return &portWriter{f: f, idle: make(chan struct{}), stallLimit: defaultStallLimit}
 }
 
 func (w *portWriter) Write(b []byte) (int, error) {
@@ -70,7 +83,7 @@ func (w *portWriter) Write(b []byte) (int, error) {
 			// here, in order.
 			w.busy = true
 			w.mu.Unlock()
-			n, err := w.f.Write(b)
+			n, err := w.writePort(b)
 			w.mu.Lock()
 			w.ended(err)
 			return n, err
@@ -89,7 +102,7 @@ func (w *portWriter) drain() {
 		buf := w.queued
 		w.queued = w.spare[:0]
 		w.mu.Unlock()
-		_, err := w.f.Write(buf)
+		_, err := w.writePort(buf)
 		w.mu.Lock()
 		w.spare = buf[:0]
 		if err != nil {
@@ -157,11 +170,37 @@ func (w *portWriter) close(linger time.Duration) {
 	}
 }
 
-// SetWriteDeadline bounds how long a Write may wait, and the write under
-// way.
+// SetWriteDeadline bounds how long a Write may wait for the queue. It
+// does not touch the port: the HTTP/2 server sets and clears a deadline
+// around every flush, and moving the port's deadline is a runtime timer
+// operation that, in a guest under emulation, cost more than the queued
+// write it bounded (7% of the agent's CPU in a loop of small calls).
+// Writes to the port have a deadline of their own (writePort).
 func (w *portWriter) SetWriteDeadline(t time.Time) error {
 	w.mu.Lock()
 	w.deadline = t
 	w.mu.Unlock()
-	return w.f.SetWriteDeadline(t)
+	return nil
+}
+
+// writePort writes b to the port, failing only when the port takes
+// nothing for stallLimit; a write that makes progress goes on. The port's
+// deadline moves only when less than half of stallLimit is left, not at
+// every write. Only the writer of the moment (busy) calls it.
+func (w *portWriter) writePort(b []byte) (int, error) {
+	written := 0
+	for {
+		if now := time.Now(); w.armed.Sub(now) < w.stallLimit/2 {
+			w.armed = now.Add(w.stallLimit)
+			if err := w.f.SetWriteDeadline(w.armed); err != nil {
+				return written, err
+			}
+		}
+		n, err := w.f.Write(b[written:])
+		written += n
+		if err == nil || n == 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+			return written, err
+		}
+		w.armed = time.Time{} // it progressed, then ran out of time: arm again
+	}
 }

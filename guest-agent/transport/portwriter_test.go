@@ -145,3 +145,109 @@ func TestPortWriterFailsAfterAFailedWrite(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 }
+
+// countingWriter counts the deadlines set on it.
+type countingWriter struct {
+	mu        sync.Mutex
+	deadlines int
+	n         int
+}
+
+func (c *countingWriter) Write(b []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.n += len(b)
+	return len(b), nil
+}
+
+func (c *countingWriter) SetWriteDeadline(time.Time) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.deadlines++
+	return nil
+}
+
+// The HTTP/2 server sets and clears a write deadline around each flush;
+// none of that may reach the port, whose deadline moves only as often as
+// the stall limit needs.
+func TestPortWriterKeepsTheCallersDeadlineOffThePort(t *testing.T) {
+	c := &countingWriter{}
+	w := newPortWriter(c)
+	for range 200 {
+		w.SetWriteDeadline(time.Now().Add(10 * time.Second))
+		if _, err := w.Write([]byte("frame")); err != nil {
+			t.Fatal(err)
+		}
+		w.SetWriteDeadline(time.Time{})
+		if _, err := w.Write(make([]byte, maxQueuedWrite+1)); err != nil { // straight to the port
+			t.Fatal(err)
+		}
+	}
+	w.close(time.Second)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n != 200*(5+maxQueuedWrite+1) {
+		t.Fatalf("the port got %d bytes, want %d", c.n, 200*(5+maxQueuedWrite+1))
+	}
+	if c.deadlines > 2 {
+		t.Fatalf("the port's deadline was set %d times for 400 writes in well under the stall limit; want at most 2", c.deadlines)
+	}
+}
+
+// A write the port takes nothing of fails after the stall limit, and so
+// does every later one: the host has stopped reading.
+func TestPortWriterFailsAStalledWrite(t *testing.T) {
+	r, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer pw.Close()
+	w := newPortWriter(pw)
+	w.stallLimit = 100 * time.Millisecond
+	start := time.Now()
+	_, err = w.Write(make([]byte, 1<<20)) // more than the pipe holds; nobody reads
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a write nobody reads: %v, want a deadline error", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Fatalf("the stalled write failed after %v, want about twice the stall limit", took)
+	}
+	if _, err := w.Write([]byte("x")); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("a write after the port failed: %v, want the same error", err)
+	}
+}
+
+// A write that the port takes slowly, but steadily, is not a stall, however
+// long it takes in all.
+func TestPortWriterLetsASlowWriteFinish(t *testing.T) {
+	r, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	defer pw.Close()
+	w := newPortWriter(pw)
+	w.stallLimit = 100 * time.Millisecond
+	const size = 1 << 20
+	got := make(chan int, 1)
+	go func() {
+		buf := make([]byte, 64<<10)
+		n := 0
+		for n < size {
+			time.Sleep(20 * time.Millisecond) // 64 KiB per 20 ms: about 330 ms in all
+			m, err := r.Read(buf)
+			n += m
+			if err != nil {
+				break
+			}
+		}
+		got <- n
+	}()
+	if n, err := w.Write(make([]byte, size)); err != nil || n != size {
+		t.Fatalf("a slow but steady write: %d, %v; want %d bytes and no error", n, err, size)
+	}
+	if n := <-got; n != size {
+		t.Fatalf("the reader got %d bytes, want %d", n, size)
+	}
+}
