@@ -155,10 +155,10 @@ func (r *Runner) prepare(req *agentv1.ExecRequest) (*command, error) {
 	if err != nil {
 		return nil, err
 	}
-	env := mergeEnv(mergeEnv(DefaultEnv, r.Env), u.Env())
 	c := &command{argv: req.Argv, cred: cred, tty: req.GetTty(), rows: req.GetRows(), cols: req.GetCols()}
+	var term []string
 	if c.tty {
-		env = mergeEnv(env, []string{"TERM=" + TTYTerm})
+		term = []string{"TERM=" + TTYTerm}
 		if c.rows == 0 {
 			c.rows = DefaultRows
 		}
@@ -166,7 +166,7 @@ func (r *Runner) prepare(req *agentv1.ExecRequest) (*command, error) {
 			c.cols = DefaultCols
 		}
 	}
-	c.env = mergeEnv(env, req.GetEnv())
+	c.env = mergeEnv(DefaultEnv, r.Env, u.Env(), term, req.GetEnv())
 	c.dir = req.GetCwd()
 	if c.dir == "" {
 		c.dir = r.Dir
@@ -232,19 +232,26 @@ func truncate(s string) string {
 	return s
 }
 
-// mergeEnv returns base with extra applied in order; a later entry replaces
-// an earlier one with the same key, keeping the earlier position.
-func mergeEnv(base, extra []string) []string {
-	out := make([]string, 0, len(base)+len(extra))
-	index := make(map[string]int)
-	for _, kv := range append(base[:len(base):len(base)], extra...) {
-		k, _, _ := strings.Cut(kv, "=")
-		if i, ok := index[k]; ok {
-			out[i] = kv
-			continue
+// mergeEnv returns the layers applied in order: a later entry replaces an
+// earlier one with the same key, keeping the earlier position. A command's
+// environment is its layers merged in one pass, not two at a time.
+func mergeEnv(layers ...[]string) []string {
+	n := 0
+	for _, l := range layers {
+		n += len(l)
+	}
+	out := make([]string, 0, n)
+	index := make(map[string]int, n)
+	for _, l := range layers {
+		for _, kv := range l {
+			k, _, _ := strings.Cut(kv, "=")
+			if i, ok := index[k]; ok {
+				out[i] = kv
+				continue
+			}
+			index[k] = len(out)
+			out = append(out, kv)
 		}
-		index[k] = len(out)
-		out = append(out, kv)
 	}
 	return out
 }

@@ -328,6 +328,14 @@ func TestMergeEnv(t *testing.T) {
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("got %v, want %v", got, want)
 	}
+	// Layers in one pass give what merging them two at a time gave: the
+	// first position of each key, its last value. A nil layer adds nothing.
+	got = mergeEnv([]string{"PATH=/bin", "HOME=/"}, nil, []string{"HOME=/home/agent", "USER=agent"},
+		[]string{"TERM=xterm"}, []string{"PATH=/opt/bin", "X=1", "USER=root"})
+	want = []string{"PATH=/opt/bin", "HOME=/home/agent", "USER=root", "TERM=xterm", "X=1"}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("layers: got %v, want %v", got, want)
+	}
 }
 
 func TestExitStatus(t *testing.T) {
