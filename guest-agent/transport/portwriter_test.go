@@ -196,17 +196,23 @@ func TestPortWriterKeepsTheCallersDeadlineOffThePort(t *testing.T) {
 
 // A write the port takes nothing of fails after the stall limit, and so
 // does every later one: the host has stopped reading.
-func TestPortWriterFailsAStalledWrite(t *testing.T) {
+// stalling returns a port writer on a pipe whose stall limit is 100 ms,
+// and the pipe's read end.
+func stalling(t *testing.T) (*os.File, *portWriter) {
 	r, pw, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer r.Close()
-	defer pw.Close()
+	t.Cleanup(func() { r.Close(); pw.Close() })
 	w := newPortWriter(pw)
 	w.stallLimit = 100 * time.Millisecond
+	return r, w
+}
+
+func TestPortWriterFailsAStalledWrite(t *testing.T) {
+	_, w := stalling(t)
 	start := time.Now()
-	_, err = w.Write(make([]byte, 1<<20)) // more than the pipe holds; nobody reads
+	_, err := w.Write(make([]byte, 1<<20)) // more than the pipe holds; nobody reads
 	if !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Fatalf("a write nobody reads: %v, want a deadline error", err)
 	}
@@ -221,14 +227,7 @@ func TestPortWriterFailsAStalledWrite(t *testing.T) {
 // A write that the port takes slowly, but steadily, is not a stall, however
 // long it takes in all.
 func TestPortWriterLetsASlowWriteFinish(t *testing.T) {
-	r, pw, err := os.Pipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	defer pw.Close()
-	w := newPortWriter(pw)
-	w.stallLimit = 100 * time.Millisecond
+	r, w := stalling(t)
 	const size = 1 << 20
 	got := make(chan int, 1)
 	go func() {
