@@ -14,25 +14,9 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/carrel-os/carrel/supervisor/internal/clocktest"
 )
-
-// clock is a settable Options.now.
-type clock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *clock) now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *clock) add(d time.Duration) {
-	c.mu.Lock()
-	c.t = c.t.Add(d)
-	c.mu.Unlock()
-}
 
 // segmentFiles lists segments/ (rotated segment files only).
 func segmentFiles(t testing.TB, dir string) []string {
@@ -203,13 +187,13 @@ func TestRollUnderLoad(t *testing.T) {
 // only its first record does not.
 func TestRollByAge(t *testing.T) {
 	dir := t.TempDir()
-	c := &clock{t: time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)}
-	l := openLog(t, dir, Options{SegmentAge: time.Hour, CheckpointInterval: 10 * time.Millisecond, now: c.now})
+	c := clocktest.New(time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC))
+	l := openLog(t, dir, Options{SegmentAge: time.Hour, CheckpointInterval: 10 * time.Millisecond, now: c.Now})
 	appendN(t, l, 3)
 	if n := len(segmentFiles(t, dir)); n != 0 {
 		t.Fatalf("%d segments before the hour", n)
 	}
-	c.add(61 * time.Minute)
+	c.Advance(61 * time.Minute)
 	appendN(t, l, 1)
 	waitFor(t, func() bool { return len(segmentFiles(t, dir)) == 1 })
 	if got := segmentFiles(t, dir); got[0] != segmentName(0, 3) {
@@ -220,7 +204,7 @@ func TestRollByAge(t *testing.T) {
 		t.Errorf("first record of the new segment: %+v %+v", rec, d)
 	}
 	// An hour on with only its first record: it stays.
-	c.add(2 * time.Hour)
+	c.Advance(2 * time.Hour)
 	time.Sleep(50 * time.Millisecond)
 	if n := len(segmentFiles(t, dir)); n != 1 {
 		t.Fatalf("a segment of one record rolled: %d segments", n)

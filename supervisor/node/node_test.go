@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/carrel-os/carrel/supervisor/internal/clocktest"
 )
 
 // fakeVMs is carreld's VMs in memory. Create adds a running VM whose
@@ -103,29 +105,11 @@ func (f *fakeVMs) callsMade() []string {
 	return slices.Clone(f.calls)
 }
 
-// clock is a monotonic clock that moves only when told.
-type clock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *clock) now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *clock) advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.t = c.t.Add(d)
-}
-
 const fenceAfter = 30 * time.Second
 
-func newAgent(vms *fakeVMs) (*Agent, *clock) {
-	c := &clock{t: time.Unix(1_000_000, 0)}
-	return New(Config{VMs: vms, Log: slog.New(slog.DiscardHandler), FenceAfter: fenceAfter, StopTimeout: time.Second, now: c.now}), c
+func newAgent(vms *fakeVMs) (*Agent, *clocktest.Clock) {
+	c := clocktest.New(time.Unix(1_000_000, 0))
+	return New(Config{VMs: vms, Log: slog.New(slog.DiscardHandler), FenceAfter: fenceAfter, StopTimeout: time.Second, now: c.Now}), c
 }
 
 func webRun() Run {
@@ -334,12 +318,12 @@ func TestFence(t *testing.T) {
 	a, clk := newAgent(vms)
 	bootWeb(t, a, vms)
 
-	clk.advance(fenceAfter - time.Nanosecond)
+	clk.Advance(fenceAfter - time.Nanosecond)
 	a.fence()
 	if st, _ := status(t, a, "uid-web"); st.Phase != Running {
 		t.Fatalf("fenced before FenceAfter: %+v", st)
 	}
-	clk.advance(time.Nanosecond)
+	clk.Advance(time.Nanosecond)
 	a.fence()
 	if st, _ := status(t, a, "uid-web"); st.Phase != Failed || st.Reason != "Fenced" || st.Message != ErrFenced.Error() {
 		t.Fatalf("status %+v, want Failed, Fenced", st)
@@ -355,7 +339,7 @@ func TestFence(t *testing.T) {
 	}
 
 	// Heard again: new runs boot; the fenced ones stay over.
-	a.Heard(clk.now())
+	a.Heard(clk.Now())
 	ci := Run{ID: "uid-ci", Owner: "ns/ci", VM: "ci"}
 	engineWants(t, a, webRun(), db, ci)
 	waitCalls(t, vms, 2)
@@ -370,7 +354,7 @@ func TestFenceWhileBooting(t *testing.T) {
 	a, clk := newAgent(vms)
 	engineWants(t, a, webRun())
 	waitCalls(t, vms, 1)
-	clk.advance(fenceAfter)
+	clk.Advance(fenceAfter)
 	a.fence()
 	select {
 	case <-workerDone(a, "uid-web"): // its Create was cancelled

@@ -5,7 +5,6 @@ import (
 	"maps"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -17,27 +16,10 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/carrel-os/carrel/supervisor/fleet/v1alpha1"
+	"github.com/carrel-os/carrel/supervisor/internal/clocktest"
 )
 
-// clock is a clock that moves only when told.
-type clock struct {
-	mu sync.Mutex
-	t  time.Time
-}
-
-func (c *clock) now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.t
-}
-
-func (c *clock) advance(d time.Duration) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.t = c.t.Add(d)
-}
-
-func newClock() *clock { return &clock{t: time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)} }
+func newClock() *clocktest.Clock { return clocktest.New(time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)) }
 
 // reportCondition is a host's report as it puts it in a run's pod.
 func reportCondition(t *testing.T, rep v1alpha1.HostReport) corev1.PodCondition {
@@ -204,7 +186,7 @@ func lease(node string, renew time.Time) *coordinationv1.Lease {
 }
 
 func TestLeasesObserve(t *testing.T) {
-	ls := newLeases(newClock().now)
+	ls := newLeases(newClock().Now)
 	t1 := time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
 	for i, tc := range []struct {
 		l   *coordinationv1.Lease
@@ -226,18 +208,18 @@ func TestLeasesObserve(t *testing.T) {
 
 func TestLeasesSilent(t *testing.T) {
 	clk := newClock()
-	ls := newLeases(clk.now)
-	clk.advance(time.Hour)
+	ls := newLeases(clk.Now)
+	clk.Advance(time.Hour)
 	if s := ls.silent("host-a"); s != 0 {
 		t.Errorf("a host never seen: silent %s, want 0 from first sight", s)
 	}
-	clk.advance(10 * time.Second)
+	clk.Advance(10 * time.Second)
 	if s := ls.silent("host-a"); s != 10*time.Second {
 		t.Errorf("silent %s, want 10s since first sight", s)
 	}
-	renew := clk.now()
+	renew := clk.Now()
 	ls.observe(lease("host-a", renew))
-	clk.advance(5 * time.Second)
+	clk.Advance(5 * time.Second)
 	ls.observe(lease("host-a", renew)) // seen again, not renewed
 	if s := ls.silent("host-a"); s != 5*time.Second {
 		t.Errorf("silent %s, want 5s since the renewal", s)

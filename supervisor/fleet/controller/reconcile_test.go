@@ -20,6 +20,7 @@ import (
 	"sigs.k8s.io/controller-runtime/pkg/reconcile"
 
 	"github.com/carrel-os/carrel/supervisor/fleet/v1alpha1"
+	"github.com/carrel-os/carrel/supervisor/internal/clocktest"
 )
 
 const lossTimeout = time.Minute
@@ -29,7 +30,7 @@ const lossTimeout = time.Minute
 type fleet struct {
 	t   *testing.T
 	r   *Reconciler
-	clk *clock
+	clk *clocktest.Clock
 }
 
 func newFleet(t *testing.T, avm *v1alpha1.AgentVM, objs ...client.Object) *fleet {
@@ -45,7 +46,7 @@ func newFleet(t *testing.T, avm *v1alpha1.AgentVM, objs ...client.Object) *fleet
 		WithStatusSubresource(&v1alpha1.AgentVM{}).
 		WithIndex(&corev1.Pod{}, indexOwner, ownerOf).WithIndex(&v1alpha1.AgentVM{}, indexNode, nodeOf).Build()
 	clk := newClock()
-	r := &Reconciler{Client: c, reader: c, cfg: Config{NodeLossTimeout: lossTimeout, now: clk.now}, leases: newLeases(clk.now),
+	r := &Reconciler{Client: c, reader: c, cfg: Config{NodeLossTimeout: lossTimeout, now: clk.Now}, leases: newLeases(clk.Now),
 		events: events.NewFakeRecorder(16)}
 	return &fleet{t: t, r: r, clk: clk}
 }
@@ -161,13 +162,13 @@ func TestReconcileNodeLost(t *testing.T) {
 		if res := f.reconcile(); res.RequeueAfter != 0 {
 			t.Errorf("%s: a placed run polled every %s: watchLoss wakes it", how, res.RequeueAfter)
 		}
-		f.clk.advance(lossTimeout)
+		f.clk.Advance(lossTimeout)
 		f.reconcile()
 		if st := f.status(); st.Phase != v1alpha1.PhaseRunning || len(f.pods()) != 1 {
 			t.Fatalf("%s: host silent for the timeout, not over it: status %+v", how, st)
 		}
 
-		f.clk.advance(time.Second)
+		f.clk.Advance(time.Second)
 		f.reconcile()
 		st := f.status()
 		if pods := f.pods(); len(pods) != 0 {
@@ -275,7 +276,7 @@ func TestReconcileDrainWaitsForHost(t *testing.T) {
 
 // leasesHeard makes the controller see node's Lease renewed now.
 func (f *fleet) leasesHeard(node string) {
-	now := metav1.NewMicroTime(f.clk.now())
+	now := metav1.NewMicroTime(f.clk.Now())
 	f.r.leases.observe(&coordinationv1.Lease{ObjectMeta: metav1.ObjectMeta{Name: node}, Spec: coordinationv1.LeaseSpec{RenewTime: &now}})
 }
 
@@ -303,7 +304,7 @@ func TestWatchLoss(t *testing.T) {
 		t.Fatalf("woke %s while its host renews", ev.Object.GetName())
 	case <-time.After(1500 * time.Millisecond):
 	}
-	f.clk.advance(lossTimeout + time.Second)
+	f.clk.Advance(lossTimeout + time.Second)
 	select {
 	case ev := <-out:
 		if ev.Object.GetName() != "web" {
