@@ -29,6 +29,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -317,6 +318,11 @@ func carrelRun(ctx context.Context, c *client.Client, vm string, argv ...string)
 
 // benchExec compares the round trip of `true`.
 func (b *qgaBench) benchExec(ctx context.Context, n int) error {
+	minClient, err := buildMinClient()
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(filepath.Dir(minClient))
 	type side struct {
 		name string
 		part bool // a part of carrel's round trip, not a way to exec
@@ -344,6 +350,11 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 				return fmt.Errorf("exit %d: %s", r.Code, r.Stderr)
 			}
 			return nil
+		}},
+		// The floor under any CLI: a new Go process that makes a client and
+		// runs the command (tests/bench/minclient), and nothing else.
+		{name: "floor: a minimal Go client process", part: true, run: func() error {
+			return runMinClient(ctx, minClient, b.d.Socket, b.vm, "true")
 		}},
 		// Parts of carrel's round trip, for where its time goes: the API
 		// alone (no guest), one unary call through the link (policy and
@@ -410,13 +421,15 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 	// Targets (issue 16), for the Go client: p50 within 4 ms of the floor
 	// and at most half qemu-ga's, p99 at most twice p50; the CLI within
 	// 4 ms of the Go client.
-	var process, cli *side
+	var process, cli, minimal *side
 	for _, s := range sides {
 		switch {
 		case strings.Contains(s.name, "Process stream"):
 			process = s
 		case strings.Contains(s.name, "CLI"):
 			cli = s
+		case strings.Contains(s.name, "minimal Go client"):
+			minimal = s
 		}
 	}
 	for _, s := range sides[:len(sides)-1] {
@@ -432,9 +445,13 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 		}
 		fmt.Println(line)
 	}
-	if process != nil && cli != nil {
+	if process != nil && cli != nil && minimal != nil {
 		extra := median(cli.lat) - median(process.lat)
 		fmt.Printf("  %-42s %s over the Go client's p50 (target <= 4ms: %s)\n", "the CLI (its start, a new connection):", fmtDur(extra), verdict(extra <= 4*time.Millisecond))
+		// What any new Go process and connection cost here, and the CLI's
+		// own share beyond that.
+		fmt.Printf("  %-42s %s over the Go client's p50 (a new Go process, client and connection on this machine)\n", "a minimal Go client process:", fmtDur(median(minimal.lat)-median(process.lat)))
+		fmt.Printf("  %-42s %s over the minimal Go client process's p50\n", "the CLI's own share:", fmtDur(median(cli.lat)-median(minimal.lat)))
 	}
 	return nil
 }
@@ -665,4 +682,37 @@ func expectLine(r *bufio.Reader, want string, g *guestCmd) error {
 	case <-time.After(10 * time.Second):
 		return fmt.Errorf("guest command ended without saying %q", want)
 	}
+}
+
+// buildMinClient builds tests/bench/minclient as make build builds the CLI
+// (static, stripped) into a directory of its own, and returns its path.
+func buildMinClient() (string, error) {
+	dir, err := os.MkdirTemp("", "carrel-minclient-")
+	if err != nil {
+		return "", err
+	}
+	bin := filepath.Join(dir, "minclient")
+	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w", "-o", bin, "./tests/bench/minclient")
+	cmd.Dir = harness.RepoRoot()
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		os.RemoveAll(dir)
+		return "", fmt.Errorf("build minclient: %v\n%s", err, out)
+	}
+	return bin, nil
+}
+
+// runMinClient runs argv in vm through the minimal client, the way the
+// harness runs the CLI: a new process, its output captured.
+func runMinClient(ctx context.Context, bin, socket, vm string, argv ...string) error {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, append([]string{vm}, argv...)...)
+	cmd.Env = append(os.Environ(), "CARREL_SOCKET="+socket)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("minclient: %v: %s", err, errb.String())
+	}
+	return nil
 }
