@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"strconv"
 	"strings"
@@ -607,6 +608,28 @@ func TestSignal(t *testing.T) {
 	for _, tt := range bad {
 		if _, err := f.client.Signal(callCtx(t), connect.NewRequest(tt.req)); connect.CodeOf(err) != tt.code {
 			t.Errorf("%s: %v, want %v", tt.name, err, tt.code)
+		}
+	}
+}
+
+// Calls that went well, and calls the caller got wrong, stay off the
+// console; the agent's and the guest's own failures are logged.
+func TestCallLevel(t *testing.T) {
+	for _, c := range []struct {
+		err  error
+		want slog.Level
+	}{
+		{nil, slog.LevelDebug},
+		{connect.NewError(connect.CodeNotFound, errors.New("exec: \"nope\": not found")), slog.LevelDebug},
+		{connect.NewError(connect.CodeInvalidArgument, errors.New("exec: empty argv")), slog.LevelDebug},
+		{connect.NewError(connect.CodePermissionDenied, errors.New("outside the sandbox")), slog.LevelDebug},
+		{connect.NewError(connect.CodeCanceled, context.Canceled), slog.LevelDebug},
+		{connect.NewError(connect.CodeInternal, errors.New("fork: out of memory")), slog.LevelInfo},
+		{connect.NewError(connect.CodeResourceExhausted, errors.New("too many commands")), slog.LevelInfo},
+		{errors.New("pipe: too many open files"), slog.LevelInfo},
+	} {
+		if got := callLevel(c.err); got != c.want {
+			t.Errorf("callLevel(%v) = %v, want %v", c.err, got, c.want)
 		}
 	}
 }

@@ -25,13 +25,7 @@ func (s *service) Process(ctx context.Context, stream *connect.BidiStream[agentv
 	start := time.Now()
 	ls := &loggedStream{BidiStream: stream}
 	err := s.sessions.Process(ctx, ls)
-	// A call that went well is logged at debug level only: the host's
-	// audit log has it, and under emulation each console line costs the
-	// guest milliseconds of CPU on the path of the next command.
-	level := slog.LevelDebug
-	if err != nil {
-		level = slog.LevelInfo
-	}
+	level := callLevel(err)
 	if !s.cfg.Log.Enabled(ctx, level) {
 		return err
 	}
@@ -48,11 +42,30 @@ func (s *service) Process(ctx context.Context, stream *connect.BidiStream[agentv
 		log = log.With("code", ls.exit.Code, "signal", ls.exit.Signal)
 	}
 	if err != nil {
-		log.Info("process call ended", "err", err)
+		log.Log(ctx, level, "process call ended", "err", err)
 	} else {
 		log.Debug("process call done")
 	}
 	return err
+}
+
+// callLevel is the level a call that ended with err is logged at. One that
+// went well, or failed by the caller's own doing (a program that is not
+// there, a bad argument, a path or state the call may not use, a call it
+// cancelled), is logged at debug level only: the host's audit log has it
+// with its outcome, and under emulation each console line costs the guest
+// milliseconds of CPU, byte by byte on the UART, on the path of the next
+// command. Any other failure is the agent's or the guest's, and is logged.
+func callLevel(err error) slog.Level {
+	switch connect.CodeOf(err) {
+	case connect.CodeNotFound, connect.CodeInvalidArgument, connect.CodeFailedPrecondition,
+		connect.CodePermissionDenied, connect.CodeAlreadyExists, connect.CodeOutOfRange, connect.CodeCanceled:
+		return slog.LevelDebug
+	}
+	if err == nil {
+		return slog.LevelDebug
+	}
+	return slog.LevelInfo
 }
 
 // loggedStream remembers what Process logs: the first message, Started and
@@ -115,7 +128,7 @@ func (s *service) ListProcesses(context.Context, *connect.Request[agentv1.ListPr
 
 // Signal signals one process by pid (never PID 1 or the agent itself), or
 // the process group of a running command by its id.
-func (s *service) Signal(_ context.Context, req *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
+func (s *service) Signal(ctx context.Context, req *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
 	sig, err := proctable.Signal(req.Msg.GetSignal())
 	if err != nil {
 		return nil, err
@@ -135,7 +148,7 @@ func (s *service) Signal(_ context.Context, req *connect.Request[agentv1.SignalR
 		log = log.With("exec_id", truncate(req.Msg.GetExecId()))
 	}
 	if err != nil {
-		log.Info("signal failed", "err", err)
+		log.Log(ctx, callLevel(err), "signal failed", "err", err)
 		return nil, err
 	}
 	log.Debug("signalled")
@@ -143,7 +156,7 @@ func (s *service) Signal(_ context.Context, req *connect.Request[agentv1.SignalR
 }
 
 // Input feeds a running command by its id (proctable.Table.Input).
-func (s *service) Input(_ context.Context, req *connect.Request[agentv1.InputRequest]) (*connect.Response[agentv1.InputResponse], error) {
+func (s *service) Input(ctx context.Context, req *connect.Request[agentv1.InputRequest]) (*connect.Response[agentv1.InputResponse], error) {
 	in := &agentv1.ProcessInput{}
 	switch m := req.Msg.GetInput().(type) {
 	case *agentv1.InputRequest_Stdin:
@@ -154,7 +167,7 @@ func (s *service) Input(_ context.Context, req *connect.Request[agentv1.InputReq
 		in.Msg = &agentv1.ProcessInput_Resize{Resize: m.Resize}
 	}
 	if err := s.sessions.Input(req.Msg.GetExecId(), in); err != nil {
-		s.cfg.Log.Info("input failed", "exec_id", truncate(req.Msg.GetExecId()), "err", err)
+		s.cfg.Log.Log(ctx, callLevel(err), "input failed", "exec_id", truncate(req.Msg.GetExecId()), "err", err)
 		return nil, err
 	}
 	return connect.NewResponse(&agentv1.InputResponse{}), nil

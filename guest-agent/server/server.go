@@ -176,10 +176,7 @@ func (s *service) Exec(ctx context.Context, req *connect.Request[agentv1.ExecReq
 		}
 		return stream.Send(m)
 	})
-	level := slog.LevelDebug // as for Process
-	if err != nil {
-		level = slog.LevelInfo
-	}
+	level := callLevel(err)
 	if !s.cfg.Log.Enabled(ctx, level) {
 		return err
 	}
@@ -187,7 +184,7 @@ func (s *service) Exec(ctx context.Context, req *connect.Request[agentv1.ExecReq
 		"tty", req.Msg.GetTty(), "exec_id", id, "duration", time.Since(start))
 	switch {
 	case err != nil:
-		log.Info("exec failed", "err", err)
+		log.Log(ctx, level, "exec failed", "err", err)
 	case exit != nil:
 		log.Debug("exec done", "code", exit.Code, "signal", exit.Signal)
 	}
