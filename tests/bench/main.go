@@ -11,7 +11,8 @@
 //     carreld from the qemu-guest-agent variant of the dev image, with
 //     qemu-ga and a bare port hot-added on carrel's own virtio-serial
 //     controller (see qga.go): the round trip of `true` (carrel's Go
-//     client against guest-exec plus guest-exec-status polling), and file
+//     client against guest-exec plus guest-exec-status polling; the CLI
+//     against it and against a minimal Go client process, minclient), and file
 //     write and read throughput (Upload/Download against
 //     guest-file-write/-read, and against the raw port);
 //   - policy decisions (-policy): the default bundle's prepared queries
