@@ -3,6 +3,8 @@
 // hosts without vhost-vsock. Both yield plain net.Conns; the protocol on top
 // is the same. A port's small writes are queued and merged (portWriter),
 // since each write to a port costs an emulated guest a round trip through
-// the hypervisor. The caller's write deadlines bound only its wait for the
+// the hypervisor; before it writes, the ready goroutines run, so the frames
+// of one answer (a unary call's message and its trailers) leave together.
+// The caller's write deadlines bound only its wait for the
 // queue; a write to the port fails when the port takes nothing for 10 s.
 package transport
