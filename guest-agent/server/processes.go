@@ -57,12 +57,12 @@ func (s *service) Process(ctx context.Context, stream *connect.BidiStream[agentv
 // milliseconds of CPU, byte by byte on the UART, on the path of the next
 // command. Any other failure is the agent's or the guest's, and is logged.
 func callLevel(err error) slog.Level {
+	if err == nil {
+		return slog.LevelDebug
+	}
 	switch connect.CodeOf(err) {
 	case connect.CodeNotFound, connect.CodeInvalidArgument, connect.CodeFailedPrecondition,
 		connect.CodePermissionDenied, connect.CodeAlreadyExists, connect.CodeOutOfRange, connect.CodeCanceled:
-		return slog.LevelDebug
-	}
-	if err == nil {
 		return slog.LevelDebug
 	}
 	return slog.LevelInfo
