@@ -29,7 +29,11 @@ import (
 	"github.com/open-policy-agent/opa/v1/storage"
 	"github.com/open-policy-agent/opa/v1/storage/inmem"
 	"github.com/open-policy-agent/opa/v1/topdown"
+	"github.com/open-policy-agent/opa/v1/topdown/cache"
 )
+
+// patternCacheSize bounds the compiled regular expressions a policy keeps.
+const patternCacheSize = 4096
 
 // EvalTimeout bounds one decision. The default bundle decides in
 // microseconds; a rule that loops is cut off and the call denied.
@@ -43,11 +47,18 @@ type Policy struct {
 	compiler *ast.Compiler
 	store    storage.Store
 	bundle   *Bundle
-	decide   map[Kind]rego.PreparedEvalQuery
+	decide   map[Kind]*kindQueries
 	sandbox  rego.PreparedEvalQuery
 	// limits is data.carrel.net.limits, prepared when the bundle has it.
 	limits *rego.PreparedEvalQuery
 	cache  *decisionCache
+	// patterns holds the regular expressions the rules have compiled.
+	// OPA's own cache, shared by the process, keeps only 100, and each VM
+	// with its own settings has patterns of its own.
+	patterns cache.InterQueryValueCache
+	// asWritten makes every decision evaluate the rules as written, with
+	// nothing worked out at compile time; tests compare the two.
+	asWritten bool
 }
 
 // Decision is the outcome of one evaluation, as it is recorded.
@@ -115,9 +126,14 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 	p := &Policy{
 		Name: name, Revision: b.Revision, compiler: c, bundle: b,
 		store:  inmem.NewFromObjectWithOpts(data, inmem.OptReturnASTValuesOnRead(true)),
-		decide: map[Kind]rego.PreparedEvalQuery{},
+		decide: map[Kind]*kindQueries{},
 		cache:  newDecisionCache(decisionCacheSize),
 	}
+	size := patternCacheSize
+	p.patterns = cache.NewInterQueryValueCache(ctx, &cache.Config{
+		InterQueryBuiltinValueCache: cache.InterQueryBuiltinValueCacheConfig{MaxNumEntries: &size},
+	})
+	vms := settingsVMs(data)
 	for _, k := range Kinds {
 		ref := "data.carrel." + string(k) + ".decision"
 		if !hasRule(c, ref) {
@@ -127,7 +143,9 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 		if err != nil {
 			return nil, err
 		}
-		p.decide[k] = q
+		if p.decide[k], err = p.specialize(ctx, k, q, vms); err != nil {
+			return nil, err
+		}
 	}
 	for _, ref := range []string{"data.carrel.fs.sandbox", "data.carrel.api.procedures"} {
 		if !hasRule(c, ref) {
@@ -207,7 +225,7 @@ func (p *Policy) decide1(ctx context.Context, in Input, cached bool) (Decision, 
 		return d, err
 	}
 	d.Input, d.InputDigest = canonical(in)
-	q, ok := p.decide[in.Kind()]
+	queries, ok := p.decide[in.Kind()]
 	if !ok {
 		d.Rule, d.Reason = "carrel.unknown_kind", "no query for kind "+string(in.Kind())
 		return d, fmt.Errorf("%w: kind %q", ErrInvalidInput, in.Kind())
@@ -229,10 +247,14 @@ func (p *Policy) decide1(ctx context.Context, in Input, cached bool) (Decision, 
 	if dl, ok := ctx.Deadline(); ok {
 		timeout = min(timeout, time.Until(dl))
 	}
+	q := queries.forVM(d.VM)
+	if p.asWritten {
+		q = queries.generic
+	}
 	halt := topdown.NewCancel()
 	timer := time.AfterFunc(timeout, halt.Cancel)
 	rs, err := q.Eval(ctx, rego.EvalParsedInput(in.value()), rego.EvalExternalCancel(halt),
-		rego.EvalMetrics(noMetrics), rego.EvalGenerateJSON(astResult))
+		rego.EvalMetrics(noMetrics), rego.EvalGenerateJSON(astResult), rego.EvalInterQueryBuiltinValueCache(p.patterns))
 	timer.Stop()
 	if err != nil {
 		d.Rule, d.Reason = "carrel.eval_error", "evaluation failed: "+err.Error()

@@ -14,7 +14,8 @@ import (
 
 // FuzzDecodeInput feeds arbitrary documents of every kind to DecodeInput
 // and what it accepts to the default policy: nothing may panic, every
-// refusal is ErrInvalidInput, and a decision depends on its input alone.
+// refusal is ErrInvalidInput, a decision depends on its input alone, and
+// it is the decision of the rules as written.
 func FuzzDecodeInput(f *testing.F) {
 	seeds := map[Kind][]string{
 		KindAPI: {
@@ -50,6 +51,7 @@ func FuzzDecodeInput(f *testing.F) {
 	f.Add([]byte(`{"vm":"\u0000","request":"\ud800"}`), uint8(4))
 	ctx := context.Background()
 	p := compiledDefault(f) // once per process, not per input
+	written := asWritten(p)
 	f.Fuzz(func(t *testing.T, src []byte, kind uint8) {
 		k := Kinds[int(kind)%len(Kinds)]
 		in, err := DecodeInput(k, src)
@@ -90,6 +92,10 @@ func FuzzDecodeInput(f *testing.F) {
 		}
 		if err1 == nil && d1.InputDigest != digest {
 			t.Fatalf("Decide changed an input DecodeInput had normalised: %s is now %+v", src, in)
+		}
+		// The settings worked out at compile time change no decision.
+		if w, errW := written.Evaluate(ctx, in); errW == nil && (w.Allow != d1.Allow || w.Rule != d1.Rule || w.Reason != d1.Reason) {
+			t.Fatalf("Decide(%s): %v by %s (%s); the rules as written: %v by %s (%s)", src, d1.Allow, d1.Rule, d1.Reason, w.Allow, w.Rule, w.Reason)
 		}
 		// The canonical form is a fixed point: it decodes to the same input.
 		canon, err := json.Marshal(in)

@@ -14,10 +14,27 @@ settings := object.union(data.settings.exec, overrides) if {
 	overrides := data.settings.vms[input.vm].exec
 } else := data.settings.exec
 
+# The first branch is the common allow, stated whole: a user in
+# settings.exec.users who is not root, a command that is not denied, and a
+# working directory that fs.quick_root places under a read-write root.
+# Each of its conditions rules out a deny below, so where it applies the
+# branches below give the same decision. Its patterns and set come from
+# settings alone, which carreld works out once per VM when it compiles the
+# bundle (see docs/policy.md).
+#
 # A command run as user "root" or "0" runs as root, by name or uid. The two
 # root branches test input.user against that literal set, which lets OPA
 # skip both for any other user without evaluating them.
 decision := {
+	"allow": true,
+	"rule": "carrel.exec.user",
+	"reason": concat("", ["user ", input.user, " is in settings.exec.users"]),
+} if {
+	plain_users[input.user]
+	regex.match(`[^/]$`, input.argv[0]) # command is not ""
+	regex.match(denied_pattern, input.argv[0]) == false
+	data.carrel.fs.quick_root("read", input.cwd)
+} else := {
 	"allow": false,
 	"rule": "carrel.exec.no_command",
 	"reason": "argv is empty or argv[0] names no program",
@@ -74,6 +91,13 @@ command := base if {
 default user := ""
 
 user := input.user
+
+# plain_users are the users in settings.exec.users that are not root.
+plain_users := {user | some user in settings.users; not user in {"root", "0"}}
+
+# denied_pattern matches an argv[0] whose command is in
+# settings.exec.denied_commands.
+denied_pattern := concat("", ["(?:^|/)", data.carrel.fs.any_of(settings.denied_commands), "$"])
 
 # The working directory must be readable under the fs rules, with this
 # VM's fs settings. cwd_decision is fs.check's decision on reading it,

@@ -88,6 +88,14 @@ test_denied_commands_match_whole_names if {
 	}
 }
 
+# Denied commands are names, not patterns.
+test_denied_commands_are_literal if {
+	denied_by(decide(["/usr/bin/g++", "-c"], "agent", "/workspace"), "carrel.exec.denied_command") with data.settings.exec.denied_commands as ["g++"]
+	every argv in [["gcc"], ["/usr/bin/g"], ["ggg"]] {
+		allowed_by(decide(argv, "agent", "/workspace"), "carrel.exec.user") with data.settings.exec.denied_commands as ["g++", ".*"]
+	}
+}
+
 test_no_command_denied if {
 	denied_by(decide([], "agent", "/workspace"), "carrel.exec.no_command")
 	denied_by(decide([""], "agent", "/workspace"), "carrel.exec.no_command")

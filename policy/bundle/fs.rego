@@ -103,20 +103,40 @@ check(operation, path, recursive) := {
 # non-recursive operation on path (the caller sees to recursive), in the
 # common case where no deny can apply: the operation is known, and no
 # secret path starts path, nor any secret name a component of it, not even
-# as a prefix. It is undefined otherwise, and check decides. Its root is
-# roots_holding's, inline, so that the common case is one body.
-quick_root(operation, path) := max({root |
-	some root in roots
-	startswith(path, root)
-	substring(path, count(root), 1) in {"", "/"}
-} | {"/" | "/" in roots; startswith(path, "/")}) if {
+# as a prefix. It is undefined otherwise, and check decides; so it is for
+# a path that only the root / holds.
+#
+# It matches path against two patterns made from settings alone, which
+# carreld works out once per VM when it compiles the bundle (see
+# docs/policy.md): the common case costs two matches.
+quick_root(operation, path) := root if {
 	operation in {"read", "write", "create", "delete", "chmod", "list", "watch"}
-	s := settings
-	roots := s.read_write
-	strings.any_prefix_match(path, roots)
-	not strings.any_prefix_match(path, s.secret_paths)
-	not strings.any_prefix_match(split(path, "/"), s.secret_names)
+	[[_, root]] := regex.find_all_string_submatch_n(read_write_pattern, path, 1)
+	regex.match(secret_pattern, path) == false
 }
+
+# read_write_pattern matches a path under a read-write root other than /,
+# by whole components, and captures the root. The roots are tried in
+# reverse order, so the root captured is the deepest that holds the path:
+# the greatest, as check names it.
+read_write_pattern := concat("", ["^(", any_of(array.reverse(sort(settings.read_write))), ")(?:/|$)"])
+
+# secret_pattern matches a path that a secret path starts, or with a
+# component that a secret name starts: every path check might deny as
+# secret, and some it would not.
+secret_pattern := concat("|", [
+	concat("", ["^", any_of(settings.secret_paths)]),
+	concat("", ["(?:^|/)", any_of(settings.secret_names)]),
+])
+
+# any_of is a regular expression matching any of strings, literally; with
+# no strings, it matches nothing.
+any_of(strings) := concat("", ["(?:", concat("|", [quote(s) | some s in strings]), ")"]) if {
+	count(strings) > 0
+} else := `[^\x00-\x{10FFFF}]`
+
+# quote escapes the characters that mean something in a regular expression.
+quote(s) := regex.replace(s, `[\\.+*?()|\[\]{}^$]`, `\$0`)
 
 # roots_holding is the set of roots that path is at or beneath, by whole
 # components: what follows the root in path is nothing or a "/", so

@@ -321,7 +321,24 @@ test_shortcut_defers_to_check if {
 
 test_shortcut_names_the_deepest_root if {
 	fs.quick_root("write", "/workspace/cache/x") == "/workspace/cache" with data.settings.fs.read_write as ["/workspace", "/workspace/cache"]
-	fs.quick_root("write", "/x") == "/" with data.settings.fs.read_write as ["/"]
+	fs.quick_root("write", "/workspace/cache/x") == "/workspace/cache" with data.settings.fs.read_write as ["/workspace/cache", "/workspace"]
+	fs.quick_root("write", "/workspace/x") == "/workspace" with data.settings.fs.read_write as ["/", "/workspace"]
+}
+
+# The root / is left to check, which names it.
+test_shortcut_leaves_the_root_slash_to_check if {
+	not fs.quick_root("write", "/x") with data.settings.fs.read_write as ["/"]
+	allowed_by(decide("write", "/x"), "carrel.fs.read_write_root") with data.settings.fs.read_write as ["/"]
+	decide("write", "/x").reason == "write /x: under read-write root /" with data.settings.fs.read_write as ["/"]
+}
+
+# The patterns take roots and names literally.
+test_shortcut_quotes_patterns if {
+	fs.quick_root("write", "/srv/a+b/x") == "/srv/a+b" with data.settings.fs.read_write as ["/srv/a+b"]
+	not fs.quick_root("write", "/srv/aab/x") with data.settings.fs.read_write as ["/srv/a+b"]
+	not fs.quick_root("write", "/w/x.key") with data.settings.fs.read_write as ["/w"] with data.settings.fs.secret_names as ["x.k"]
+	fs.quick_root("write", "/w/xykey") == "/w" with data.settings.fs.read_write as ["/w"] with data.settings.fs.secret_names as ["x.k"]
+	fs.quick_root("write", "/w/a") == "/w" with data.settings.fs.read_write as ["/w"] with data.settings.fs.secret_names as [] with data.settings.fs.secret_paths as []
 }
 
 # The sandbox comes from the same settings as the decision.

@@ -72,6 +72,15 @@ decision := {
 	count(egress_allowed) == 0
 } else := {
 	"allow": false,
+	"rule": "carrel.net.default_deny",
+	"reason": sprintf("egress to %v:%v/%v: not in settings.net.egress_allow", [input.host, input.port, input.protocol]),
+} if {
+	# A quick test for the last egress deny: with no entries, no address
+	# can be refused.
+	input.direction == "egress"
+	settings.egress_allow == []
+} else := {
+	"allow": false,
 	"rule": "carrel.net.address_refused",
 	"reason": sprintf("egress to %v:%v/%v: %v, and no entry that allows the host names it in its networks", [input.host, input.port, input.protocol, concat(", ", refused_addresses)]),
 } if {

@@ -1,0 +1,235 @@
+package policy
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/open-policy-agent/opa/v1/ast"
+)
+
+// overridesData is the default data with overrides for VM "build", to
+// which each kind's settings differ.
+const overridesData = `{"settings": {
+  "api": {"operator_uids": [], "operator_gids": [], "operator_groups": ["carrel"],
+    "token_classes": ["read", "exec", "files_read", "files_write", "ports", "audit"],
+    "key_classes": ["read", "exec", "files_read", "files_write", "ports", "audit", "snapshot"]},
+  "exec": {"users": ["agent"], "allow_root": false, "denied_commands": []},
+  "fs": {"read_write": ["/workspace", "/home/agent", "/tmp"],
+    "read_only": ["/usr", "/bin", "/etc", "/proc"],
+    "secret_paths": ["/etc/shadow", "/root", "/workspace/.git/config"],
+    "secret_names": [".ssh", ".env"]},
+  "net": {"allow_forward": true, "egress_allow": [], "limits": {}},
+  "guest": {"allowed_requests": []},
+  "gpu": {"allowed_vms": [], "devices": ["*"]},
+  "vms": {
+    "build": {
+      "exec": {"users": ["agent", "bob", "root"], "allow_root": true, "denied_commands": ["curl", "wg+"]},
+      "fs": {"read_write": ["/", "/srv/a+b", "/workspace"], "secret_names": []},
+      "net": {"allow_forward": false, "egress_allow": [{"host": "*.npmjs.org", "port": 443}]},
+      "api": {"token_classes": ["read"]},
+      "guest": {"allowed_requests": ["checkpoint"]}
+    },
+    "": {"exec": {"users": ["nobody"]}}
+  }
+}}`
+
+// decisionInputs are inputs of every kind for each of vms: the common case
+// and the edges of every shortcut.
+func decisionInputs(vms []string) []Input {
+	var ins []Input
+	for _, vm := range vms {
+		for _, user := range []string{"agent", "bob", "root", "0", "nobody"} {
+			for _, argv0 := range []string{"go", "/usr/bin/curl", "curl", "wg+", "wgg", "/usr/bin/", "sh"} {
+				for _, cwd := range []string{"/workspace", "/workspace/src", "/workspacex", "/tmp/.ssh", "/tmp/.envrc",
+					"/etc", "/root", "/", "/srv/a+b/x", "/srv/aab", "/workspace/.git/config"} {
+					ins = append(ins, &ExecInput{Caller: peer(1000), VM: vm, Argv: []string{argv0, "-v"}, Cwd: cwd, User: user})
+				}
+			}
+		}
+		for _, op := range []string{OpRead, OpWrite, OpList, OpDelete} {
+			for _, path := range []string{"/workspace", "/workspace/src/main.go", "/workspacex/a", "/tmp/x", "/tmp/.ssh/known_hosts",
+				"/workspace/.env", "/workspace/.envrc", "/usr/bin/env", "/etc", "/etc/shadow", "/root", "/var/x", "/",
+				"/srv/a+b/c", "/srv/aab/c", "/workspace/.git/config"} {
+				for _, recursive := range []bool{false, true} {
+					ins = append(ins, &FSInput{Caller: peer(1000), VM: vm, Operation: op, Path: path, Recursive: recursive})
+				}
+			}
+		}
+		for _, host := range []string{"registry.npmjs.org", "npmjs.org", "10.0.0.1", "example.com"} {
+			ins = append(ins,
+				&NetInput{VM: vm, Direction: DirEgress, Host: host, Port: 443, Protocol: "tcp"},
+				&NetInput{VM: vm, Direction: DirEgress, Host: host, Port: 443, Protocol: "tcp",
+					Addresses: []NetAddress{{IP: "10.0.0.1", Class: "private"}}},
+			)
+		}
+		ins = append(ins,
+			&NetInput{Caller: token(vm), VM: vm, Direction: DirForward, Host: "localhost", Port: 8080},
+			&APIInput{Caller: peer(0), Procedure: "/carrel.api.v1.VMService/CreateVM", VM: vm},
+			&APIInput{Caller: token(vm), Procedure: "/carrel.agent.v1.AgentService/Process", VM: vm},
+			&APIInput{Caller: token(vm), Procedure: "/carrel.api.v1.VMService/GetVM", VM: vm},
+			&GuestInput{VM: vm, Request: "checkpoint"},
+		)
+	}
+	return ins
+}
+
+// asWritten is p deciding with every rule evaluated as written.
+func asWritten(p *Policy) *Policy {
+	w := *p
+	w.asWritten = true
+	w.cache = newDecisionCache(decisionCacheSize)
+	return &w
+}
+
+// TestSpecializedDecisionsMatchTheRules compares, for every bundle carrel
+// ships and for one with per-VM overrides, each decision made with the
+// settings worked out at compile time against the rules as written.
+func TestSpecializedDecisionsMatchTheRules(t *testing.T) {
+	ctx := context.Background()
+	bundles := map[string]map[string][]byte{}
+	for _, name := range BuiltinNames() {
+		b, err := Builtin(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bundles[name] = b.Files
+	}
+	files := defaultFiles(t)
+	files[DataFile] = []byte(overridesData)
+	bundles["overrides"] = files
+	for name, files := range bundles {
+		t.Run(name, func(t *testing.T) {
+			b, err := NewBundle(files)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := Compile(ctx, name, b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			w := asWritten(p)
+			for _, k := range []Kind{KindExec, KindFS, KindNet} {
+				if p.decide[k].other == nil {
+					t.Fatalf("kind %s: nothing was worked out at compile time", k)
+				}
+			}
+			if name == "overrides" && (len(p.decide[KindExec].byVM) != 2 || p.decide[KindExec].other == nil) {
+				t.Fatalf("exec queries by VM: %d, want 2 and one for the others", len(p.decide[KindExec].byVM))
+			}
+			seen := map[string]int{}
+			for _, in := range decisionInputs([]string{"demo", "build", "", "other"}) {
+				got, err1 := p.Evaluate(ctx, in)
+				want, err2 := w.Evaluate(ctx, in)
+				if fmt.Sprint(err1) != fmt.Sprint(err2) || got.Allow != want.Allow || got.Rule != want.Rule || got.Reason != want.Reason {
+					t.Fatalf("%s %s: worked out: %v %s %q (%v); as written: %v %s %q (%v)", in.Kind(), got.Input,
+						got.Allow, got.Rule, got.Reason, err1, want.Allow, want.Rule, want.Reason, err2)
+				}
+				seen[got.Rule]++
+			}
+			// The inputs reach many rules, not one.
+			if len(seen) < 10 {
+				t.Errorf("the inputs reached only %d rules: %v", len(seen), seen)
+			}
+		})
+	}
+}
+
+// specializable bundles a rule p into package carrel.exec, which its
+// decision reads, and returns whether Compile worked p out per VM.
+func specializable(t *testing.T, rules string) bool {
+	t.Helper()
+	b, err := tinyBundle(t, func(m map[string]string) {
+		m["exec.rego"] = "package carrel.exec\n\n" +
+			`decision := {"allow": false, "rule": "carrel.exec.default_deny", "reason": "tiny"} if p` + "\n\n" +
+			`decision := {"allow": true, "rule": "carrel.exec.tiny", "reason": "tiny"} if not p` + "\n\n" + rules
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Compile(context.Background(), "tiny", b)
+	if err != nil {
+		t.Fatalf("%s: %v", rules, err)
+	}
+	a := &vmAnalysis{c: p.compiler, memo: map[*ast.Rule]bool{}}
+	return slices.ContainsFunc(a.frontier(ast.MustParseRef("data.carrel.exec.decision")), func(r ast.Ref) bool {
+		return r.Equal(ast.MustParseRef("data.carrel.exec.p"))
+	})
+}
+
+// TestWorkedOutOnlyWhatDependsOnTheVMsSettings: a rule is worked out per
+// VM only when it reads data, and input.vm only as the key of
+// data.settings.vms.
+func TestWorkedOutOnlyWhatDependsOnTheVMsSettings(t *testing.T) {
+	for _, c := range []struct {
+		rules string
+		want  bool
+	}{
+		{`p := count(data.settings.exec.users) > 0`, true},
+		{`p := object.union(data.settings.exec, o) == {} if { o := data.settings.vms[input.vm].exec } else := false`, true},
+		{"p := q\n\nq := data.settings.vms[input.vm].exec.allow_root == true", true},
+		{"p := f(data.settings.exec.users)\n\nf(x) := count(x) > 1", true},
+		{`p := input.user == "root"`, false},
+		{`p := startswith(input.vm, "prod-")`, false},
+		{`p := data.settings.vms[v] == {} if v := input.vm`, true},
+		{`p := data.settings.vms[v] == {} if { v := input.vm; startswith(v, "prod-") }`, false},
+		{`p := data.settings.vms[input.user] == {}`, false},
+		{`p := count(input) > 0`, false},
+		{"p := q\n\nq := input.tty", false},
+		{"p := f(1)\n\nf(x) := x == input.tty", false},
+		{`p if { data.settings.exec.users == [] with input as {} }`, false},
+		{"p if { q with data.settings.exec.users as [] }\n\nq := data.settings.exec.users == []", false},
+		{"p := count(data.settings.vms[input.vm].exec[input.user]) > 0", false},
+	} {
+		t.Run(strings.SplitN(c.rules, "\n", 2)[0], func(t *testing.T) {
+			if got := specializable(t, c.rules); got != c.want {
+				t.Errorf("worked out at compile time: %v, want %v", got, c.want)
+			}
+		})
+	}
+}
+
+// TestPatternsOfManyVMsStayCompiled: each VM with its own settings has
+// patterns of its own, and the policy keeps them compiled, beyond the 100
+// of OPA's process-wide cache.
+func TestPatternsOfManyVMsStayCompiled(t *testing.T) {
+	ctx := context.Background()
+	const n = 150
+	vms := make([]string, n)
+	for i := range vms {
+		vms[i] = fmt.Sprintf(`"vm%d": {"fs": {"read_write": ["/w%d"]}}`, i, i)
+	}
+	files := defaultFiles(t)
+	files[DataFile] = []byte(strings.Replace(string(files[DataFile]), `"vms": {}`, `"vms": {`+strings.Join(vms, ", ")+`}`, 1))
+	b, err := NewBundle(files)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Compile(ctx, "many", b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(p.decide[KindFS].byVM) != n {
+		t.Fatalf("fs queries for %d VMs, want %d", len(p.decide[KindFS].byVM), n)
+	}
+	for round := range 2 {
+		for i := range n {
+			vm := fmt.Sprintf("vm%d", i)
+			d, err := p.Evaluate(ctx, &FSInput{Caller: peer(1000), VM: vm, Operation: OpWrite, Path: fmt.Sprintf("/w%d/x", i)})
+			want := fmt.Sprintf("write /w%d/x: under read-write root /w%d", i, i)
+			if err != nil || !d.Allow || d.Reason != want {
+				t.Fatalf("round %d, %s: %+v, %v", round, vm, d, err)
+			}
+		}
+	}
+	in := ast.NewObject(ast.Item(ast.StringTerm("vm"), ast.StringTerm("vm7")))
+	pattern, ok, err := p.valueOf(ctx, ast.MustParseRef("data.carrel.fs.read_write_pattern"), in)
+	if err != nil || !ok {
+		t.Fatalf("read_write_pattern: %v, %v", ok, err)
+	}
+	if _, ok := p.patterns.Get(pattern); !ok {
+		t.Errorf("%v is not in the policy's pattern cache", pattern)
+	}
+}
