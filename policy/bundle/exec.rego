@@ -15,12 +15,13 @@ settings := object.union(data.settings.exec, overrides) if {
 } else := data.settings.exec
 
 # The first branch is the common allow, stated whole: a user in
-# settings.exec.users who is not root, a command that is not denied, and a
-# working directory that fs.quick_root places under a read-write root.
-# Each of its conditions rules out a deny below, so where it applies the
-# branches below give the same decision. Its patterns and set come from
-# settings alone, which carreld works out once per VM when it compiles the
-# bundle (see docs/policy.md).
+# settings.exec.users who is not root, a program that is not denied, and a
+# working directory under a read-write root that no secret path or name
+# starts (where fs.quick_root would answer). Each of its conditions rules
+# out a deny below, so where it applies the branches below give the same
+# decision. Its patterns and reasons come from settings alone, which
+# carreld works out once per VM when it compiles the bundle (see
+# docs/policy.md).
 #
 # A command run as user "root" or "0" runs as root, by name or uid. The two
 # root branches test input.user against that literal set, which lets OPA
@@ -28,12 +29,12 @@ settings := object.union(data.settings.exec, overrides) if {
 decision := {
 	"allow": true,
 	"rule": "carrel.exec.user",
-	"reason": concat("", ["user ", input.user, " is in settings.exec.users"]),
+	"reason": reason,
 } if {
-	plain_users[input.user]
-	regex.match(`[^/]$`, input.argv[0]) # command is not ""
-	regex.match(denied_pattern, input.argv[0]) == false
-	data.carrel.fs.quick_root("read", input.cwd)
+	reason := plain_users[input.user]
+	regex.match(refused_command_pattern, input.argv[0]) == false
+	regex.match(data.carrel.fs.read_write_pattern, input.cwd)
+	regex.match(data.carrel.fs.secret_pattern, input.cwd) == false
 } else := {
 	"allow": false,
 	"rule": "carrel.exec.no_command",
@@ -92,12 +93,16 @@ default user := ""
 
 user := input.user
 
-# plain_users are the users in settings.exec.users that are not root.
-plain_users := {user | some user in settings.users; not user in {"root", "0"}}
+# plain_users are the users in settings.exec.users that are not root, each
+# with the reason that allows it.
+plain_users := {user: concat("", ["user ", user, " is in settings.exec.users"]) |
+	some user in settings.users
+	not user in {"root", "0"}
+}
 
-# denied_pattern matches an argv[0] whose command is in
-# settings.exec.denied_commands.
-denied_pattern := concat("", ["(?:^|/)", data.carrel.fs.any_of(settings.denied_commands), "$"])
+# refused_command_pattern matches an argv[0] that names no program (it is
+# empty or ends in /) or whose program is in settings.exec.denied_commands.
+refused_command_pattern := concat("", ["(?:^|/)", data.carrel.fs.any_of(settings.denied_commands), "?$"])
 
 # The working directory must be readable under the fs rules, with this
 # VM's fs settings. cwd_decision is fs.check's decision on reading it,
