@@ -133,7 +133,7 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 	p.patterns = cache.NewInterQueryValueCache(ctx, &cache.Config{
 		InterQueryBuiltinValueCache: cache.InterQueryBuiltinValueCacheConfig{MaxNumEntries: &size},
 	})
-	vms := settingsVMs(data)
+	vms, values := settingsVMs(data), map[string]rego.PreparedEvalQuery{}
 	for _, k := range Kinds {
 		ref := "data.carrel." + string(k) + ".decision"
 		if !hasRule(c, ref) {
@@ -143,7 +143,7 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 		if err != nil {
 			return nil, err
 		}
-		if p.decide[k], err = p.specialize(ctx, k, q, vms); err != nil {
+		if p.decide[k], err = p.specialize(ctx, k, q, vms, values); err != nil {
 			return nil, err
 		}
 	}

@@ -58,8 +58,9 @@ var (
 )
 
 // specialize prepares kind k's per-VM queries, for the VMs named in
-// data.settings.vms (vms) and for all others.
-func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEvalQuery, vms []string) (*kindQueries, error) {
+// data.settings.vms (vms) and for all others. values holds the queries
+// that work out one rule, which kinds share.
+func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEvalQuery, vms []string, values map[string]rego.PreparedEvalQuery) (*kindQueries, error) {
 	q := &kindQueries{generic: generic}
 	decision := ast.MustParseRef("data.carrel." + string(k) + ".decision")
 	a := &vmAnalysis{c: p.compiler, memo: map[*ast.Rule]bool{}}
@@ -67,6 +68,9 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 	if len(frontier) == 0 {
 		return q, nil
 	}
+	// VMs whose values are the same share a query: preparing one costs
+	// about 2 ms, and most overrides leave most kinds alone.
+	prepared := map[string]rego.PreparedEvalQuery{}
 	prep := func(vm string) (rego.PreparedEvalQuery, error) {
 		expr := ast.NewExpr(ast.NewTerm(decision))
 		in := ast.NewObject(
@@ -74,7 +78,7 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 			ast.Item(ast.StringTerm("vm"), ast.StringTerm(vm)),
 		)
 		for _, ref := range frontier {
-			v, ok, err := p.valueOf(ctx, ref, in)
+			v, ok, err := p.valueOf(ctx, values, ref, in)
 			if err != nil {
 				return rego.PreparedEvalQuery{}, err
 			}
@@ -82,6 +86,10 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 			if ok {
 				expr = expr.IncludeWith(ast.NewTerm(ref), ast.NewTerm(v))
 			}
+		}
+		key := expr.String()
+		if pq, ok := prepared[key]; ok {
+			return pq, nil
 		}
 		pq, err := rego.New(
 			rego.ParsedQuery(ast.NewBody(expr)),
@@ -92,6 +100,7 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 		if err != nil {
 			return pq, fmt.Errorf("%w: prepare %s for VM %q: %v", ErrInvalidBundle, decision, vm, err)
 		}
+		prepared[key] = pq
 		return pq, nil
 	}
 	other, err := prep(unnamedVM(vms))
@@ -109,16 +118,23 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 }
 
 // valueOf evaluates the rule at ref for input in. ok is false when it is
-// undefined.
-func (p *Policy) valueOf(ctx context.Context, ref ast.Ref, in ast.Value) (ast.Value, bool, error) {
-	rs, err := rego.New(
-		rego.ParsedQuery(ast.NewBody(ast.NewExpr(ast.NewTerm(ref)))),
-		rego.Compiler(p.compiler),
-		rego.Store(p.store),
-		rego.ParsedInput(in),
-		rego.StrictBuiltinErrors(true),
-		rego.GenerateJSON(astResult),
-	).Eval(ctx)
+// undefined. values holds the prepared queries, by ref.
+func (p *Policy) valueOf(ctx context.Context, values map[string]rego.PreparedEvalQuery, ref ast.Ref, in ast.Value) (ast.Value, bool, error) {
+	q, ok := values[ref.String()]
+	if !ok {
+		var err error
+		q, err = rego.New(
+			rego.ParsedQuery(ast.NewBody(ast.NewExpr(ast.NewTerm(ref)))),
+			rego.Compiler(p.compiler),
+			rego.Store(p.store),
+			rego.StrictBuiltinErrors(true),
+		).PrepareForEval(ctx)
+		if err != nil {
+			return nil, false, fmt.Errorf("%w: prepare %s: %v", ErrInvalidBundle, ref, err)
+		}
+		values[ref.String()] = q
+	}
+	rs, err := q.Eval(ctx, rego.EvalParsedInput(in), rego.EvalGenerateJSON(astResult))
 	if err != nil {
 		return nil, false, fmt.Errorf("%w: evaluate %s: %v", ErrInvalidBundle, ref, err)
 	}

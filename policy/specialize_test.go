@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/open-policy-agent/opa/v1/ast"
+	"github.com/open-policy-agent/opa/v1/rego"
 )
 
 // overridesData is the default data with overrides for VM "build", to
@@ -225,7 +226,7 @@ func TestPatternsOfManyVMsStayCompiled(t *testing.T) {
 		}
 	}
 	in := ast.NewObject(ast.Item(ast.StringTerm("vm"), ast.StringTerm("vm7")))
-	pattern, ok, err := p.valueOf(ctx, ast.MustParseRef("data.carrel.fs.read_write_pattern"), in)
+	pattern, ok, err := p.valueOf(ctx, map[string]rego.PreparedEvalQuery{}, ast.MustParseRef("data.carrel.fs.read_write_pattern"), in)
 	if err != nil || !ok {
 		t.Fatalf("read_write_pattern: %v, %v", ok, err)
 	}
