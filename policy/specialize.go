@@ -118,7 +118,7 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 }
 
 // valueOf evaluates the rule at ref for input in. ok is false when it is
-// undefined. values holds the prepared queries, by ref.
+// undefined or fails. values holds the prepared queries, by ref.
 func (p *Policy) valueOf(ctx context.Context, values map[string]rego.PreparedEvalQuery, ref ast.Ref, in ast.Value) (ast.Value, bool, error) {
 	q, ok := values[ref.String()]
 	if !ok {
@@ -134,11 +134,13 @@ func (p *Policy) valueOf(ctx context.Context, values map[string]rego.PreparedEva
 		}
 		values[ref.String()] = q
 	}
+	// A rule that fails (a conflict, a type error) or runs past the
+	// decision timeout here would fail the same way in every decision:
+	// it is left in the query, to fail there, and deny, as written.
+	ctx, cancel := context.WithTimeout(ctx, EvalTimeout)
+	defer cancel()
 	rs, err := q.Eval(ctx, rego.EvalParsedInput(in), rego.EvalGenerateJSON(astResult))
-	if err != nil {
-		return nil, false, fmt.Errorf("%w: evaluate %s: %v", ErrInvalidBundle, ref, err)
-	}
-	if len(rs) != 1 || len(rs[0].Expressions) != 1 {
+	if err != nil || len(rs) != 1 || len(rs[0].Expressions) != 1 {
 		return nil, false, nil
 	}
 	v, ok := rs[0].Expressions[0].Value.(ast.Value)

@@ -234,3 +234,36 @@ func TestPatternsOfManyVMsStayCompiled(t *testing.T) {
 		t.Errorf("%v is not in the policy's pattern cache", pattern)
 	}
 }
+
+// TestSettingsThatFailStillFailEachDecision: an override that makes the
+// settings rule fail does not stop the bundle compiling; that VM's
+// decisions fail and deny, as the rules as written do, and other VMs
+// decide as usual.
+func TestSettingsThatFailStillFailEachDecision(t *testing.T) {
+	ctx := context.Background()
+	files := defaultFiles(t)
+	files[DataFile] = []byte(strings.Replace(string(files[DataFile]), `"vms": {}`, `"vms": {"bad": {"exec": "not an object"}}`, 1))
+	b, err := NewBundle(files)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Compile(ctx, "bad-override", b)
+	if err != nil {
+		t.Fatalf("Compile: %v", err)
+	}
+	w := asWritten(p)
+	for _, vm := range []string{"bad", "demo"} {
+		in := &ExecInput{Caller: peer(1000), VM: vm, Argv: []string{"ls"}, Cwd: "/workspace", User: "agent"}
+		got, err1 := p.Evaluate(ctx, in)
+		want, err2 := w.Evaluate(ctx, in)
+		if (err1 == nil) != (err2 == nil) || got.Allow != want.Allow || got.Rule != want.Rule {
+			t.Fatalf("%s: worked out %v %s (%v); as written %v %s (%v)", vm, got.Allow, got.Rule, err1, want.Allow, want.Rule, err2)
+		}
+		if vm == "bad" && (err1 == nil || got.Allow || got.Rule != "carrel.eval_error") {
+			t.Fatalf("bad: %v %s (%v), want a failed evaluation that denies", got.Allow, got.Rule, err1)
+		}
+		if vm == "demo" && (err1 != nil || !got.Allow) {
+			t.Fatalf("demo: %v %s (%v), want an allow", got.Allow, got.Rule, err1)
+		}
+	}
+}
