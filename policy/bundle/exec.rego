@@ -97,12 +97,17 @@ user := input.user
 # with the reason that allows it.
 plain_users := {user: concat("", ["user ", user, " is in settings.exec.users"]) |
 	some user in settings.users
+	is_string(user)
 	not user in {"root", "0"}
 }
 
 # refused_command_pattern matches an argv[0] that names no program (it is
 # empty or ends in /) or whose program is in settings.exec.denied_commands.
-refused_command_pattern := concat("", ["(?:^|/)", data.carrel.fs.any_of(settings.denied_commands), "?$"])
+refused_command_pattern := concat("", ["(?:^|/)", data.carrel.fs.any_of(denied_names), "?$"])
+
+# denied_names are the names in settings.exec.denied_commands; no command
+# is anything else.
+denied_names := [name | some name in settings.denied_commands; is_string(name)]
 
 # The working directory must be readable under the fs rules, with this
 # VM's fs settings. cwd_decision is fs.check's decision on reading it,

@@ -96,6 +96,15 @@ test_denied_commands_are_literal if {
 	}
 }
 
+# An entry that is not a string names no user or command, and breaks
+# nothing.
+test_entries_that_are_not_strings_match_nothing if {
+	allowed_by(decide(["ls"], "agent", "/workspace"), "carrel.exec.user") with data.settings.exec.users as [1000, "agent"]
+	denied_by(decide(["ls"], "1000", "/workspace"), "carrel.exec.default_deny") with data.settings.exec.users as [1000, "agent"]
+	allowed_by(decide(["ls"], "agent", "/workspace"), "carrel.exec.user") with data.settings.exec.denied_commands as [1, {"a": "ls"}]
+	denied_by(decide(["curl"], "agent", "/workspace"), "carrel.exec.denied_command") with data.settings.exec.denied_commands as [1, "curl"]
+}
+
 test_no_command_denied if {
 	denied_by(decide([], "agent", "/workspace"), "carrel.exec.no_command")
 	denied_by(decide([""], "agent", "/workspace"), "carrel.exec.no_command")
