@@ -19,6 +19,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -143,9 +144,7 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 		if err != nil {
 			return nil, err
 		}
-		if p.decide[k], err = p.specialize(ctx, k, q, vms, values); err != nil {
-			return nil, err
-		}
+		p.decide[k] = p.specialize(ctx, k, q, vms, values)
 	}
 	for _, ref := range []string{"data.carrel.fs.sandbox", "data.carrel.api.procedures"} {
 		if !hasRule(c, ref) {
@@ -267,19 +266,29 @@ func (p *Policy) decide1(ctx context.Context, in Input, cached bool) (Decision, 
 
 // deterministic is OPA's capabilities without the builtins it marks
 // non-deterministic (http.send, time.now_ns, rand.intn, net.lookup_ip_addr,
-// opa.runtime, ...): a decision then depends on its input and the bundle
-// alone, so it can be replayed from the record, and cached.
+// opa.runtime, ...) and those that read the clock although OPA does not
+// mark them (clockBuiltins): a decision then depends on its input and the
+// bundle alone, so it can be replayed from the record, cached, and what
+// depends on settings alone worked out at compile time.
 var deterministic = func() *ast.Capabilities {
 	caps := ast.CapabilitiesForThisVersion()
 	kept := caps.Builtins[:0]
 	for _, b := range caps.Builtins {
-		if !b.Nondeterministic {
+		if !b.Nondeterministic && !slices.Contains(clockBuiltins, b.Name) {
 			kept = append(kept, b)
 		}
 	}
 	caps.Builtins = kept
 	return caps
 }()
+
+// clockBuiltins check certificates against the current time (the
+// _with_options form unless told a CurrentTime), but OPA does not mark
+// them non-deterministic as it does io.jwt.decode_verify.
+var clockBuiltins = []string{
+	"crypto.x509.parse_and_verify_certificates",
+	"crypto.x509.parse_and_verify_certificates_with_options",
+}
 
 // noMetrics spares each evaluation the metrics Eval would otherwise
 // allocate and fill; nothing reads them.

@@ -60,13 +60,13 @@ var (
 // specialize prepares kind k's per-VM queries, for the VMs named in
 // data.settings.vms (vms) and for all others. values holds the queries
 // that work out one rule, which kinds share.
-func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEvalQuery, vms []string, values map[string]rego.PreparedEvalQuery) (*kindQueries, error) {
+func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEvalQuery, vms []string, values map[string]rego.PreparedEvalQuery) *kindQueries {
 	q := &kindQueries{generic: generic}
 	decision := ast.MustParseRef("data.carrel." + string(k) + ".decision")
 	a := &vmAnalysis{c: p.compiler, memo: map[*ast.Rule]bool{}}
 	frontier := a.frontier(decision)
 	if len(frontier) == 0 {
-		return q, nil
+		return q
 	}
 	// VMs whose values are the same share a query: preparing one costs
 	// about 2 ms, and most overrides leave most kinds alone.
@@ -98,23 +98,25 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 			rego.StrictBuiltinErrors(true),
 		).PrepareForEval(ctx)
 		if err != nil {
-			return pq, fmt.Errorf("%w: prepare %s for VM %q: %v", ErrInvalidBundle, decision, vm, err)
+			return pq, fmt.Errorf("prepare %s for VM %q: %w", decision, vm, err)
 		}
 		prepared[key] = pq
 		return pq, nil
 	}
+	// The generic query prepared, so a specialised one that does not (a
+	// case the analysis missed) leaves the kind to the rules as written.
 	other, err := prep(unnamedVM(vms))
 	if err != nil {
-		return nil, err
+		return q
 	}
 	q.other = &other
 	q.byVM = make(map[string]rego.PreparedEvalQuery, len(vms))
 	for _, vm := range vms {
 		if q.byVM[vm], err = prep(vm); err != nil {
-			return nil, err
+			return &kindQueries{generic: generic}
 		}
 	}
-	return q, nil
+	return q
 }
 
 // valueOf evaluates the rule at ref for input in. ok is false when it is
@@ -178,8 +180,14 @@ type vmAnalysis struct {
 // frontier lists the rules, by path, that the rules at root read and that
 // can be worked out per VM, without looking inside them. root itself is
 // not one of them.
+//
+// It is empty when any rule root reads uses `with`: a rule evaluated under
+// `with` (input.vm, data.settings or a function replaced) may read a
+// worked-out rule, and the value put in place for the whole query would
+// hide the replacement.
 func (a *vmAnalysis) frontier(root ast.Ref) []ast.Ref {
 	var out []ast.Ref
+	with := false
 	seen := map[*ast.Rule]bool{}
 	var visit func(rules []*ast.Rule)
 	visit = func(rules []*ast.Rule) {
@@ -188,6 +196,10 @@ func (a *vmAnalysis) frontier(root ast.Ref) []ast.Ref {
 				continue
 			}
 			seen[r] = true
+			ast.WalkExprs(r, func(e *ast.Expr) bool {
+				with = with || len(e.With) > 0
+				return with
+			})
 			ast.WalkRefs(r, func(ref ast.Ref) bool {
 				if !ref[0].Equal(ast.DefaultRootDocument) {
 					return false
@@ -207,17 +219,28 @@ func (a *vmAnalysis) frontier(root ast.Ref) []ast.Ref {
 		}
 	}
 	visit(a.c.GetRulesExact(root))
+	if with {
+		return nil
+	}
 	return out
 }
 
 // constantPath reports whether the rule at path can be put in place by
 // `with` where ref reads it: path is ground, names a rule without
 // arguments, and ref reads it or something inside it.
+//
+// The rules at path must be all that make the document there: `with` can
+// replace a virtual document only whole, so no rule may define part of it,
+// or one that holds it.
 func (a *vmAnalysis) constantPath(path, ref ast.Ref) bool {
 	if !path.IsGround() || !ref.HasPrefix(path) {
 		return false
 	}
-	for _, r := range a.c.GetRulesExact(path) {
+	exact := a.c.GetRulesExact(path)
+	if len(a.c.GetRulesWithPrefix(path)) != len(exact) || len(a.c.GetRulesForVirtualDocument(path)) != len(exact) {
+		return false
+	}
+	for _, r := range exact {
 		if len(r.Head.Args) > 0 {
 			return false
 		}

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -264,6 +265,111 @@ func TestSettingsThatFailStillFailEachDecision(t *testing.T) {
 		}
 		if vm == "demo" && (err1 != nil || !got.Allow) {
 			t.Fatalf("demo: %v %s (%v), want an allow", got.Allow, got.Rule, err1)
+		}
+	}
+}
+
+// decideAlike compiles files and checks that each input is decided the same
+// with the worked-out values as by the rules as written.
+func decideAlike(t *testing.T, files map[string][]byte, ins ...Input) *Policy {
+	t.Helper()
+	ctx := context.Background()
+	b, err := NewBundle(files)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Compile(ctx, "alike", b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w := asWritten(p)
+	for _, in := range ins {
+		got, err1 := p.Evaluate(ctx, in)
+		want, err2 := w.Evaluate(ctx, in)
+		if got.Allow != want.Allow || got.Rule != want.Rule || got.Reason != want.Reason || (err1 == nil) != (err2 == nil) {
+			t.Errorf("%s on %q: worked out %v %s %q (%v); as written %v %s %q (%v)", in.Kind(), in.VMName(),
+				got.Allow, got.Rule, got.Reason, err1, want.Allow, want.Rule, want.Reason, err2)
+		}
+	}
+	return p
+}
+
+// TestWithLeavesTheKindAsWritten: a rule that evaluates part of a decision
+// under `with` may read a worked-out rule under another VM's name or
+// settings, which a value put in place for the whole query would hide. A
+// kind whose rules use `with` is evaluated as written.
+func TestWithLeavesTheKindAsWritten(t *testing.T) {
+	first := "decision := {\n\t\"allow\": true,\n\t\"rule\": \"carrel.exec.user\",\n\t\"reason\": reason,\n} if {\n"
+	for name, branch := range map[string]string{
+		"input.vm": `decision := {"allow": true, "rule": "carrel.exec.as_build", "reason": "as on build"} if {
+	"bob" in settings.users with input.vm as "build"
+} else := `,
+		"data.settings": `decision := {"allow": false, "rule": "carrel.exec.not_default", "reason": "not a default user"} if {
+	not input.user in settings.users with data.settings.vms as {}
+} else := `,
+	} {
+		t.Run(name, func(t *testing.T) {
+			files := defaultFiles(t)
+			files[DataFile] = []byte(strings.Replace(string(files[DataFile]), `"vms": {}`,
+				`"vms": {"build": {"exec": {"users": ["agent", "bob"]}}, "demo": {"exec": {"users": ["agent", "bob"]}}}`, 1))
+			src := string(files["exec.rego"])
+			if !strings.Contains(src, first) {
+				t.Fatal("exec.rego's first branch has changed; update the test")
+			}
+			files["exec.rego"] = []byte(strings.Replace(src, first, branch+strings.TrimPrefix(first, "decision := "), 1))
+			var ins []Input
+			for _, vm := range []string{"demo", "build", "other"} {
+				ins = append(ins, &ExecInput{Caller: peer(1000), VM: vm, Argv: []string{"ls"}, Cwd: "/workspace", User: "bob"})
+			}
+			p := decideAlike(t, files, ins...)
+			if p.decide[KindExec].other != nil {
+				t.Error("exec was worked out at compile time, with `with` in its rules")
+			}
+			if p.decide[KindFS].other == nil {
+				t.Error("fs, whose rules have no `with`, was not worked out")
+			}
+		})
+	}
+}
+
+// TestPartlyDefinedDocumentsAreNotReplaced: `with` replaces a virtual
+// document only whole; a rule beside one that defines part of the same
+// document is left to OPA, and the bundle still compiles.
+func TestPartlyDefinedDocumentsAreNotReplaced(t *testing.T) {
+	b, err := tinyBundle(t, func(m map[string]string) {
+		m["exec.rego"] = "package carrel.exec\n\n" +
+			`default decision := {"allow": false, "rule": "carrel.exec.default_deny", "reason": "tiny"}` + "\n\n" +
+			`decision := {"allow": true, "rule": "carrel.exec.open", "reason": "tiny"} if t.mode == "open"` + "\n\n" +
+			"t.mode := \"closed\"\n\n" +
+			"t[k] := v if { some k, v in input.env }\n"
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	decideAlike(t, b.Files,
+		&ExecInput{Caller: peer(1000), VM: "demo", Argv: []string{"ls"}, Env: map[string]string{"mode": "open"}},
+		&ExecInput{Caller: peer(1000), VM: "demo", Argv: []string{"ls"}, Env: map[string]string{"x": "open"}},
+	)
+}
+
+// TestClockBuiltinsAreRefused: builtins that check certificates or tokens
+// against the current time make a decision depend on when it is made;
+// like time.now_ns, a bundle may not use them.
+func TestClockBuiltinsAreRefused(t *testing.T) {
+	for _, call := range []string{
+		`crypto.x509.parse_and_verify_certificates(data.settings.ca)[0]`,
+		`crypto.x509.parse_and_verify_certificates_with_options(data.settings.ca, {})[0]`,
+		`io.jwt.decode_verify(input.env.TOKEN, {"secret": "s"})[0]`,
+		`time.now_ns() > 0`,
+	} {
+		b, err := tinyBundle(t, func(m map[string]string) {
+			m["exec.rego"] += "\nvalid if " + call + "\n"
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := Compile(context.Background(), "clock", b); !errors.Is(err, ErrInvalidBundle) {
+			t.Errorf("%s: Compile = %v, want ErrInvalidBundle", call, err)
 		}
 	}
 }

@@ -118,11 +118,11 @@ quick_root(operation, path) := root if {
 	regex.match(secret_pattern, path) == false
 }
 
-# read_write_pattern matches a path under a read-write root other than /,
-# by whole components, and captures the root. The roots are tried in
-# reverse order, so the root captured is the deepest that holds the path:
-# the greatest, as check names it.
-read_write_pattern := concat("", ["^(", any_of(array.reverse(sort(settings.read_write))), ")(?:/|$)"])
+# read_write_pattern matches a path under a read-write root other than /
+# (and ""), by whole components, and captures the root. The roots are tried
+# in reverse order, so the root captured is the deepest that holds the
+# path: the greatest, as check names it.
+read_write_pattern := concat("", ["^(", any_of(array.reverse(sort([r | some r in settings.read_write; r != ""]))), ")(?:/|$)"])
 
 # secret_pattern matches a path that a secret path starts, or with a
 # component that a secret name starts: every path check might deny as

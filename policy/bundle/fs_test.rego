@@ -325,11 +325,13 @@ test_shortcut_names_the_deepest_root if {
 	fs.quick_root("write", "/workspace/x") == "/workspace" with data.settings.fs.read_write as ["/", "/workspace"]
 }
 
-# The root / is left to check, which names it.
+# The root / is left to check, which names it; so is "".
 test_shortcut_leaves_the_root_slash_to_check if {
 	not fs.quick_root("write", "/x") with data.settings.fs.read_write as ["/"]
 	allowed_by(decide("write", "/x"), "carrel.fs.read_write_root") with data.settings.fs.read_write as ["/"]
 	decide("write", "/x").reason == "write /x: under read-write root /" with data.settings.fs.read_write as ["/"]
+	decide("write", "/var/x") == fs.check("write", "/var/x", false) with data.settings.fs.read_write as ["/", ""]
+	decide("write", "/var/x").reason == "write /var/x: under read-write root /" with data.settings.fs.read_write as ["/", ""]
 }
 
 # The patterns take roots and names literally.
