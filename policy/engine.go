@@ -140,7 +140,7 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 		if !hasRule(c, ref) {
 			return nil, fmt.Errorf("%w: no rule %s", ErrInvalidBundle, ref)
 		}
-		q, err := p.prepare(ctx, ref)
+		q, err := p.prepare(ctx, ref, rego.Query(ref))
 		if err != nil {
 			return nil, err
 		}
@@ -151,13 +151,13 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 			return nil, fmt.Errorf("%w: no rule %s", ErrInvalidBundle, ref)
 		}
 	}
-	q, err := p.prepare(ctx, "data.carrel.fs.sandbox")
+	q, err := p.prepare(ctx, "data.carrel.fs.sandbox", rego.Query("data.carrel.fs.sandbox"))
 	if err != nil {
 		return nil, err
 	}
 	p.sandbox = q
 	if hasRule(c, "data.carrel.net.limits") {
-		q, err := p.prepare(ctx, "data.carrel.net.limits")
+		q, err := p.prepare(ctx, "data.carrel.net.limits", rego.Query("data.carrel.net.limits"))
 		if err != nil {
 			return nil, err
 		}
@@ -166,15 +166,17 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 	return p, nil
 }
 
-func (p *Policy) prepare(ctx context.Context, query string) (rego.PreparedEvalQuery, error) {
+// prepare prepares query (a rego.Query or rego.ParsedQuery) against the
+// policy's compiled rules and data; name says which, in an error.
+func (p *Policy) prepare(ctx context.Context, name string, query func(*rego.Rego)) (rego.PreparedEvalQuery, error) {
 	q, err := rego.New(
-		rego.Query(query),
+		query,
 		rego.Compiler(p.compiler),
 		rego.Store(p.store),
 		rego.StrictBuiltinErrors(true),
 	).PrepareForEval(ctx)
 	if err != nil {
-		return q, fmt.Errorf("%w: prepare %s: %v", ErrInvalidBundle, query, err)
+		return q, fmt.Errorf("%w: prepare %s: %v", ErrInvalidBundle, name, err)
 	}
 	return q, nil
 }

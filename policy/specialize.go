@@ -91,14 +91,9 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 		if pq, ok := prepared[key]; ok {
 			return pq, nil
 		}
-		pq, err := rego.New(
-			rego.ParsedQuery(ast.NewBody(expr)),
-			rego.Compiler(p.compiler),
-			rego.Store(p.store),
-			rego.StrictBuiltinErrors(true),
-		).PrepareForEval(ctx)
+		pq, err := p.prepare(ctx, fmt.Sprintf("%s for VM %q", decision, vm), rego.ParsedQuery(ast.NewBody(expr)))
 		if err != nil {
-			return pq, fmt.Errorf("prepare %s for VM %q: %w", decision, vm, err)
+			return pq, err
 		}
 		prepared[key] = pq
 		return pq, nil
@@ -125,14 +120,8 @@ func (p *Policy) valueOf(ctx context.Context, values map[string]rego.PreparedEva
 	q, ok := values[ref.String()]
 	if !ok {
 		var err error
-		q, err = rego.New(
-			rego.ParsedQuery(ast.NewBody(ast.NewExpr(ast.NewTerm(ref)))),
-			rego.Compiler(p.compiler),
-			rego.Store(p.store),
-			rego.StrictBuiltinErrors(true),
-		).PrepareForEval(ctx)
-		if err != nil {
-			return nil, false, fmt.Errorf("%w: prepare %s: %v", ErrInvalidBundle, ref, err)
+		if q, err = p.prepare(ctx, ref.String(), rego.ParsedQuery(ast.NewBody(ast.NewExpr(ast.NewTerm(ref))))); err != nil {
+			return nil, false, err
 		}
 		values[ref.String()] = q
 	}

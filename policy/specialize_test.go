@@ -90,7 +90,6 @@ func asWritten(p *Policy) *Policy {
 // ships and for one with per-VM overrides, each decision made with the
 // settings worked out at compile time against the rules as written.
 func TestSpecializedDecisionsMatchTheRules(t *testing.T) {
-	ctx := context.Background()
 	bundles := map[string]map[string][]byte{}
 	for _, name := range BuiltinNames() {
 		b, err := Builtin(name)
@@ -104,32 +103,14 @@ func TestSpecializedDecisionsMatchTheRules(t *testing.T) {
 	bundles["overrides"] = files
 	for name, files := range bundles {
 		t.Run(name, func(t *testing.T) {
-			b, err := NewBundle(files)
-			if err != nil {
-				t.Fatal(err)
-			}
-			p, err := Compile(ctx, name, b)
-			if err != nil {
-				t.Fatal(err)
-			}
-			w := asWritten(p)
+			p, seen := decideAlike(t, files, decisionInputs([]string{"demo", "build", "", "other"})...)
 			for _, k := range []Kind{KindExec, KindFS, KindNet} {
 				if p.decide[k].other == nil {
-					t.Fatalf("kind %s: nothing was worked out at compile time", k)
+					t.Errorf("kind %s: nothing was worked out at compile time", k)
 				}
 			}
-			if name == "overrides" && (len(p.decide[KindExec].byVM) != 2 || p.decide[KindExec].other == nil) {
-				t.Fatalf("exec queries by VM: %d, want 2 and one for the others", len(p.decide[KindExec].byVM))
-			}
-			seen := map[string]int{}
-			for _, in := range decisionInputs([]string{"demo", "build", "", "other"}) {
-				got, err1 := p.Evaluate(ctx, in)
-				want, err2 := w.Evaluate(ctx, in)
-				if fmt.Sprint(err1) != fmt.Sprint(err2) || got.Allow != want.Allow || got.Rule != want.Rule || got.Reason != want.Reason {
-					t.Fatalf("%s %s: worked out: %v %s %q (%v); as written: %v %s %q (%v)", in.Kind(), got.Input,
-						got.Allow, got.Rule, got.Reason, err1, want.Allow, want.Rule, want.Reason, err2)
-				}
-				seen[got.Rule]++
+			if name == "overrides" && len(p.decide[KindExec].byVM) != 2 {
+				t.Errorf("exec queries by VM: %d, want 2", len(p.decide[KindExec].byVM))
 			}
 			// The inputs reach many rules, not one.
 			if len(seen) < 10 {
@@ -205,14 +186,7 @@ func TestPatternsOfManyVMsStayCompiled(t *testing.T) {
 	}
 	files := defaultFiles(t)
 	files[DataFile] = []byte(strings.Replace(string(files[DataFile]), `"vms": {}`, `"vms": {`+strings.Join(vms, ", ")+`}`, 1))
-	b, err := NewBundle(files)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := Compile(ctx, "many", b)
-	if err != nil {
-		t.Fatal(err)
-	}
+	p := compileFiles(t, files)
 	if len(p.decide[KindFS].byVM) != n {
 		t.Fatalf("fs queries for %d VMs, want %d", len(p.decide[KindFS].byVM), n)
 	}
@@ -244,14 +218,7 @@ func TestSettingsThatFailStillFailEachDecision(t *testing.T) {
 	ctx := context.Background()
 	files := defaultFiles(t)
 	files[DataFile] = []byte(strings.Replace(string(files[DataFile]), `"vms": {}`, `"vms": {"bad": {"exec": "not an object"}}`, 1))
-	b, err := NewBundle(files)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := Compile(ctx, "bad-override", b)
-	if err != nil {
-		t.Fatalf("Compile: %v", err)
-	}
+	p := compileFiles(t, files)
 	w := asWritten(p)
 	for _, vm := range []string{"bad", "demo"} {
 		in := &ExecInput{Caller: peer(1000), VM: vm, Argv: []string{"ls"}, Cwd: "/workspace", User: "agent"}
@@ -269,29 +236,39 @@ func TestSettingsThatFailStillFailEachDecision(t *testing.T) {
 	}
 }
 
-// decideAlike compiles files and checks that each input is decided the same
-// with the worked-out values as by the rules as written.
-func decideAlike(t *testing.T, files map[string][]byte, ins ...Input) *Policy {
+// compileFiles compiles a bundle of files.
+func compileFiles(t *testing.T, files map[string][]byte) *Policy {
 	t.Helper()
-	ctx := context.Background()
 	b, err := NewBundle(files)
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := Compile(ctx, "alike", b)
+	p, err := Compile(context.Background(), "test", b)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("Compile: %v", err)
 	}
+	return p
+}
+
+// decideAlike compiles files, checks that each input is decided the same
+// with the worked-out values as by the rules as written, and returns the
+// policy and how many inputs each rule decided.
+func decideAlike(t *testing.T, files map[string][]byte, ins ...Input) (*Policy, map[string]int) {
+	t.Helper()
+	ctx := context.Background()
+	p := compileFiles(t, files)
 	w := asWritten(p)
+	seen := map[string]int{}
 	for _, in := range ins {
 		got, err1 := p.Evaluate(ctx, in)
 		want, err2 := w.Evaluate(ctx, in)
-		if got.Allow != want.Allow || got.Rule != want.Rule || got.Reason != want.Reason || (err1 == nil) != (err2 == nil) {
-			t.Errorf("%s on %q: worked out %v %s %q (%v); as written %v %s %q (%v)", in.Kind(), in.VMName(),
+		if got.Allow != want.Allow || got.Rule != want.Rule || got.Reason != want.Reason || fmt.Sprint(err1) != fmt.Sprint(err2) {
+			t.Fatalf("%s %s: worked out %v %s %q (%v); as written %v %s %q (%v)", in.Kind(), got.Input,
 				got.Allow, got.Rule, got.Reason, err1, want.Allow, want.Rule, want.Reason, err2)
 		}
+		seen[got.Rule]++
 	}
-	return p
+	return p, seen
 }
 
 // TestWithLeavesTheKindAsWritten: a rule that evaluates part of a decision
@@ -321,7 +298,7 @@ func TestWithLeavesTheKindAsWritten(t *testing.T) {
 			for _, vm := range []string{"demo", "build", "other"} {
 				ins = append(ins, &ExecInput{Caller: peer(1000), VM: vm, Argv: []string{"ls"}, Cwd: "/workspace", User: "bob"})
 			}
-			p := decideAlike(t, files, ins...)
+			p, _ := decideAlike(t, files, ins...)
 			if p.decide[KindExec].other != nil {
 				t.Error("exec was worked out at compile time, with `with` in its rules")
 			}
