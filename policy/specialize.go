@@ -15,7 +15,8 @@ package policy
 // cannot depend on anything else: the rules it reads, transitively, read
 // input only as input.vm, and use input.vm only as the key in
 // data.settings.vms[input.vm], so that every VM that data.settings.vms does
-// not name sees the same value. Any other rule is left to OPA, as written.
+// not name sees the same value. Any other rule is left to OPA, as written,
+// and so is a whole kind whose rules use `with` (see frontier).
 // The rules stay the source of truth: Rego tests that override
 // data.settings with `with` evaluate them as written, and a decision made
 // with the worked-out values is the decision the rules give (the engine's
