@@ -4,7 +4,9 @@
 //
 // A Bundle is compiled once, in strict mode, into a Policy whose queries
 // are prepared; Decide then evaluates one typed, normalised input without
-// compiling anything. An undefined or malformed result is a deny, never an
+// compiling anything. What a decision reads that depends on the data and
+// the VM's settings alone is worked out at compile time, once per VM
+// (specialize.go), and put in place in that VM's query. An undefined or malformed result is a deny, never an
 // error that lets a call through. The default bundle lives in
 // policy/bundle and the examples in policy/examples; both are embedded.
 package policy
