@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	"libvirt.org/go/libvirtxml"
 
+	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/driver/libvirt"
 	"github.com/carrel-os/carrel/supervisor/driver/libvirt/libvirttest"
 	"github.com/carrel-os/carrel/tests/harness"
@@ -84,6 +86,7 @@ func TestLibvirtDriver(t *testing.T) {
 	if out := d.Must("exec", vmName, "--", "uname", "-a"); !strings.HasPrefix(out, "Linux carrel ") {
 		t.Errorf("uname -a = %q", out)
 	}
+	checkGuestCPU(t, d, vmName)
 	r := d.Carrel("exec", vmName, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
 	if r.Code != 3 || r.Stdout != "out\n" || r.Stderr != "err\n" {
 		t.Errorf("exit/streams: %+v", r)
@@ -235,4 +238,26 @@ func accelOf(t *testing.T, d *harness.Daemon) string {
 		t.Fatalf("carrel info: %+v, %v", info, err)
 	}
 	return info.Accelerator
+}
+
+// checkGuestCPU checks the CPU the guest of vm sees: under TCG, QEMU's
+// "max" model without the features TCG runs slowly (accel.TCGHiddenFeatures);
+// under KVM, the host's CPU, which is not checked here.
+func checkGuestCPU(t *testing.T, d *harness.Daemon, vm string) {
+	t.Helper()
+	if accelOf(t, d) != accel.TCG {
+		return
+	}
+	flags := strings.Fields(d.Must("exec", vm, "--", "sh", "-c", `grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2`))
+	for _, f := range accel.TCGHiddenFeatures {
+		if slices.Contains(flags, f) {
+			t.Errorf("the guest sees %s under TCG: %v", f, flags)
+		}
+	}
+	// Still the max model: features qemu64 lacks are there.
+	for _, f := range []string{"sse4_2", "avx2"} {
+		if !slices.Contains(flags, f) {
+			t.Errorf("the guest lacks %s under TCG: %v", f, flags)
+		}
+	}
 }

@@ -75,6 +75,7 @@ func TestVMEndToEnd(t *testing.T) {
 		if out := d.Must("exec", "demo", "--", "uname", "-a"); !strings.HasPrefix(out, "Linux carrel ") {
 			t.Errorf("uname -a = %q", out)
 		}
+		checkGuestCPU(t, d, "demo")
 		r := d.Carrel("exec", "demo", "--", "sh", "-c", "echo out; echo err >&2; exit 3")
 		if r.Code != 3 || r.Stdout != "out\n" || r.Stderr != "err\n" {
 			t.Errorf("exit/streams: %+v", r)

@@ -38,3 +38,12 @@ func TestDetect(t *testing.T) {
 		}
 	}
 }
+
+func TestQEMUCPU(t *testing.T) {
+	if got := QEMUCPU(KVM); got != "host" {
+		t.Errorf("kvm: %q", got)
+	}
+	if got := QEMUCPU(TCG); got != "max,erms=off" {
+		t.Errorf("tcg: %q", got)
+	}
+}

@@ -68,6 +68,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/image/store"
 	"github.com/carrel-os/carrel/image/workspace"
+	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/client"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/tests/harness"
@@ -457,7 +458,7 @@ func bareArgs(machine string, img *store.Resolved, memMiB int, dir string) (args
 	}
 	sock = filepath.Join(dir, "agent.sock")
 	args = []string{
-		"-machine", mopt, "-cpu", "max", "-m", fmt.Sprintf("%dM", memMiB), "-smp", "1",
+		"-machine", mopt, "-cpu", accel.QEMUCPU(accel.TCG), "-m", fmt.Sprintf("%dM", memMiB), "-smp", "1",
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
 		"-kernel", img.KernelPath, "-initrd", img.InitrdPath, "-append", cmdline,
 		"-serial", "stdio",

@@ -110,7 +110,12 @@ func domainXML(c domainConfig) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	// QEMU's "max" model under TCG, without the features TCG runs slowly
+	// (accel.TCGHiddenFeatures); the host's own CPU under KVM.
 	typ, cpu := "qemu", &libvirtxml.DomainCPU{Mode: "maximum"}
+	for _, f := range accel.TCGHiddenFeatures {
+		cpu.Features = append(cpu.Features, libvirtxml.DomainCPUFeature{Policy: "disable", Name: f})
+	}
 	if c.Accelerator == accel.KVM {
 		typ, cpu = "kvm", &libvirtxml.DomainCPU{Mode: "host-passthrough"}
 	}

@@ -63,7 +63,7 @@ func TestDomainXML(t *testing.T) {
 	if d.VCPU == nil || d.VCPU.Value != 2 {
 		t.Errorf("vcpu: %+v", d.VCPU)
 	}
-	if d.CPU == nil || d.CPU.Mode != "maximum" {
+	if d.CPU == nil || d.CPU.Mode != "maximum" || len(d.CPU.Features) != 1 || d.CPU.Features[0] != (libvirtxml.DomainCPUFeature{Policy: "disable", Name: "erms"}) {
 		t.Errorf("cpu under tcg: %+v", d.CPU)
 	}
 	// Host limits: 768 MiB of guest and 1.5 GiB for TCG's translation
@@ -143,7 +143,7 @@ func TestDomainXMLVsockAndKVM(t *testing.T) {
 	c.Accelerator = accel.KVM
 	c.Spec.Cmdline = "console=ttyS0"
 	d := parse(t, c)
-	if d.Type != "kvm" || d.CPU == nil || d.CPU.Mode != "host-passthrough" {
+	if d.Type != "kvm" || d.CPU == nil || d.CPU.Mode != "host-passthrough" || len(d.CPU.Features) != 0 {
 		t.Errorf("kvm domain: type %q cpu %+v", d.Type, d.CPU)
 	}
 	if d.OS.Cmdline != "console=ttyS0" {

@@ -104,14 +104,10 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		// becomes a system call plus an emulated MMIO read.
 		cmdline = strings.TrimSpace(cmdline + " tsc=reliable")
 	}
-	cpu := "max"
-	if acc == accel.KVM {
-		cpu = "host"
-	}
 	a := []string{
 		"-name", "carrel-" + spec.Name + ",debug-threads=on",
 		"-machine", machineOpt,
-		"-cpu", cpu,
+		"-cpu", accel.QEMUCPU(acc),
 		"-m", strconv.FormatUint(spec.MemoryBytes>>20, 10) + "M",
 		"-smp", strconv.FormatUint(uint64(spec.CPUs), 10),
 		"-nodefaults", "-no-user-config", "-display", "none",

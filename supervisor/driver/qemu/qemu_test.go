@@ -80,6 +80,9 @@ func TestArgs(t *testing.T) {
 	if got := argValue(a, "-cpu"); got[0] != "host" {
 		t.Errorf("kvm cpu = %v", got)
 	}
+	if got := argValue(args(spec, MachineQ35, "tcg", l), "-cpu"); got[0] != "max,erms=off" {
+		t.Errorf("tcg cpu = %v", got)
+	}
 }
 
 func TestArgsDisks(t *testing.T) {
