@@ -1,4 +1,5 @@
-// Package accel picks the QEMU accelerator for this host.
+// Package accel picks the QEMU accelerator for this host, and the CPU
+// model a guest gets under it (QEMUCPU, TCGHiddenFeatures).
 //
 // KVM is used only when /dev/kvm opens read-write *and* the CPU advertises
 // hardware virtualization (vmx or svm). Some hosts expose /dev/kvm without
