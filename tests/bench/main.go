@@ -239,7 +239,8 @@ func main() {
 	if err != nil {
 		t.Fatal(err)
 	}
-	fmt.Printf("carrel benchmarks: machine %s, 1 vCPU, accelerator %s, %d host CPUs\n", *machine, accelOf(d), runtime.NumCPU())
+	acc := accelOf(d)
+	fmt.Printf("carrel benchmarks: machine %s, 1 vCPU, accelerator %s, guest CPU %s, %d host CPUs\n", *machine, acc, accel.QEMUCPU(acc), runtime.NumCPU())
 
 	if *doBoot {
 		var lv *harness.Daemon
