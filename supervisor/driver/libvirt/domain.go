@@ -110,14 +110,14 @@ func domainXML(c domainConfig) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	// QEMU's "max" model under TCG, without the features TCG runs slowly
-	// (accel.TCGHiddenFeatures); the host's own CPU under KVM.
-	typ, cpu := "qemu", &libvirtxml.DomainCPU{Mode: "maximum"}
-	for _, f := range accel.TCGHiddenFeatures {
-		cpu.Features = append(cpu.Features, libvirtxml.DomainCPUFeature{Policy: "disable", Name: f})
-	}
-	if c.Accelerator == accel.KVM {
-		typ, cpu = "kvm", &libvirtxml.DomainCPU{Mode: "host-passthrough"}
+	// The host's own CPU under KVM; under TCG, QEMU's "max" model without
+	// the features TCG runs slowly (accel.TCGHiddenFeatures).
+	typ, cpu := "kvm", &libvirtxml.DomainCPU{Mode: "host-passthrough"}
+	if c.Accelerator != accel.KVM {
+		typ, cpu = "qemu", &libvirtxml.DomainCPU{Mode: "maximum"}
+		for _, f := range accel.TCGHiddenFeatures {
+			cpu.Features = append(cpu.Features, libvirtxml.DomainCPUFeature{Policy: "disable", Name: f})
+		}
 	}
 	port0 := uint(0)
 	d := libvirtxml.Domain{
