@@ -30,6 +30,11 @@ const (
 	// SerialPortName is the name of the virtserialport the host exposes; the
 	// guest finds it under /sys/class/virtio-ports/*/name.
 	SerialPortName = "org.carrel.agent.0"
+	// DataPortName is the virtserialport that carries bulk file data
+	// beside the agent port, in the frames of bulk.go: a port reads at most
+	// one 4 KiB buffer per call, so the guest moves file content through
+	// it with plain reads and writes, not through HTTP/2 and protobuf.
+	DataPortName = "org.carrel.data.0"
 
 	// WorkspaceSerial is the serial of the VM's workspace disk (a virtio
 	// block device); the guest finds it under /sys/block/*/serial when the
