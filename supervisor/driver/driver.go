@@ -45,6 +45,12 @@ type Spec struct {
 	// returns once it is loaded, the vCPUs stopped. The caller keeps the
 	// file and closes it after Start. Only a Snapshotter takes it.
 	Incoming *os.File
+	// NoDataPort leaves out the data port (protocol.DataPortName). Set it
+	// with an Incoming state saved from a VM without one (its
+	// Instance.DataSocket empty): QEMU loads a state only into a
+	// virtio-serial device with the saved ports. On a restore the libvirt
+	// driver takes the ports of the saved domain instead.
+	NoDataPort bool
 }
 
 // Disk formats.
@@ -81,9 +87,13 @@ type Instance struct {
 	PID    int    `json:"pid"`
 	// StartTime is the process start time in clock ticks since boot
 	// (/proc/PID/stat field 22); it tells a reused pid from ours.
-	StartTime     uint64 `json:"start_time"`
-	QMPSocket     string `json:"qmp_socket"`
-	AgentSocket   string `json:"agent_socket"`
+	StartTime   uint64 `json:"start_time"`
+	QMPSocket   string `json:"qmp_socket"`
+	AgentSocket string `json:"agent_socket"`
+	// DataSocket is the host end of the data port; "" when the VM has
+	// none (it started before the port existed, or from a state saved
+	// without one).
+	DataSocket    string `json:"data_socket,omitempty"`
 	ConsoleSocket string `json:"console_socket"`
 	CID           uint32 `json:"cid,omitempty"`
 	Accelerator   string `json:"accelerator"`

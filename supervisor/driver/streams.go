@@ -26,6 +26,16 @@ func (SocketStreams) AgentDialer(inst Instance) (Dialer, string) {
 	return unixDialer(inst.AgentSocket), "virtio-serial"
 }
 
+// DataDialer returns how to reach the guest's data port, which carries
+// bulk file data beside the agent port on virtio-serial VMs; nil when the
+// VM has a CID (its agent is on vsock) or no data port.
+func DataDialer(inst Instance) Dialer {
+	if inst.CID != 0 || inst.DataSocket == "" {
+		return nil
+	}
+	return unixDialer(inst.DataSocket)
+}
+
 // ConsoleDialer implements Streams.
 func (SocketStreams) ConsoleDialer(inst Instance) Dialer {
 	return unixDialer(inst.ConsoleSocket)
