@@ -27,6 +27,7 @@ const (
 const (
 	qmpSocketName     = "qmp.sock"
 	agentSocketName   = "agent.sock"
+	dataSocketName    = "data.sock"
 	consoleSocketName = "console.sock"
 	logFileName       = "qemu.log"
 	pidFileName       = "qemu.pid"
@@ -39,15 +40,24 @@ const (
 	fdQMP = 3 + iota
 	fdAgent
 	fdConsole
-	fdIncoming // the saved state a VM starts from (Spec.Incoming)
+	fdData // unless Spec.NoDataPort
 )
+
+// fdIncoming is the descriptor of the saved state a VM starts from
+// (Spec.Incoming): the one after the sockets'.
+func fdIncoming(spec driver.Spec) int {
+	if spec.NoDataPort {
+		return fdData
+	}
+	return fdData + 1
+}
 
 // maxSocketPath is sun_path's size less its terminating NUL.
 const maxSocketPath = 107
 
 // layout is where a VM's sockets live.
 type layout struct {
-	qmp, agent, console, log, pidfile string
+	qmp, agent, data, console, log, pidfile string
 	// vfio lists the devices a start may have moved to vfio-pci (vfio.go).
 	vfio string
 }
@@ -56,12 +66,13 @@ func newLayout(dir string) (layout, error) {
 	l := layout{
 		qmp:     filepath.Join(dir, qmpSocketName),
 		agent:   filepath.Join(dir, agentSocketName),
+		data:    filepath.Join(dir, dataSocketName),
 		console: filepath.Join(dir, consoleSocketName),
 		log:     filepath.Join(dir, logFileName),
 		pidfile: filepath.Join(dir, pidFileName),
 		vfio:    filepath.Join(dir, vfioFileName),
 	}
-	for _, p := range []string{l.qmp, l.agent, l.console} {
+	for _, p := range []string{l.qmp, l.agent, l.data, l.console} {
 		if len(p) > maxSocketPath {
 			return layout{}, fmt.Errorf("socket path %q is longer than %d bytes: use a shorter state dir", p, maxSocketPath)
 		}
@@ -120,14 +131,21 @@ func args(spec driver.Spec, machine string, acc string, l layout) []string {
 		"-device", serialDev,
 		"-chardev", "socket,id=agent,fd=" + strconv.Itoa(fdAgent) + ",server=on,wait=off",
 		"-device", "virtserialport,bus=vser0.0,chardev=agent,name=" + protocol.SerialPortName,
-		"-chardev", "socket,id=qmp,fd=" + strconv.Itoa(fdQMP) + ",server=on,wait=off",
+	}
+	if !spec.NoDataPort {
+		a = append(a,
+			"-chardev", "socket,id=data,fd="+strconv.Itoa(fdData)+",server=on,wait=off",
+			"-device", "virtserialport,bus=vser0.0,chardev=data,name="+protocol.DataPortName)
+	}
+	a = append(a,
+		"-chardev", "socket,id=qmp,fd="+strconv.Itoa(fdQMP)+",server=on,wait=off",
 		"-mon", "chardev=qmp,mode=control",
 		// QEMU's seccomp filter: no new privileges, no spawning helpers.
 		"-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
 		"-S",
-	}
+	)
 	if spec.Incoming != nil {
-		a = append(a, "-incoming", "fd:"+strconv.Itoa(fdIncoming))
+		a = append(a, "-incoming", "fd:"+strconv.Itoa(fdIncoming(spec)))
 	}
 	if spec.CID != 0 {
 		a = append(a, "-device", vsockDev+",guest-cid="+strconv.FormatUint(uint64(spec.CID), 10))

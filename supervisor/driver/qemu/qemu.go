@@ -148,7 +148,12 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance
 			err = errors.Join(err, d.releaseGPUs(gpu.Strings(gpus.moved), l.vfio))
 		}
 	}()
-	files, err := listenAll(l.qmp, l.agent, l.console)
+	sockets := []string{l.qmp, l.agent, l.console, l.data}
+	data := l.data
+	if spec.NoDataPort {
+		sockets, data = sockets[:3], ""
+	}
+	files, err := listenAll(sockets...)
 	if err != nil {
 		return driver.Instance{}, err
 	}
@@ -251,6 +256,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (_ driver.Instance
 		StartTime:     start,
 		QMPSocket:     l.qmp,
 		AgentSocket:   l.agent,
+		DataSocket:    data,
 		ConsoleSocket: l.console,
 		CID:           spec.CID,
 		Accelerator:   d.cfg.Accelerator,
@@ -293,7 +299,7 @@ func closeAll(files []*os.File) {
 }
 
 func removeSockets(l layout) {
-	for _, p := range []string{l.qmp, l.agent, l.console} {
+	for _, p := range []string{l.qmp, l.agent, l.data, l.console} {
 		_ = os.Remove(p)
 	}
 }

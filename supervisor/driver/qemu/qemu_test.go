@@ -15,6 +15,7 @@ import (
 	"github.com/digitalocean/go-qemu/qmp"
 	"github.com/digitalocean/go-qemu/qmp/qmptest"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/driver"
 )
 
@@ -63,6 +64,9 @@ func TestArgs(t *testing.T) {
 	if strings.Contains(strings.Join(a, " "), "netdev") {
 		t.Errorf("a VM must have no NIC: %v", a)
 	}
+	if got := argValue(a, "-incoming"); got != nil {
+		t.Errorf("a boot with -incoming %v", got)
+	}
 
 	spec.CID = 7
 	a = args(spec, MachineQ35, "kvm", l)
@@ -82,6 +86,46 @@ func TestArgs(t *testing.T) {
 	}
 	if got := argValue(args(spec, MachineQ35, "tcg", l), "-cpu"); got[0] != "max,erms=off" {
 		t.Errorf("tcg cpu = %v", got)
+	}
+}
+
+// TestArgsPorts: the agent and data ports share the virtio-serial device,
+// each on the listening socket passed at its descriptor; a VM without a
+// data port has neither its socket nor its port, and the saved state it
+// starts from takes the descriptor after the sockets'.
+func TestArgsPorts(t *testing.T) {
+	l, err := newLayout("/run/x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := testSpec("/run/x")
+	spec.Incoming = os.Stdin
+	a := args(spec, MachineQ35, "tcg", l)
+	chardevs, devs := argValue(a, "-chardev"), argValue(a, "-device")
+	for _, want := range []string{"socket,id=agent,fd=4,server=on,wait=off", "socket,id=data,fd=6,server=on,wait=off"} {
+		if !slices.Contains(chardevs, want) {
+			t.Errorf("no chardev %s: %v", want, chardevs)
+		}
+	}
+	for _, want := range []string{
+		"virtserialport,bus=vser0.0,chardev=agent,name=" + protocol.SerialPortName,
+		"virtserialport,bus=vser0.0,chardev=data,name=" + protocol.DataPortName,
+	} {
+		if !slices.Contains(devs, want) {
+			t.Errorf("no device %s: %v", want, devs)
+		}
+	}
+	if got := argValue(a, "-incoming"); !slices.Equal(got, []string{"fd:7"}) {
+		t.Errorf("-incoming %v, want fd:7", got)
+	}
+
+	spec.NoDataPort = true
+	a = args(spec, MachineQ35, "tcg", l)
+	if s := strings.Join(a, " "); strings.Contains(s, "id=data") || strings.Contains(s, protocol.DataPortName) {
+		t.Errorf("a vm without a data port has one: %s", s)
+	}
+	if got := argValue(a, "-incoming"); !slices.Equal(got, []string{"fd:6"}) {
+		t.Errorf("-incoming %v without a data port, want fd:6", got)
 	}
 }
 
@@ -201,7 +245,7 @@ func TestStartFailureReportsQEMUError(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "no-such-kernel") {
 		t.Fatalf("err = %v, want qemu's complaint about the kernel", err)
 	}
-	for _, s := range []string{qmpSocketName, agentSocketName, consoleSocketName} {
+	for _, s := range []string{qmpSocketName, agentSocketName, dataSocketName, consoleSocketName} {
 		if _, err := os.Stat(filepath.Join(dir, s)); err == nil {
 			t.Errorf("socket %s left behind", s)
 		}
