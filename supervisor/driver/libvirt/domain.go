@@ -83,8 +83,11 @@ type domainConfig struct {
 	// Accelerator is accel.KVM or accel.TCG.
 	Accelerator string
 	// User is the "+uid:+gid" QEMU runs as (libvirt's DAC base label).
-	User          string
-	AgentSocket   string
+	User        string
+	AgentSocket string
+	// DataSocket is the data port's; the port is left out when
+	// Spec.NoDataPort.
+	DataSocket    string
 	ConsoleSocket string
 	// Hostdevs are the VM's GPUs (and the rest of their IOMMU groups'
 	// endpoints), as managed VFIO hostdevs.
@@ -92,11 +95,11 @@ type domainConfig struct {
 }
 
 // domainXML builds the domain: direct kernel boot, a host limit on CPU
-// time, no NIC, the spec's disks, the
-// agent's virtio-serial port and the serial console as unix sockets that
-// libvirtd creates (it binds them itself and hands QEMU the descriptors,
-// so QEMU needs no access to the VM's directory), a vsock device with a
-// CID libvirt picks when the spec asks for vsock, and carrel's metadata.
+// time, no NIC, the spec's disks, the agent's and the data virtio-serial
+// ports and the serial console as unix sockets that libvirtd creates (it
+// binds them itself and hands QEMU the descriptors, so QEMU needs no
+// access to the VM's directory), a vsock device with a CID libvirt picks
+// when the spec asks for vsock, and carrel's metadata.
 //
 // QEMU runs as libvirt's unprivileged user, but with relabel='no': libvirt
 // must not chown the kernel and initrd, which are shared, content-addressed
@@ -161,13 +164,13 @@ func domainXML(c domainConfig) (string, error) {
 				Source: &libvirtxml.DomainChardevSource{UNIX: &libvirtxml.DomainChardevSourceUNIX{Mode: "bind", Path: c.ConsoleSocket}},
 				Target: &libvirtxml.DomainSerialTarget{Port: &port0},
 			}},
-			Channels: []libvirtxml.DomainChannel{{
-				Source: &libvirtxml.DomainChardevSource{UNIX: &libvirtxml.DomainChardevSourceUNIX{Mode: "bind", Path: c.AgentSocket}},
-				Target: &libvirtxml.DomainChannelTarget{VirtIO: &libvirtxml.DomainChannelTargetVirtIO{Name: protocol.SerialPortName}},
-			}},
+			Channels:   []libvirtxml.DomainChannel{virtioChannel(c.AgentSocket, protocol.SerialPortName)},
 			MemBalloon: &libvirtxml.DomainMemBalloon{Model: "none"},
 		},
 		SecLabel: []libvirtxml.DomainSecLabel{{Type: "static", Model: "dac", Relabel: "no", Label: c.User}},
+	}
+	if !c.Spec.NoDataPort {
+		d.Devices.Channels = append(d.Devices.Channels, virtioChannel(c.DataSocket, protocol.DataPortName))
 	}
 	if c.Spec.CID != 0 {
 		d.Devices.VSock = &libvirtxml.DomainVSock{Model: "virtio", CID: &libvirtxml.DomainVSockCID{Auto: "yes"}}
@@ -181,6 +184,15 @@ func domainXML(c domainConfig) (string, error) {
 		return "", fmt.Errorf("marshal domain %q: %w", c.Name, err)
 	}
 	return s, nil
+}
+
+// virtioChannel is a virtio-serial port named name, on a unix socket that
+// libvirtd binds at path.
+func virtioChannel(path, name string) libvirtxml.DomainChannel {
+	return libvirtxml.DomainChannel{
+		Source: &libvirtxml.DomainChardevSource{UNIX: &libvirtxml.DomainChardevSourceUNIX{Mode: "bind", Path: path}},
+		Target: &libvirtxml.DomainChannelTarget{VirtIO: &libvirtxml.DomainChannelTargetVirtIO{Name: name}},
+	}
 }
 
 // domainDisk is the i-th disk of the VM. A qcow2 disk's chain is spelled

@@ -32,6 +32,7 @@ func testConfig() domainConfig {
 		Accelerator:   accel.TCG,
 		User:          "+64055:+64055",
 		AgentSocket:   "/var/lib/carrel/vms/demo/agent.sock",
+		DataSocket:    "/var/lib/carrel/vms/demo/data.sock",
 		ConsoleSocket: "/var/lib/carrel/vms/demo/console.sock",
 	}
 }
@@ -99,13 +100,22 @@ func TestDomainXML(t *testing.T) {
 	if dev.MemBalloon == nil || dev.MemBalloon.Model != "none" {
 		t.Errorf("memballoon: %+v", dev.MemBalloon)
 	}
-	if len(dev.Channels) != 1 {
+	// The agent's port and the data port, in that order: libvirt numbers
+	// them 1 and 2 on the virtio-serial controller, as QEMU does the qemu
+	// driver's.
+	if len(dev.Channels) != 2 {
 		t.Fatalf("channels: %+v", dev.Channels)
 	}
-	ch := dev.Channels[0]
-	if ch.Source == nil || ch.Source.UNIX == nil || ch.Source.UNIX.Mode != "bind" || ch.Source.UNIX.Path != c.AgentSocket ||
-		ch.Target == nil || ch.Target.VirtIO == nil || ch.Target.VirtIO.Name != protocol.SerialPortName {
-		t.Errorf("agent channel: %+v %+v", ch.Source, ch.Target)
+	for i, want := range []struct{ path, name string }{{c.AgentSocket, protocol.SerialPortName}, {c.DataSocket, protocol.DataPortName}} {
+		ch := dev.Channels[i]
+		if ch.Source == nil || ch.Source.UNIX == nil || ch.Source.UNIX.Mode != "bind" || ch.Source.UNIX.Path != want.path ||
+			ch.Target == nil || ch.Target.VirtIO == nil || ch.Target.VirtIO.Name != want.name {
+			t.Errorf("channel %s: %+v %+v", want.name, ch.Source, ch.Target)
+		}
+	}
+	c.Spec.NoDataPort = true
+	if chs := parse(t, c).Devices.Channels; len(chs) != 1 || chs[0].Target.VirtIO.Name != protocol.SerialPortName {
+		t.Errorf("channels without a data port: %+v", chs)
 	}
 	if len(dev.Serials) != 1 {
 		t.Fatalf("serials: %+v", dev.Serials)

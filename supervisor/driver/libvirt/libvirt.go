@@ -47,6 +47,7 @@ const systemRunDir = "/run/libvirt/qemu"
 // File names inside a VM's directory.
 const (
 	agentSocketName   = "agent.sock"
+	dataSocketName    = "data.sock"
 	consoleSocketName = "console.sock"
 	// markerName records the domain a Start is creating, before it is
 	// created, so that Sweep can find it if carreld dies meanwhile.
@@ -228,7 +229,7 @@ func (d *Driver) doLong(ctx context.Context, what string, fn func(*lv.Libvirt) e
 
 // layout is where a VM's files live.
 type layout struct {
-	dir, agent, console, marker string
+	dir, agent, data, console, marker string
 }
 
 func newLayout(dir string) (layout, error) {
@@ -236,10 +237,11 @@ func newLayout(dir string) (layout, error) {
 	l := layout{
 		dir:     dir,
 		agent:   filepath.Join(dir, agentSocketName),
+		data:    filepath.Join(dir, dataSocketName),
 		console: filepath.Join(dir, consoleSocketName),
 		marker:  filepath.Join(dir, markerName),
 	}
-	for _, p := range []string{l.agent, l.console} {
+	for _, p := range []string{l.agent, l.data, l.console} {
 		if len(p) > maxSocketPath {
 			return layout{}, fmt.Errorf("socket path %q is longer than %d bytes: use a shorter state dir", p, maxSocketPath)
 		}
@@ -346,7 +348,7 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	steps.done("acls")
 	// libvirtd binds the sockets itself; stale ones from a domain that
 	// died with libvirtd would be in its way.
-	for _, p := range []string{l.agent, l.console} {
+	for _, p := range []string{l.agent, l.data, l.console} {
 		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return driver.Instance{}, fmt.Errorf("remove stale socket: %w", err)
 		}
@@ -360,11 +362,12 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	}
 	cfg := domainConfig{
 		Spec: spec, Name: name, UUID: uuid, Accelerator: d.cfg.Accelerator, User: user,
-		AgentSocket: l.agent, ConsoleSocket: l.console, Hostdevs: hostdevs,
+		AgentSocket: l.agent, DataSocket: l.data, ConsoleSocket: l.console, Hostdevs: hostdevs,
 	}
 	inst := driver.Instance{
 		Driver:        Name,
 		AgentSocket:   l.agent,
+		DataSocket:    l.data,
 		ConsoleSocket: l.console,
 		Accelerator:   d.cfg.Accelerator,
 		Domain:        name,
@@ -372,8 +375,10 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 	}
 	d.log.Debug("creating domain", "vm", spec.Name, "domain", name, "uuid", uuid, "restore", spec.Incoming != nil)
 	var dom lv.Domain
+	data := !spec.NoDataPort
 	if spec.Incoming != nil {
-		dom, err = d.restore(ctx, cfg, l)
+		// The saved domain's ports, whatever the spec says.
+		dom, data, err = d.restore(ctx, cfg, l)
 	} else {
 		var x string
 		x, err = domainXML(cfg)
@@ -383,6 +388,9 @@ func (d *Driver) Start(ctx context.Context, spec driver.Spec) (driver.Instance, 
 				return err
 			})
 		}
+	}
+	if !data {
+		inst.DataSocket = ""
 	}
 	fail := func(err error) (driver.Instance, error) {
 		// Also when the create itself failed: it may have reached libvirtd
@@ -696,7 +704,7 @@ func (d *Driver) Sweep(ctx context.Context, dir string) error {
 	if err := json.Unmarshal(b, &m); err != nil {
 		return fmt.Errorf("domain marker %s: %w", l.marker, err)
 	}
-	inst := driver.Instance{Driver: Name, Domain: m.Domain, DomainUUID: m.UUID, AgentSocket: l.agent, ConsoleSocket: l.console}
+	inst := driver.Instance{Driver: Name, Domain: m.Domain, DomainUUID: m.UUID, AgentSocket: l.agent, DataSocket: l.data, ConsoleSocket: l.console}
 	if _, err := d.instDomain(ctx, inst); errors.Is(err, driver.ErrNotRunning) {
 		return nil
 	} else if err != nil {

@@ -6,9 +6,11 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -18,6 +20,7 @@ import (
 	lv "github.com/digitalocean/go-libvirt"
 	"libvirt.org/go/libvirtxml"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/accel"
 	"github.com/carrel-os/carrel/supervisor/driver"
 	"github.com/carrel-os/carrel/supervisor/driver/libvirt/libvirttest"
@@ -178,14 +181,37 @@ func TestLifecycleOnLibvirtd(t *testing.T) {
 	if st := e.state(inst.Domain); st != lv.DomainPaused {
 		t.Errorf("after start: state %d, want paused", st)
 	}
-	for _, p := range []string{inst.AgentSocket, inst.ConsoleSocket} {
+	if inst.DataSocket != filepath.Join(spec.Dir, dataSocketName) {
+		t.Errorf("data socket %q", inst.DataSocket)
+	}
+	for _, p := range []string{inst.AgentSocket, inst.DataSocket, inst.ConsoleSocket} {
 		if fi, err := os.Stat(p); err != nil || fi.Mode()&os.ModeSocket == 0 {
 			t.Errorf("socket %s: %v", p, err)
 		}
 	}
-	// The console and the agent port are there to connect to, before the
-	// guest runs.
-	for _, dial := range []driver.Dialer{e.d.ConsoleDialer(inst), func() driver.Dialer { d, _ := e.d.AgentDialer(inst); return d }()} {
+	// libvirt puts both ports on the one virtio-serial controller, the
+	// agent's first, as QEMU numbers the qemu driver's.
+	dom, err := e.d.instDomain(ctx, inst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	live, err := e.d.liveDomain(ctx, dom)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ports []string
+	for _, ch := range live.Devices.Channels {
+		if ch.Target != nil && ch.Target.VirtIO != nil && ch.Address != nil && ch.Address.VirtioSerial != nil {
+			a := ch.Address.VirtioSerial
+			ports = append(ports, fmt.Sprintf("%s %d:%d:%d", ch.Target.VirtIO.Name, *a.Controller, *a.Bus, *a.Port))
+		}
+	}
+	if want := []string{protocol.SerialPortName + " 0:0:1", protocol.DataPortName + " 0:0:2"}; !slices.Equal(ports, want) {
+		t.Errorf("virtio-serial ports %v, want %v", ports, want)
+	}
+	// The console, the agent port and the data port are there to connect
+	// to, before the guest runs.
+	for _, dial := range []driver.Dialer{e.d.ConsoleDialer(inst), func() driver.Dialer { d, _ := e.d.AgentDialer(inst); return d }(), driver.DataDialer(inst)} {
 		c, err := dial(ctx)
 		if err != nil {
 			t.Errorf("dial: %v", err)

@@ -125,19 +125,20 @@ func (img saveImage) header(xml string) ([]byte, error) {
 // metadata, kernel and initrd, its disks' files and backing chains (by
 // serial), its sockets, a new vsock CID and QEMU's user; it drops the
 // memory limit, which Start sets live. The devices, their
-// addresses and the CPU stay as saved: QEMU's stream fits only them.
-func restoreXML(saved string, c domainConfig) (header, full string, err error) {
+// addresses and the CPU stay as saved: QEMU's stream fits only them. So
+// the VM has a data port when the saved domain had one, which data says.
+func restoreXML(saved string, c domainConfig) (header, full string, data bool, err error) {
 	var d libvirtxml.Domain
 	if err := d.Unmarshal(saved); err != nil {
-		return "", "", fmt.Errorf("parse the saved domain: %w", err)
+		return "", "", false, fmt.Errorf("parse the saved domain: %w", err)
 	}
 	if d.Devices == nil || d.OS == nil {
-		return "", "", errors.New("the saved domain has no devices or os")
+		return "", "", false, errors.New("the saved domain has no devices or os")
 	}
 	// None of carrel's domains has these; the state file is root's and
 	// hashed, but a domain from it gets no more than domainXML gives.
 	if len(d.Devices.Hostdevs) > 0 || len(d.Devices.Filesystems) > 0 || len(d.Devices.Interfaces) > 0 || d.QEMUCommandline != nil {
-		return "", "", errors.New("the saved domain has host devices, file systems, network interfaces or qemu arguments, which carrel's domains never have")
+		return "", "", false, errors.New("the saved domain has host devices, file systems, network interfaces or qemu arguments, which carrel's domains never have")
 	}
 	// libvirt's own QEMU for the domain type, as at a start.
 	d.Devices.Emulator = ""
@@ -146,34 +147,41 @@ func restoreXML(saved string, c domainConfig) (header, full string, err error) {
 	// restored domain as on a new one (see memoryLimit).
 	d.MemoryTune = nil
 	if header, err = d.Marshal(); err != nil {
-		return "", "", err
+		return "", "", false, err
 	}
 	meta, err := metadata{VM: c.Spec.Name, Dir: c.Spec.Dir}.marshal()
 	if err != nil {
-		return "", "", err
+		return "", "", false, err
 	}
 	d.Metadata = &libvirtxml.DomainMetadata{XML: meta}
 	d.OS.Kernel, d.OS.Initrd = c.Spec.Kernel, c.Spec.Initrd
 	if len(d.Devices.Disks) != len(c.Spec.Disks) {
-		return "", "", fmt.Errorf("the saved domain has %d disks, the vm %d", len(d.Devices.Disks), len(c.Spec.Disks))
+		return "", "", false, fmt.Errorf("the saved domain has %d disks, the vm %d", len(d.Devices.Disks), len(c.Spec.Disks))
 	}
 	for i := range d.Devices.Disks {
 		disk := &d.Devices.Disks[i]
 		j := findDisk(c.Spec.Disks, disk.Serial)
 		if j < 0 {
-			return "", "", fmt.Errorf("the saved domain has a disk %q the vm lacks", disk.Serial)
+			return "", "", false, fmt.Errorf("the saved domain has a disk %q the vm lacks", disk.Serial)
 		}
 		setDiskFiles(disk, c.Spec.Disks[j])
 	}
 	unix := func(path string) *libvirtxml.DomainChardevSource {
 		return &libvirtxml.DomainChardevSource{UNIX: &libvirtxml.DomainChardevSourceUNIX{Mode: "bind", Path: path}}
 	}
-	agent := 0
+	agent, dataPorts := 0, 0
 	for i := range d.Devices.Channels {
 		ch := &d.Devices.Channels[i]
-		if ch.Target != nil && ch.Target.VirtIO != nil && ch.Target.VirtIO.Name == protocol.SerialPortName {
+		if ch.Target == nil || ch.Target.VirtIO == nil {
+			continue
+		}
+		switch ch.Target.VirtIO.Name {
+		case protocol.SerialPortName:
 			ch.Source = unix(c.AgentSocket)
 			agent++
+		case protocol.DataPortName:
+			ch.Source = unix(c.DataSocket)
+			dataPorts++
 		}
 	}
 	for i := range d.Devices.Serials {
@@ -182,8 +190,8 @@ func restoreXML(saved string, c domainConfig) (header, full string, err error) {
 	for i := range d.Devices.Consoles {
 		d.Devices.Consoles[i].Source = unix(c.ConsoleSocket)
 	}
-	if agent != 1 || len(d.Devices.Serials) != 1 {
-		return "", "", fmt.Errorf("the saved domain has %d agent channels and %d serial ports, want one of each", agent, len(d.Devices.Serials))
+	if agent != 1 || dataPorts > 1 || len(d.Devices.Serials) != 1 {
+		return "", "", false, fmt.Errorf("the saved domain has %d agent channels, %d data channels and %d serial ports, want one agent channel and serial port and at most one data channel", agent, dataPorts, len(d.Devices.Serials))
 	}
 	if d.Devices.VSock != nil {
 		d.Devices.VSock.CID = &libvirtxml.DomainVSockCID{Auto: "yes"}
@@ -194,9 +202,9 @@ func restoreXML(saved string, c domainConfig) (header, full string, err error) {
 		}
 	}
 	if full, err = d.Marshal(); err != nil {
-		return "", "", err
+		return "", "", false, err
 	}
-	return header, full, nil
+	return header, full, dataPorts == 1, nil
 }
 
 // findDisk is the index of the disk with serial in disks, or -1.

@@ -8,6 +8,7 @@ import (
 
 	"libvirt.org/go/libvirtxml"
 
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/driver"
 )
 
@@ -85,12 +86,12 @@ func TestRestoreXML(t *testing.T) {
 	fork := testConfig()
 	fork.Spec.Name, fork.Spec.Dir = "fork", "/vms/fork"
 	fork.Name, fork.UUID = "carrel-fork", "0b7e2f0e-8a4c-4c5e-9a0e-2f4a7c9d1e00"
-	fork.AgentSocket, fork.ConsoleSocket = "/vms/fork/agent.sock", "/vms/fork/console.sock"
+	fork.AgentSocket, fork.DataSocket, fork.ConsoleSocket = "/vms/fork/agent.sock", "/vms/fork/data.sock", "/vms/fork/console.sock"
 	fork.Spec.Disks = []driver.Disk{
 		{Path: "/img/root", Format: driver.FormatRaw, ReadOnly: true, Serial: "carrel-root"},
 		{Path: "/vms/fork/state-2.qcow2", Format: driver.FormatQCOW2, Backing: "/tpl.raw", Layers: []string{"/vms/demo/state.qcow2"}, Serial: "carrel-state"},
 	}
-	header, full, err := restoreXML(savedXML, fork)
+	header, full, data, err := restoreXML(savedXML, fork)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -115,8 +116,9 @@ func TestRestoreXML(t *testing.T) {
 	if strings.Join(chain, " ") != "/vms/fork/state-2.qcow2 qcow2:/vms/demo/state.qcow2 raw:/tpl.raw" || disk.Address == nil {
 		t.Errorf("disk chain %v, address %+v", chain, disk.Address)
 	}
-	if d.Devices.Channels[0].Source.UNIX.Path != fork.AgentSocket || d.Devices.Serials[0].Source.UNIX.Path != fork.ConsoleSocket {
-		t.Errorf("sockets: %+v %+v", d.Devices.Channels[0].Source.UNIX, d.Devices.Serials[0].Source.UNIX)
+	if d.Devices.Channels[0].Source.UNIX.Path != fork.AgentSocket || d.Devices.Channels[1].Source.UNIX.Path != fork.DataSocket ||
+		d.Devices.Serials[0].Source.UNIX.Path != fork.ConsoleSocket || !data {
+		t.Errorf("sockets: %+v %+v %+v, data port %v", d.Devices.Channels[0].Source.UNIX, d.Devices.Channels[1].Source.UNIX, d.Devices.Serials[0].Source.UNIX, data)
 	}
 	if d.Devices.VSock.CID.Auto != "yes" || d.Devices.VSock.CID.Address != "" {
 		t.Errorf("vsock cid: %+v", d.Devices.VSock.CID)
@@ -129,7 +131,7 @@ func TestRestoreXML(t *testing.T) {
 	odd.Devices.Interfaces = []libvirtxml.DomainInterface{{}}
 	if x, err := odd.Marshal(); err != nil {
 		t.Fatal(err)
-	} else if _, _, err := restoreXML(x, fork); err == nil {
+	} else if _, _, _, err := restoreXML(x, fork); err == nil {
 		t.Error("restored a saved domain with a network interface")
 	}
 	if strings.Contains(full, "<emulator>") {
@@ -139,12 +141,43 @@ func TestRestoreXML(t *testing.T) {
 	// A VM whose disks are not the saved domain's cannot take its state.
 	other := fork
 	other.Spec.Disks = fork.Spec.Disks[:1]
-	if _, _, err := restoreXML(savedXML, other); err == nil {
+	if _, _, _, err := restoreXML(savedXML, other); err == nil {
 		t.Error("restored into a vm with fewer disks")
 	}
 	other.Spec.Disks = []driver.Disk{fork.Spec.Disks[0], {Path: "/x", Serial: "carrel-other"}}
-	if _, _, err := restoreXML(savedXML, other); err == nil {
+	if _, _, _, err := restoreXML(savedXML, other); err == nil {
 		t.Error("restored into a vm with another disk")
+	}
+}
+
+// TestRestoreXMLKeepsTheSavedPorts: a domain saved before the data port
+// existed is restored without one, whatever the VM's spec says, since
+// QEMU's stream fits only the saved ports; two data ports are refused.
+func TestRestoreXMLKeepsTheSavedPorts(t *testing.T) {
+	old := testConfig()
+	old.Spec.NoDataPort = true
+	saved := parse(t, old)
+	savedXML, err := saved.Marshal()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, full, data, err := restoreXML(savedXML, testConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d libvirtxml.Domain
+	if err := d.Unmarshal(full); err != nil {
+		t.Fatal(err)
+	}
+	if data || len(d.Devices.Channels) != 1 || strings.Contains(full, protocol.DataPortName) {
+		t.Errorf("restored a data port (%v) the saved domain lacks:\n%s", data, full)
+	}
+
+	saved.Devices.Channels = append(saved.Devices.Channels, virtioChannel("/a", protocol.DataPortName), virtioChannel("/b", protocol.DataPortName))
+	if x, err := saved.Marshal(); err != nil {
+		t.Fatal(err)
+	} else if _, _, _, err := restoreXML(x, testConfig()); err == nil {
+		t.Error("restored a saved domain with two data ports")
 	}
 }
 

@@ -259,37 +259,37 @@ func (d *Driver) liveDomain(ctx context.Context, dom lv.Domain) (*libvirtxml.Dom
 // restore creates the domain of c, paused, from the save image
 // c.Spec.Incoming: it writes the image again for c's name and UUID (see
 // saveimage.go) in the VM's directory, has libvirt restore it, and
-// removes it.
-func (d *Driver) restore(ctx context.Context, c domainConfig, l layout) (lv.Domain, error) {
+// removes it. data says whether the domain has a data port, as the saved
+// one had.
+func (d *Driver) restore(ctx context.Context, c domainConfig, l layout) (dom lv.Domain, data bool, err error) {
 	// A description of its own, so the caller's file offset stays.
 	in, err := os.Open("/proc/self/fd/" + strconv.Itoa(int(c.Spec.Incoming.Fd())))
 	if err != nil {
-		return lv.Domain{}, fmt.Errorf("open the saved state: %w", err)
+		return lv.Domain{}, false, fmt.Errorf("open the saved state: %w", err)
 	}
 	defer in.Close()
 	img, err := readSaveImage(in)
 	if err != nil {
-		return lv.Domain{}, fmt.Errorf("the saved state: %w", err)
+		return lv.Domain{}, false, fmt.Errorf("the saved state: %w", err)
 	}
-	headerXML, full, err := restoreXML(img.XML, c)
+	headerXML, full, data, err := restoreXML(img.XML, c)
 	if err != nil {
-		return lv.Domain{}, fmt.Errorf("the saved state: %w", err)
+		return lv.Domain{}, false, fmt.Errorf("the saved state: %w", err)
 	}
 	hdr, err := img.header(headerXML)
 	if err != nil {
-		return lv.Domain{}, err
+		return lv.Domain{}, false, err
 	}
 	path := filepath.Join(l.dir, incomingName)
 	_ = os.Remove(path)
 	defer os.Remove(path)
 	if err := writeImage(path, hdr, in, img.Stream); err != nil {
-		return lv.Domain{}, fmt.Errorf("write the state for libvirt: %w", err)
+		return lv.Domain{}, false, fmt.Errorf("write the state for libvirt: %w", err)
 	}
 	u, err := parseUUID(c.UUID)
 	if err != nil {
-		return lv.Domain{}, err
+		return lv.Domain{}, false, err
 	}
-	var dom lv.Domain
 	err = d.doLong(ctx, "restore domain "+c.Name, func(lc *lv.Libvirt) error {
 		if err := lc.DomainRestoreFlags(path, lv.OptString{full}, uint32(lv.DomainSavePaused)); err != nil {
 			return err
@@ -298,7 +298,7 @@ func (d *Driver) restore(ctx context.Context, c domainConfig, l layout) (lv.Doma
 		dom, err = lc.DomainLookupByUUID(u)
 		return err
 	})
-	return dom, err
+	return dom, data, err
 }
 
 // writeImage writes hdr, then what in holds from offset on, to a new file

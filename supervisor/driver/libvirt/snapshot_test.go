@@ -139,7 +139,7 @@ func TestSnapshotOnLibvirtd(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if finst.DomainUUID == inst.DomainUUID || finst.Domain == inst.Domain || finst.PID == 0 {
+	if finst.DomainUUID == inst.DomainUUID || finst.Domain == inst.Domain || finst.PID == 0 || finst.DataSocket != filepath.Join(fork.Dir, dataSocketName) {
 		t.Errorf("fork instance %+v, parent %+v", finst, inst)
 	}
 	if paused, err := e.d.Adopt(ctx, finst); err != nil || !paused {
@@ -204,5 +204,60 @@ func TestSnapshotOnLibvirtd(t *testing.T) {
 	}
 	if st := e.state(DomainName(spec.Name)); st != -1 {
 		t.Errorf("a refused start left a domain in state %d", st)
+	}
+}
+
+// TestRestoreWithoutDataPortOnLibvirtd: a state saved from a domain
+// without the data port (carrel's domains before it existed) restores,
+// paused, into a domain without one, whatever the spec says, and the
+// instance says so.
+func TestRestoreWithoutDataPortOnLibvirtd(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	spec := e.spec(haltKernel)
+	spec.NoDataPort = true
+	inst, err := e.d.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if inst.DataSocket != "" {
+		t.Errorf("a domain without a data port has data socket %q", inst.DataSocket)
+	}
+	state := filepath.Join(spec.Dir, "state")
+	if _, err := e.d.SaveState(ctx, inst, state, 1<<30); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.d.Kill(ctx, inst); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(state)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	spec.NoDataPort, spec.Incoming = false, f
+	rinst, err := e.d.Start(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rinst.DataSocket != "" {
+		t.Errorf("restored without a data port, the instance has data socket %q", rinst.DataSocket)
+	}
+	dom, err := e.d.instDomain(ctx, rinst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	live, err := e.d.liveDomain(ctx, dom)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(live.Devices.Channels); n != 1 {
+		t.Errorf("restored domain has %d channels, want the agent's alone", n)
+	}
+	if err := e.d.Resume(ctx, rinst); err != nil {
+		t.Fatal(err)
+	}
+	if st := e.state(rinst.Domain); st != lv.DomainRunning {
+		t.Errorf("restored: state %d", st)
 	}
 }
