@@ -16,6 +16,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/sandbox"
 	"github.com/carrel-os/carrel/guest-agent/server"
 	"github.com/carrel-os/carrel/guest-agent/tarfs"
+	"github.com/carrel-os/carrel/guest-agent/transport"
 	"github.com/carrel-os/carrel/guest-agent/user"
 )
 
@@ -32,13 +33,27 @@ func serve(ctx context.Context, cfg Config, sb *sandbox.Guard, w workspace, eg *
 	log.Info("listening", "transport", name, "addr", l.Addr())
 	l = cfg.WrapListener(l, log)
 	fmt.Printf("%s transport=%s\n", protocol.ReadyMarker, name)
+	fopts := files.Options{Owner: fileOwner(log, guest), Sandbox: sb}
+	if name == transport.Serial {
+		// Bulk file content goes beside the agent's port where the VM
+		// has the data port; without it (a VM from before it), in the
+		// stream.
+		dp, err := transport.OpenDataPort(protocol.DataPortName)
+		if err != nil {
+			log.Info("no data port: file content goes in the stream", "err", err)
+		} else {
+			defer dp.Close()
+			fopts.Data = dp
+		}
+	}
 	scfg := server.Config{
 		Transport: name,
+		DataPort:  fopts.Data != nil,
 		Log:       log,
 		PowerOff:  powerOff,
 		Sandbox:   sb,
 		Runner:    &exec.Runner{Reaper: reaper.Default(), Sandbox: sb, Cgroups: w.groups},
-		Files:     files.New(files.Options{Owner: fileOwner(log, guest), Sandbox: sb}),
+		Files:     files.New(fopts),
 	}
 	if w.activity != nil {
 		scfg.Runner.OnStart = w.activity.Started

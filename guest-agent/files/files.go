@@ -31,6 +31,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -94,6 +95,20 @@ type Options struct {
 	// sandbox in force (see the package comment). nil, or a Guard with no
 	// sandbox yet, leaves the whole file system open.
 	Sandbox *sandbox.Guard
+	// Data, if set, carries the content of writes and reads that name a
+	// transfer (WriteHeader.bulk_id, ReadRequest.bulk_id) beside the
+	// stream. nil refuses such calls with CodeFailedPrecondition.
+	Data DataPort
+}
+
+// DataPort carries file content in frames beside the RPC
+// (transport.DataPort on the data port).
+type DataPort interface {
+	// Receive writes transfer id's content to w and returns once it has
+	// all come.
+	Receive(ctx context.Context, id uint64, w io.Writer) (int64, error)
+	// Send sends r's content, to its EOF, as transfer id.
+	Send(ctx context.Context, id uint64, r io.Reader) (int64, error)
 }
 
 // Service implements FileService. It is safe for concurrent use.

@@ -18,7 +18,9 @@ import (
 
 // Read streams a regular file from offset, length bytes or (length 0) to
 // its end, in chunks of at most Options.ReadChunk. An offset at or past the
-// end yields no messages. CodeFailedPrecondition if path is not a regular
+// end yields no messages. A request that names a transfer (bulk_id) gets
+// the content on the data port instead, and no messages.
+// CodeFailedPrecondition if path is not a regular
 // file; CodeInvalidArgument for a negative offset or length.
 func (s *Service) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequest], stream *connect.ServerStream[agentv1.ReadResponse]) error {
 	pl, err := s.resolve("read", req.Msg.GetPath(), readAccess)
@@ -62,6 +64,15 @@ func (s *Service) Read(ctx context.Context, req *connect.Request[agentv1.ReadReq
 		return notRegular("read", p, fi)
 	}
 	r := io.NewSectionReader(f, off, n)
+	if id := req.Msg.GetBulkId(); id != 0 {
+		if s.opts.Data == nil {
+			return connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("read %s: the content was asked for on a data port, and this agent has none", p))
+		}
+		if _, err := s.opts.Data.Send(ctx, id, r); err != nil {
+			return fsError("read", p, err)
+		}
+		return nil
+	}
 	buf := make([]byte, s.opts.ReadChunk)
 	for {
 		if err := ctx.Err(); err != nil {

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"math/rand/v2"
 	"os"
@@ -13,13 +14,16 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"connectrpc.com/connect"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
 )
 
-// Write takes a header, data messages and a commit, writes the data to a
+// Write takes a header, data messages and a commit (or, when the header
+// names a transfer, the content on the data port and then the commit), writes the data to a
 // temporary file beside the target, and only after the commit fsyncs it,
 // renames it over the target and fsyncs the directory: readers see the old
 // file or the new one, never a part. On any error, including the client
@@ -42,6 +46,21 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 	hdr := stream.Msg().GetHeader()
 	if hdr == nil {
 		return nil, invalid("write: first message is not a header")
+	}
+	received := false
+	if id := hdr.GetBulkId(); id != 0 && s.opts.Data != nil {
+		defer func() {
+			if !received {
+				// Refused before its content was read: read it and drop
+				// it, so the host is not left blocked sending it. The
+				// host aborts the transfer once it has the refusal.
+				go func() {
+					ctx, cancel := context.WithTimeout(context.Background(), drainTimeout)
+					defer cancel()
+					s.opts.Data.Receive(ctx, id, io.Discard)
+				}()
+			}
+		}()
 	}
 	pl, err := s.resolve("write", hdr.GetPath(), writeAccess)
 	if err != nil {
@@ -102,6 +121,18 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 		}
 	}
 	var size int64
+	if id := hdr.GetBulkId(); id != 0 {
+		if s.opts.Data == nil {
+			return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("write %s: the content was sent on a data port, and this agent has none", p))
+		}
+		received = true
+		if size, err = s.opts.Data.Receive(ctx, id, f); err != nil {
+			if errors.Is(err, protocol.ErrTransferAborted) {
+				return nil, connect.NewError(connect.CodeAborted, fmt.Errorf("write %s: the host gave the write up; nothing was written", p))
+			}
+			return nil, fsError("write", p, err)
+		}
+	}
 	committed := false
 	for stream.Receive() {
 		if committed {
@@ -109,6 +140,9 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 		}
 		switch m := stream.Msg().GetMsg().(type) {
 		case *agentv1.WriteRequest_Data:
+			if hdr.GetBulkId() != 0 {
+				return nil, invalid("write %s: a data message, with the content on the data port", p)
+			}
 			if _, err := f.Write(m.Data); err != nil {
 				return nil, fsError("write", p, err)
 			}
@@ -145,6 +179,9 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 	// forge, and hashing here costs more than the write under TCG.
 	return connect.NewResponse(&agentv1.WriteResponse{Size: size}), nil
 }
+
+// drainTimeout bounds the reading of a refused write's content.
+const drainTimeout = time.Minute
 
 // keepOwner gives f the owner and group in st where they differ.
 func keepOwner(f *os.File, st *syscall.Stat_t) error {

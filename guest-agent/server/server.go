@@ -47,6 +47,9 @@ const shutdownGrace = 2 * time.Second
 type Config struct {
 	// Transport is reported by Health: "vsock", "virtio-serial" or "unix".
 	Transport string
+	// DataPort is reported by Health: Files has the data port for bulk
+	// file content.
+	DataPort bool
 	// Sandbox is what SetSandbox sets; nil means a new Guard, given to the
 	// default Runner and Files. A Runner or Files passed in must be given
 	// the same Guard to be confined by it.
@@ -160,6 +163,7 @@ func (s *service) Health(context.Context, *connect.Request[agentv1.HealthRequest
 		Kernel:    kernelRelease(),
 		UptimeMs:  time.Since(started).Milliseconds(),
 		Transport: s.cfg.Transport,
+		DataPort:  s.cfg.DataPort,
 	}), nil
 }
 

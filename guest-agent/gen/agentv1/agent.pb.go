@@ -138,7 +138,10 @@ type HealthResponse struct {
 	// Milliseconds since the agent started.
 	UptimeMs int64 `protobuf:"varint,3,opt,name=uptime_ms,json=uptimeMs,proto3" json:"uptime_ms,omitempty"`
 	// "vsock" or "virtio-serial".
-	Transport     string `protobuf:"bytes,4,opt,name=transport,proto3" json:"transport,omitempty"`
+	Transport string `protobuf:"bytes,4,opt,name=transport,proto3" json:"transport,omitempty"`
+	// The agent has the data port (protocol.DataPortName) open for bulk
+	// file data.
+	DataPort      bool `protobuf:"varint,5,opt,name=data_port,json=dataPort,proto3" json:"data_port,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -199,6 +202,13 @@ func (x *HealthResponse) GetTransport() string {
 		return x.Transport
 	}
 	return ""
+}
+
+func (x *HealthResponse) GetDataPort() bool {
+	if x != nil {
+		return x.DataPort
+	}
+	return false
 }
 
 type ExecRequest struct {
@@ -2032,12 +2042,13 @@ var File_carrel_agent_v1_agent_proto protoreflect.FileDescriptor
 const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\n" +
 	"\x1bcarrel/agent/v1/agent.proto\x12\x0fcarrel.agent.v1\"\x0f\n" +
-	"\rHealthRequest\"}\n" +
+	"\rHealthRequest\"\x9a\x01\n" +
 	"\x0eHealthResponse\x12\x18\n" +
 	"\aversion\x18\x01 \x01(\tR\aversion\x12\x16\n" +
 	"\x06kernel\x18\x02 \x01(\tR\x06kernel\x12\x1b\n" +
 	"\tuptime_ms\x18\x03 \x01(\x03R\buptimeMs\x12\x1c\n" +
-	"\ttransport\x18\x04 \x01(\tR\ttransport\"\xab\x01\n" +
+	"\ttransport\x18\x04 \x01(\tR\ttransport\x12\x1b\n" +
+	"\tdata_port\x18\x05 \x01(\bR\bdataPort\"\xab\x01\n" +
 	"\vExecRequest\x12\x12\n" +
 	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x10\n" +
 	"\x03env\x18\x02 \x03(\tR\x03env\x12\x10\n" +

@@ -506,7 +506,11 @@ type ReadRequest struct {
 	Path   string                 `protobuf:"bytes,1,opt,name=path,proto3" json:"path,omitempty"`
 	Offset int64                  `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
 	// 0 means to the end of the file.
-	Length        int64 `protobuf:"varint,3,opt,name=length,proto3" json:"length,omitempty"`
+	Length int64 `protobuf:"varint,3,opt,name=length,proto3" json:"length,omitempty"`
+	// Non-zero: send the content on the data port as this transfer's
+	// frames (protocol/bulk.go), and no data messages. Only carreld sets it;
+	// it clears a client's.
+	BulkId        uint64 `protobuf:"varint,4,opt,name=bulk_id,json=bulkId,proto3" json:"bulk_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -558,6 +562,13 @@ func (x *ReadRequest) GetOffset() int64 {
 func (x *ReadRequest) GetLength() int64 {
 	if x != nil {
 		return x.Length
+	}
+	return 0
+}
+
+func (x *ReadRequest) GetBulkId() uint64 {
+	if x != nil {
+		return x.BulkId
 	}
 	return 0
 }
@@ -749,7 +760,11 @@ type WriteHeader struct {
 	// its own unless this is set.
 	Mode uint32 `protobuf:"varint,2,opt,name=mode,proto3" json:"mode,omitempty"`
 	// Create missing parent directories.
-	MakeParents   bool `protobuf:"varint,3,opt,name=make_parents,json=makeParents,proto3" json:"make_parents,omitempty"`
+	MakeParents bool `protobuf:"varint,3,opt,name=make_parents,json=makeParents,proto3" json:"make_parents,omitempty"`
+	// Non-zero: the content comes on the data port as this transfer's
+	// frames (protocol/bulk.go), not in data messages; the commit still
+	// comes on the stream. Only carreld sets it; it clears a client's.
+	BulkId        uint64 `protobuf:"varint,4,opt,name=bulk_id,json=bulkId,proto3" json:"bulk_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -803,6 +818,13 @@ func (x *WriteHeader) GetMakeParents() bool {
 		return x.MakeParents
 	}
 	return false
+}
+
+func (x *WriteHeader) GetBulkId() uint64 {
+	if x != nil {
+		return x.BulkId
+	}
+	return 0
 }
 
 type WriteResponse struct {
@@ -1556,11 +1578,12 @@ const file_carrel_agent_v1_files_proto_rawDesc = "" +
 	"maxEntries\"a\n" +
 	"\fListResponse\x123\n" +
 	"\aentries\x18\x01 \x03(\v2\x19.carrel.agent.v1.FileInfoR\aentries\x12\x1c\n" +
-	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"Q\n" +
+	"\ttruncated\x18\x02 \x01(\bR\ttruncated\"j\n" +
 	"\vReadRequest\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x16\n" +
 	"\x06offset\x18\x02 \x01(\x03R\x06offset\x12\x16\n" +
-	"\x06length\x18\x03 \x01(\x03R\x06length\"\"\n" +
+	"\x06length\x18\x03 \x01(\x03R\x06length\x12\x17\n" +
+	"\abulk_id\x18\x04 \x01(\x04R\x06bulkId\"\"\n" +
 	"\fReadResponse\x12\x12\n" +
 	"\x04data\x18\x01 \x01(\fR\x04data\"\x9b\x01\n" +
 	"\fWriteRequest\x126\n" +
@@ -1568,11 +1591,12 @@ const file_carrel_agent_v1_files_proto_rawDesc = "" +
 	"\x04data\x18\x02 \x01(\fH\x00R\x04data\x126\n" +
 	"\x06commit\x18\x03 \x01(\v2\x1c.carrel.agent.v1.WriteCommitH\x00R\x06commitB\x05\n" +
 	"\x03msg\"\r\n" +
-	"\vWriteCommit\"X\n" +
+	"\vWriteCommit\"q\n" +
 	"\vWriteHeader\x12\x12\n" +
 	"\x04path\x18\x01 \x01(\tR\x04path\x12\x12\n" +
 	"\x04mode\x18\x02 \x01(\rR\x04mode\x12!\n" +
-	"\fmake_parents\x18\x03 \x01(\bR\vmakeParents\";\n" +
+	"\fmake_parents\x18\x03 \x01(\bR\vmakeParents\x12\x17\n" +
+	"\abulk_id\x18\x04 \x01(\x04R\x06bulkId\";\n" +
 	"\rWriteResponse\x12\x12\n" +
 	"\x04size\x18\x01 \x01(\x03R\x04size\x12\x16\n" +
 	"\x06digest\x18\x02 \x01(\tR\x06digest\"R\n" +
