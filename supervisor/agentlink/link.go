@@ -75,6 +75,7 @@ type Link struct {
 	lastErr error
 	info    *agentv1.HealthResponse
 	closed  bool
+	data    *dataPort // nil without one (UseDataPort)
 }
 
 // channel is one HTTP/2 connection to the agent and the client bound to
@@ -396,9 +397,13 @@ func (l *Link) Close() error {
 	l.closed = true
 	s := l.cur
 	l.cur = nil
+	data := l.data
 	l.mu.Unlock()
 	if s != nil {
 		s.close()
+	}
+	if data != nil {
+		data.turnOff(nil, net.ErrClosed)
 	}
 	return nil
 }

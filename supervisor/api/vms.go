@@ -221,6 +221,7 @@ func toProto(st vm.Status) *apiv1.VM {
 		Cpus:        st.CPUs,
 		Driver:      st.Driver,
 		Transport:   st.Transport,
+		DataPort:    st.DataPort,
 		CreatedAt:   st.CreatedAt.Format(time.RFC3339),
 		LastError:   st.LastError,
 		Policy:      st.PolicyName(),

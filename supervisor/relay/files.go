@@ -5,6 +5,8 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
+	"io"
 	"net/http"
 	"strings"
 
@@ -14,6 +16,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/audit"
 	"github.com/carrel-os/carrel/supervisor/recorder"
 )
@@ -35,12 +38,18 @@ var _ agentv1connect.FileServiceHandler = fileRelay{}
 
 // files returns the guest's file service for the VM the call names.
 func (r fileRelay) files(h http.Header) (agentv1connect.FileServiceClient, func(context.Context, error) error, error) {
+	c, done, _, err := r.filesLink(h)
+	return c, done, err
+}
+
+// filesLink is files, with the link itself for its data port.
+func (r fileRelay) filesLink(h http.Header) (agentv1connect.FileServiceClient, func(context.Context, error) error, *agentlink.Link, error) {
 	link, err := r.link(h)
 	if err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	c, done := link.Files()
-	return c, done, nil
+	return c, done, link, nil
 }
 
 // records starts the audit records of a call for the VM it names.
@@ -142,26 +151,101 @@ func (r fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRe
 	defer func() {
 		r.records(ctx, req.Header()).Read(ctx, audit.FileOp{Op: "read", Path: req.Msg.Path, Size: total, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}, err)
 	}()
-	c, done, err := r.files(req.Header())
+	c, done, link, err := r.filesLink(req.Header())
 	if err != nil {
 		return err
 	}
-	s, err := c.Read(ctx, connect.NewRequest(req.Msg))
+	// The client's own bulk_id is never passed on: only carreld names a
+	// transfer on the data port.
+	ask := &agentv1.ReadRequest{Path: req.Msg.Path, Offset: req.Msg.Offset, Length: req.Msg.Length}
+	// Each piece of content is checked and counted before it is passed on.
+	pass := func(b []byte) error {
+		if req.Msg.Length > 0 && total+int64(len(b)) > req.Msg.Length {
+			return errGuest("sent more than the %d bytes asked for", req.Msg.Length)
+		}
+		total += int64(len(b))
+		sum.Write(b)
+		return out.Send(&agentv1.ReadResponse{Data: b})
+	}
+	if in := link.ReceiveData(ctx); in != nil {
+		defer in.Close()
+		ask.BulkId = in.ID
+		return readBulk(ctx, c, done, ask, in, pass)
+	}
+	s, err := c.Read(ctx, connect.NewRequest(ask))
 	if err != nil {
 		return relayErr(ctx, done, err)
 	}
 	defer s.Close()
 	for s.Receive() {
-		if req.Msg.Length > 0 && total+int64(len(s.Msg().Data)) > req.Msg.Length {
-			return errGuest("sent more than the %d bytes asked for", req.Msg.Length)
-		}
-		total += int64(len(s.Msg().Data))
-		sum.Write(s.Msg().Data)
-		if err := out.Send(s.Msg()); err != nil {
+		if err := pass(s.Msg().Data); err != nil {
 			return err
 		}
 	}
 	return relayErr(ctx, done, s.Err())
+}
+
+// readBulk relays a read whose content comes on the data port as transfer
+// in. The guest's call itself sends no messages; its end says whether the
+// read worked. Either failing ends the other.
+func readBulk(ctx context.Context, c agentv1connect.FileServiceClient, done func(context.Context, error) error,
+	ask *agentv1.ReadRequest, in *agentlink.Inbound, pass func([]byte) error) error {
+	cctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	rpc := make(chan error, 1)
+	// The call is made meanwhile: it returns only once the guest has
+	// answered, which it does after the content has gone.
+	go func() {
+		s, err := c.Read(cctx, connect.NewRequest(ask))
+		if err != nil {
+			cancel()
+			rpc <- err
+			return
+		}
+		defer s.Close()
+		if s.Receive() {
+			err = errGuest("sent data messages for a read on the data port")
+		} else {
+			err = s.Err()
+		}
+		if err != nil {
+			cancel() // a wait for frames that will not come
+		}
+		rpc <- err
+	}()
+	for {
+		b, err := in.Next(cctx)
+		if err == io.EOF {
+			return relayErr(ctx, done, <-rpc)
+		}
+		if err == nil {
+			err = pass(b)
+		}
+		if err != nil {
+			cancel()
+			rerr := <-rpc
+			if rerr != nil && (errors.Is(err, protocol.ErrTransferAborted) || cctx.Err() != nil) && ctx.Err() == nil {
+				// The guest's call says why it gave up.
+				return relayErr(ctx, done, rerr)
+			}
+			return dataErr(err)
+		}
+	}
+}
+
+// dataErr is a failed transfer on the data port, as the client sees it.
+// The stream to the agent is not to blame, so it is left alone.
+func dataErr(err error) error {
+	if ce := new(connect.Error); errors.As(err, &ce) {
+		return err
+	}
+	switch {
+	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+		return err
+	case errors.Is(err, agentlink.ErrDataProtocol):
+		return connect.NewError(connect.CodeDataLoss, fmt.Errorf("guest agent: %w", err))
+	}
+	return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%w; the call can be retried", err))
 }
 
 func (r fileRelay) Write(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest]) (*connect.Response[agentv1.WriteResponse], error) {
@@ -175,7 +259,7 @@ func (r fileRelay) WriteTar(ctx context.Context, in *connect.ClientStream[agentv
 // relayWrite passes a header, data and commit stream on to the guest.
 func (r fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agentv1.WriteRequest], tree bool,
 	open func(agentv1connect.FileServiceClient, context.Context) *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse]) (_ *connect.Response[agentv1.WriteResponse], err error) {
-	c, done, err := r.files(in.RequestHeader())
+	c, done, link, err := r.filesLink(in.RequestHeader())
 	if err != nil {
 		return nil, err
 	}
@@ -215,10 +299,21 @@ func (r fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agen
 	// complete instead of committing it.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
+	// The client's own bulk_id is never passed on: only carreld names a
+	// transfer on the data port.
+	hdr = &agentv1.WriteHeader{Path: hdr.Path, Mode: hdr.Mode, MakeParents: hdr.MakeParents}
+	if !tree {
+		if t := link.SendData(ctx); t != nil {
+			defer t.Abort()
+			hdr.BulkId = t.ID
+			resp, err = writeBulk(ctx, open(c, ctx), done, hdr, in, t, content)
+			return resp, err
+		}
+	}
 	s := open(c, ctx)
 	var sent int64
 	sum := sha256.New() // of what went to the guest: the digest clients get
-	for msg := in.Msg(); ; msg = in.Msg() {
+	for msg := wrapHeader(hdr); ; msg = in.Msg() {
 		if err := s.Send(msg); err != nil {
 			break // the guest ended the call; CloseAndReceive says why
 		}
@@ -246,6 +341,87 @@ func (r fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agen
 	}
 	resp = connect.NewResponse(&agentv1.WriteResponse{Size: sent, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))})
 	return resp, nil
+}
+
+func wrapHeader(h *agentv1.WriteHeader) *agentv1.WriteRequest {
+	return &agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Header{Header: h}}
+}
+
+// writeBulk relays a write whose content goes on the data port as
+// transfer t. The guest's call gets the header and the commit at once,
+// and writes the file once t ends (FrameEnd), or drops it if t is
+// aborted; its reply is watched meanwhile, so a guest that refuses the
+// write early stops the sending.
+func writeBulk(ctx context.Context, s *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse], done func(context.Context, error) error,
+	hdr *agentv1.WriteHeader, in *connect.ClientStream[agentv1.WriteRequest], t *agentlink.Outbound, content *recorder.Content) (*connect.Response[agentv1.WriteResponse], error) {
+	type reply struct {
+		resp *connect.Response[agentv1.WriteResponse]
+		err  error
+	}
+	replied := make(chan reply, 1)
+	if s.Send(wrapHeader(hdr)) == nil {
+		s.Send(&agentv1.WriteRequest{Msg: &agentv1.WriteRequest_Commit{Commit: &agentv1.WriteCommit{}}})
+	}
+	go func() {
+		resp, err := s.CloseAndReceive()
+		replied <- reply{resp, err}
+	}()
+	var sent int64
+	sum := sha256.New() // of what went to the guest: the digest clients get
+	committed := false
+	var early *reply
+	for !committed && in.Receive() {
+		select {
+		case r := <-replied:
+			early = &r
+		default:
+		}
+		if early != nil {
+			break
+		}
+		switch m := in.Msg().GetMsg().(type) {
+		case *agentv1.WriteRequest_Header:
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: a second header"))
+		case *agentv1.WriteRequest_Data:
+			if err := t.Write(m.Data); err != nil {
+				return nil, dataErr(err)
+			}
+			sent += int64(len(m.Data))
+			sum.Write(m.Data)
+			content.Write(m.Data)
+		case *agentv1.WriteRequest_Commit:
+			committed = true
+		}
+	}
+	if early == nil {
+		if err := in.Err(); err != nil {
+			return nil, err
+		}
+		if !committed {
+			// The client gave up: the guest drops what it has.
+			t.Abort()
+			r := <-replied
+			if r.err == nil {
+				return nil, errGuest("write committed without the commit")
+			}
+			return nil, connect.NewError(connect.CodeAborted, errors.New("write: the stream ended without a commit; nothing was written"))
+		}
+		if err := t.End(); err != nil {
+			return nil, dataErr(err)
+		}
+		r := <-replied
+		early = &r
+	}
+	if early.err != nil {
+		return nil, relayErr(ctx, done, early.err)
+	}
+	if !committed {
+		return nil, errGuest("write reply before the content was sent")
+	}
+	if early.resp.Msg.Size != sent {
+		return nil, errGuest("write reply does not match what was sent (%d bytes sent, %d reported)", sent, early.resp.Msg.Size)
+	}
+	return connect.NewResponse(&agentv1.WriteResponse{Size: sent, Digest: "sha256:" + hex.EncodeToString(sum.Sum(nil))}), nil
 }
 
 // ReadTar relays an archive. carreld does not look inside: whoever

@@ -448,6 +448,7 @@ func (m *Manager) boot(ctx context.Context, mc *machine, from *startPoint) error
 	why := ""
 	if from != nil {
 		spec.Incoming = from.state
+		spec.NoDataPort = !from.snap.DataPort
 		why = fmt.Sprintf("from snapshot %q of %q, taken in session %s", from.snap.Name, from.snap.VM, from.snap.Session)
 	}
 	if err := m.event(ctx, mc, EventStarting, why); err != nil {
@@ -497,6 +498,7 @@ func (m *Manager) boot(ctx context.Context, mc *machine, from *startPoint) error
 	}
 	dial, transport := m.cfg.Driver.AgentDialer(inst)
 	link := agentlink.New(dial, m.cfg.Logger.With("vm", name, "transport", transport))
+	link.UseDataPort(driver.DataDialer(inst))
 	exited := m.watchExit(live, inst)
 	if err := m.cfg.Driver.Resume(ctx, inst); err != nil {
 		link.Close()

@@ -23,6 +23,9 @@ type Status struct {
 	// Transport is how the host reaches the agent ("vsock" or
 	// "virtio-serial"), as the host chose it, not as the guest claims.
 	Transport string
+	// DataPort is whether file content goes on the data port
+	// (agentlink.Link.DataPortInUse).
+	DataPort bool
 	// Held is set while PauseAll holds the VM paused (the audit log
 	// cannot be written); Record.Paused is an operator's pause.
 	Held bool
@@ -45,6 +48,7 @@ func (mc *machine) status() Status {
 	if mc.link != nil {
 		st.Agent, _ = mc.link.State()
 		st.Transport = mc.transport
+		st.DataPort = mc.link.DataPortInUse()
 	}
 	st.Held = mc.paused
 	return st
@@ -482,6 +486,7 @@ func (m *Manager) reconcileOne(ctx context.Context, rec *registry.Record) error 
 	}
 	dial, transport := m.cfg.Driver.AgentDialer(inst)
 	link := agentlink.New(dial, m.cfg.Logger.With("vm", rec.Name, "transport", transport))
+	link.UseDataPort(driver.DataDialer(inst))
 	m.attach(live, cancel, mc, inst, link, rc, transport, m.watchExit(live, inst))
 	go func() {
 		rctx, rcancel := context.WithTimeout(live, 30*time.Second)

@@ -64,6 +64,10 @@ type Snapshot struct {
 	MaxProcesses   uint64 `json:"max_processes,omitempty"`
 	Ephemeral      bool   `json:"ephemeral,omitempty"`
 	DiskBytes      uint64 `json:"disk_bytes,omitempty"`
+	// DataPort is whether the VM had the data port (driver.Spec.NoDataPort):
+	// QEMU loads a state only into a VM with the ports it was saved with.
+	// Snapshots from before the data port lack it, and restore without.
+	DataPort bool `json:"data_port,omitempty"`
 	// State is QEMU's saved state, in the snapshot's directory.
 	State SnapshotFile `json:"state"`
 	// Disks are the frozen layers, by serial.
@@ -256,7 +260,7 @@ func (m *Manager) snapshotLocked(ctx context.Context, mc *machine, p SnapshotPar
 		ImageDigest: rec.ImageDigest, RootHash: rec.RootHash, MemoryBytes: rec.MemoryBytes, CPUs: rec.CPUs, Driver: rec.Driver,
 		Policy: rec.PolicyName(), WorkspaceBytes: rec.WorkspaceBytes, MaxProcesses: rec.MaxProcesses,
 		Ephemeral: rec.Ephemeral, DiskBytes: rec.DiskBytes,
-		Guest: p.Guest, Note: p.Note,
+		Guest: p.Guest, Note: p.Note, DataPort: inst.DataSocket != "",
 	}
 	snap.State = state
 	snap.State.Path = filepath.Join(final, snapshotState) // where it is once renamed

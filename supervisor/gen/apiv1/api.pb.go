@@ -209,7 +209,11 @@ type VM struct {
 	Accelerator string `protobuf:"bytes,9,opt,name=accelerator,proto3" json:"accelerator,omitempty"`
 	// "vsock" or "virtio-serial".
 	Transport string `protobuf:"bytes,10,opt,name=transport,proto3" json:"transport,omitempty"`
-	Pid       int32  `protobuf:"varint,11,opt,name=pid,proto3" json:"pid,omitempty"`
+	// File content goes on the VM's data port (virtio-serial VMs), beside
+	// the agent's stream: the VM has one, its agent has it open, and it has
+	// not been turned off.
+	DataPort bool  `protobuf:"varint,31,opt,name=data_port,json=dataPort,proto3" json:"data_port,omitempty"`
+	Pid      int32 `protobuf:"varint,11,opt,name=pid,proto3" json:"pid,omitempty"`
 	// RFC 3339.
 	CreatedAt string `protobuf:"bytes,12,opt,name=created_at,json=createdAt,proto3" json:"created_at,omitempty"`
 	// Why the VM stopped, when it stopped on its own.
@@ -354,6 +358,13 @@ func (x *VM) GetTransport() string {
 		return x.Transport
 	}
 	return ""
+}
+
+func (x *VM) GetDataPort() bool {
+	if x != nil {
+		return x.DataPort
+	}
+	return false
 }
 
 func (x *VM) GetPid() int32 {
@@ -3854,7 +3865,7 @@ var File_carrel_api_v1_api_proto protoreflect.FileDescriptor
 
 const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\n" +
-	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\x93\b\n" +
+	"\x17carrel/api/v1/api.proto\x12\rcarrel.api.v1\"\xb0\b\n" +
 	"\x02VM\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x0e\n" +
 	"\x02id\x18\x02 \x01(\tR\x02id\x12,\n" +
@@ -3867,7 +3878,8 @@ const file_carrel_api_v1_api_proto_rawDesc = "" +
 	"\x06driver\x18\b \x01(\tR\x06driver\x12 \n" +
 	"\vaccelerator\x18\t \x01(\tR\vaccelerator\x12\x1c\n" +
 	"\ttransport\x18\n" +
-	" \x01(\tR\ttransport\x12\x10\n" +
+	" \x01(\tR\ttransport\x12\x1b\n" +
+	"\tdata_port\x18\x1f \x01(\bR\bdataPort\x12\x10\n" +
 	"\x03pid\x18\v \x01(\x05R\x03pid\x12\x1d\n" +
 	"\n" +
 	"created_at\x18\f \x01(\tR\tcreatedAt\x12\x1d\n" +

@@ -1,0 +1,421 @@
+package agentlink
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+)
+
+// The data port carries file content beside the agent's stream on a
+// virtio-serial VM (protocol/bulk.go). carreld runs one transfer at a time
+// in each direction; a call that finds its direction busy uses the stream.
+// What the guest sends on it is checked as strictly as the stream: a
+// frame that is not the transfer's next one turns the port off for the
+// link's life, and file content goes in the stream from then on.
+
+// Bounds on the data port.
+const (
+	// dataStallLimit is how long one frame may take to cross in either
+	// direction before the transfer fails and the connection is dropped.
+	dataStallLimit = 10 * time.Second
+	// maxStaleBytes bounds what a receive passes over from transfers that
+	// ended early before its own first frame.
+	maxStaleBytes = 64 << 20
+)
+
+// errDataPortOff is returned for a data port turned off.
+var errDataPortOff = errors.New("data port off")
+
+// ErrDataProtocol is wrapped by a transfer's error when the guest broke
+// the data port's protocol.
+var ErrDataProtocol = errors.New("the guest broke the data port's protocol")
+
+// UseDataPort gives the link the data port dial reaches. The port is used
+// once the agent's health reply says it has its end open.
+func (l *Link) UseDataPort(dial func(ctx context.Context) (net.Conn, error)) {
+	if dial == nil {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.data = &dataPort{dial: dial, link: l, send: make(chan struct{}, 1), recv: make(chan struct{}, 1)}
+}
+
+// dataPort is carreld's end of the data port.
+type dataPort struct {
+	dial func(ctx context.Context) (net.Conn, error)
+	link *Link
+	send chan struct{} // held by the transfer going to the guest
+	recv chan struct{} // held by the transfer coming from it
+
+	mu   sync.Mutex
+	conn net.Conn
+	fr   *protocol.FrameReader
+	// resyncOut and resyncIn are set when a connection is dropped, maybe
+	// mid-frame. The guest's reader may be inside a frame, so the next
+	// sender first writes a frame's worth of bytes that cannot start one;
+	// the next receiver passes over what is left of the guest's frame.
+	resyncOut, resyncIn bool
+	off                 error
+}
+
+// dataPort returns the link's data port if the agent has its end open and
+// it has not been turned off.
+func (l *Link) dataPort() *dataPort {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.data == nil || l.info == nil || !l.info.DataPort || l.state != Ready {
+		return nil
+	}
+	return l.data
+}
+
+// DataPortInUse reports whether file content goes on the data port: the
+// link has one, the agent has its end open, and the guest has not broken
+// its protocol.
+func (l *Link) DataPortInUse() bool {
+	p := l.dataPort()
+	if p == nil {
+		return false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.off == nil
+}
+
+// connect returns the open connection, dialing if there is none, and
+// whether the direction (out: to the guest) must resync first.
+func (p *dataPort) connect(ctx context.Context, out bool) (net.Conn, *protocol.FrameReader, bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.off != nil {
+		return nil, nil, false, p.off
+	}
+	if p.conn == nil {
+		c, err := p.dial(ctx)
+		if err != nil {
+			return nil, nil, false, fmt.Errorf("data port: %w", err)
+		}
+		p.conn = c
+		fr := protocol.NewFrameReader(c)
+		fr.MaxSkip = 0
+		p.fr = fr
+	}
+	resync := &p.resyncIn
+	if out {
+		resync = &p.resyncOut
+	}
+	r := *resync
+	*resync = false
+	return p.conn, p.fr, r, nil
+}
+
+// drop closes c if it is still the connection; the next transfer dials
+// again.
+func (p *dataPort) drop(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if c != nil && p.conn == c {
+		p.conn.Close()
+		p.conn, p.fr = nil, nil
+		p.resyncOut, p.resyncIn = true, true
+	}
+}
+
+// turnOff stops the port's use for the link's life: the guest broke its
+// protocol.
+func (p *dataPort) turnOff(c net.Conn, err error) {
+	p.mu.Lock()
+	first := p.off == nil
+	if first {
+		p.off = fmt.Errorf("%w: %w", errDataPortOff, err)
+	}
+	if c == nil {
+		c = p.conn
+	}
+	p.mu.Unlock()
+	p.drop(c)
+	if first && !errors.Is(err, net.ErrClosed) {
+		p.link.log.Warn("data port turned off: file content goes in the stream", "subsystem", "agentlink", "err", err)
+	}
+}
+
+func newTransferID() uint64 {
+	var b [8]byte
+	for {
+		rand.Read(b[:])
+		if id := binary.LittleEndian.Uint64(b[:]); id != 0 {
+			return id
+		}
+	}
+}
+
+// Outbound is a transfer of file content to the guest.
+type Outbound struct {
+	ID   uint64
+	p    *dataPort
+	conn net.Conn
+	seq  uint32
+	hdr  []byte
+	err  error // the first failure; the transfer is over
+	done bool
+}
+
+// SendData starts a transfer to the guest on the data port, or returns nil
+// when there is none to use now (no port, turned off, or busy): the caller
+// sends the content in the stream. The caller must End or Abort it.
+func (l *Link) SendData(ctx context.Context) *Outbound {
+	p := l.dataPort()
+	if p == nil {
+		return nil
+	}
+	select {
+	case p.send <- struct{}{}:
+	default:
+		return nil
+	}
+	c, _, resync, err := p.connect(ctx, true)
+	if err != nil {
+		<-p.send
+		return nil
+	}
+	t := &Outbound{ID: newTransferID(), p: p, conn: c, hdr: make([]byte, 0, protocol.FrameHeaderSize)}
+	if resync {
+		// Bytes that hold no magic, a frame's worth and a header more:
+		// whatever frame the guest was inside ends within them.
+		if err := t.write(make([]byte, protocol.MaxDataFrameBytes+protocol.FrameHeaderSize)); err != nil {
+			t.release()
+			return nil
+		}
+	}
+	return t
+}
+
+// Write sends b as the transfer's next frames.
+func (t *Outbound) Write(b []byte) error {
+	for len(b) > 0 || t.err != nil {
+		if t.err != nil {
+			return t.err
+		}
+		n := min(len(b), protocol.MaxDataFrameBytes)
+		t.frame(0, b[:n])
+		b = b[n:]
+	}
+	return nil
+}
+
+// End sends the transfer's last frame and ends it.
+func (t *Outbound) End() error {
+	if !t.done {
+		t.frame(protocol.FrameEnd, nil)
+		t.release()
+	}
+	return t.err
+}
+
+// Abort tells the guest to drop the transfer, and ends it. After End it
+// does nothing.
+func (t *Outbound) Abort() {
+	if !t.done {
+		t.frame(protocol.FrameAbort, nil)
+		t.release()
+	}
+}
+
+func (t *Outbound) frame(flags uint32, b []byte) {
+	if t.err != nil {
+		return
+	}
+	t.hdr = protocol.AppendFrame(t.hdr[:0], protocol.Frame{Flags: flags, ID: t.ID, Seq: t.seq, Length: uint32(len(b))})
+	t.seq++
+	bufs := net.Buffers{t.hdr, b}
+	t.conn.SetWriteDeadline(time.Now().Add(dataStallLimit))
+	if _, err := bufs.WriteTo(t.conn); err != nil {
+		t.err = fmt.Errorf("data port: %w", err)
+		t.p.drop(t.conn)
+	}
+}
+
+func (t *Outbound) write(b []byte) error {
+	t.conn.SetWriteDeadline(time.Now().Add(dataStallLimit))
+	if _, err := t.conn.Write(b); err != nil {
+		t.err = fmt.Errorf("data port: %w", err)
+		t.p.drop(t.conn)
+	}
+	return t.err
+}
+
+func (t *Outbound) release() {
+	if !t.done {
+		t.done = true
+		<-t.p.send
+	}
+}
+
+// Inbound is a transfer of file content from the guest.
+type Inbound struct {
+	ID    uint64
+	p     *dataPort
+	conn  net.Conn
+	fr    *protocol.FrameReader
+	seq   uint32
+	stale int64
+	// resync is how many bytes the first frame may follow: after a
+	// connection dropped mid-frame, what is left of that frame.
+	resync int64
+	buf    []byte
+	end    bool  // the last frame has come
+	err    error // the transfer failed; the connection may be mid-frame
+	done   bool
+}
+
+// ReceiveData starts a transfer from the guest on the data port, or
+// returns nil when there is none to use now: the caller asks for the
+// content in the stream. The caller must Close it.
+func (l *Link) ReceiveData(ctx context.Context) *Inbound {
+	p := l.dataPort()
+	if p == nil {
+		return nil
+	}
+	select {
+	case p.recv <- struct{}{}:
+	default:
+		return nil
+	}
+	c, fr, resync, err := p.connect(ctx, false)
+	if err != nil {
+		<-p.recv
+		return nil
+	}
+	t := &Inbound{ID: newTransferID(), p: p, conn: c, fr: fr}
+	if resync {
+		// The last connection was dropped mid-frame: what is left of
+		// that frame may still come.
+		t.resync = protocol.MaxDataFrameBytes + protocol.FrameHeaderSize
+	}
+	return t
+}
+
+// Next returns the transfer's next payload, valid until the next call, or
+// io.EOF once its last frame has come. ctx ending cuts a wait short. A
+// frame from the guest that breaks the protocol turns the port off.
+func (t *Inbound) Next(ctx context.Context) ([]byte, error) {
+	if t.err != nil {
+		return nil, t.err
+	}
+	if t.end {
+		return nil, io.EOF
+	}
+	stop := context.AfterFunc(ctx, func() { t.conn.SetReadDeadline(time.Unix(1, 0)) })
+	defer stop()
+	for {
+		t.conn.SetReadDeadline(time.Now().Add(dataStallLimit))
+		t.fr.MaxSkip = t.resync
+		f, skipped, err := t.fr.Next()
+		t.resync -= skipped
+		if err != nil {
+			return nil, t.fail(ctx, err)
+		}
+		t.resync = 0
+		if f.ID != t.ID {
+			// Left over from a transfer this side gave up early.
+			if t.seq > 0 || t.stale+int64(f.Length) > maxStaleBytes {
+				return nil, t.violate(fmt.Errorf("a frame of another transfer (%d bytes passed over)", t.stale))
+			}
+			t.stale += int64(f.Length)
+			if err := t.fr.Skip(f); err != nil {
+				return nil, t.fail(ctx, err)
+			}
+			continue
+		}
+		if f.Seq != t.seq {
+			return nil, t.violate(fmt.Errorf("frame %d of the transfer, expected %d", f.Seq, t.seq))
+		}
+		t.seq++
+		if f.Flags&protocol.FrameAbort != 0 {
+			t.end = true
+			return nil, protocol.ErrTransferAborted
+		}
+		if t.buf == nil {
+			t.buf = make([]byte, protocol.MaxDataFrameBytes)
+		}
+		b, err := t.fr.Payload(f, t.buf)
+		if err != nil {
+			return nil, t.fail(ctx, err)
+		}
+		if f.Flags&protocol.FrameEnd != 0 {
+			t.end = true
+			if len(b) == 0 {
+				return nil, io.EOF
+			}
+		}
+		return b, nil
+	}
+}
+
+// fail ends the transfer on a read that failed: ctx ended, the guest
+// stalled, or the connection broke. The connection may be mid-frame.
+func (t *Inbound) fail(ctx context.Context, err error) error {
+	switch {
+	case errors.Is(err, protocol.ErrFrameMagic) || (err != nil && !isIOErr(err)):
+		return t.violate(err)
+	case ctx.Err() != nil:
+		t.err = ctx.Err()
+	default:
+		t.err = fmt.Errorf("data port: %w", err)
+	}
+	return t.err
+}
+
+func isIOErr(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed)
+}
+
+func (t *Inbound) violate(err error) error {
+	t.err = fmt.Errorf("%w: %w", ErrDataProtocol, err)
+	t.p.turnOff(t.conn, err)
+	return t.err
+}
+
+// Close ends the transfer. One begun but not at its last frame is read
+// to it and dropped (the caller cancels the guest's call first, and the
+// guest then ends it between frames); where that fails, the connection is
+// dropped, and the next transfer may pass over what is left of a frame.
+// One with no frame yet is left: the guest refused the call and sent
+// nothing, or what it sent is passed over by the next transfer as stale.
+func (t *Inbound) Close() {
+	if t.done {
+		return
+	}
+	t.done = true
+	for t.err == nil && !t.end && t.seq > 0 {
+		t.conn.SetReadDeadline(time.Now().Add(dataStallLimit))
+		f, _, err := t.fr.Next()
+		switch {
+		case err != nil:
+			t.fail(context.Background(), err)
+		case f.ID != t.ID || f.Seq != t.seq:
+			t.violate(fmt.Errorf("frame %d of transfer %#x, expected %d of %#x", f.Seq, f.ID, t.seq, t.ID))
+		default:
+			t.seq++
+			t.end = f.Flags != 0
+			if err := t.fr.Skip(f); err != nil {
+				t.fail(context.Background(), err)
+			}
+		}
+	}
+	t.conn.SetReadDeadline(time.Time{})
+	if t.err != nil {
+		t.p.drop(t.conn)
+	}
+	<-t.p.recv
+}

@@ -1,0 +1,227 @@
+package agentlink
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/guest-agent/transport"
+)
+
+// dataPair returns a link whose data port is one end of a socket pair,
+// and the guest's DataPort on the other.
+func dataPair(t *testing.T) (*Link, *transport.DataPort) {
+	t.Helper()
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hf := os.NewFile(uintptr(fds[0]), "host")
+	hc, err := net.FileConn(hf)
+	hf.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	guest := transport.NewDataPort(os.NewFile(uintptr(fds[1]), "guest"))
+	t.Cleanup(func() { hc.Close(); guest.Close() })
+	l := New(func(context.Context) (net.Conn, error) { return nil, net.ErrClosed }, nil)
+	l.UseDataPort(func(context.Context) (net.Conn, error) { return hc, nil })
+	l.markReady(&agentv1.HealthResponse{DataPort: true})
+	return l, guest
+}
+
+func TestDataPortBothWays(t *testing.T) {
+	l, guest := dataPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for _, size := range []int{0, 1, 4095, 1 << 20, 1<<20 + 1, 5<<20 + 77} {
+		data := make([]byte, size)
+		rand.Read(data)
+
+		out := l.SendData(ctx)
+		if out == nil {
+			t.Fatal("no data port to send on")
+		}
+		var got bytes.Buffer
+		recvd := make(chan error, 1)
+		go func() {
+			_, err := guest.Receive(ctx, out.ID, &got)
+			recvd <- err
+		}()
+		for b := data; len(b) > 0; {
+			n := min(len(b), 700_000)
+			if err := out.Write(b[:n]); err != nil {
+				t.Fatal(err)
+			}
+			b = b[n:]
+		}
+		if err := out.End(); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-recvd; err != nil {
+			t.Fatalf("%d bytes to the guest: %v", size, err)
+		}
+		if !bytes.Equal(got.Bytes(), data) {
+			t.Fatalf("%d bytes to the guest: got %d different bytes", size, got.Len())
+		}
+
+		in := l.ReceiveData(ctx)
+		if in == nil {
+			t.Fatal("no data port to receive on")
+		}
+		sent := make(chan error, 1)
+		go func() {
+			_, err := guest.Send(ctx, in.ID, bytes.NewReader(data))
+			sent <- err
+		}()
+		var back []byte
+		for {
+			b, err := in.Next(ctx)
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				t.Fatalf("%d bytes from the guest: %v", size, err)
+			}
+			back = append(back, b...)
+		}
+		in.Close()
+		if err := <-sent; err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(back, data) {
+			t.Fatalf("%d bytes from the guest: got %d different bytes", size, len(back))
+		}
+	}
+}
+
+// rawPair is dataPair with the guest's end as a bare connection, to send
+// what a hostile guest would.
+func rawPair(t *testing.T) (*Link, net.Conn) {
+	t.Helper()
+	host, guest := net.Pipe()
+	t.Cleanup(func() { host.Close(); guest.Close() })
+	dials := 0
+	l := New(func(context.Context) (net.Conn, error) { return nil, net.ErrClosed }, nil)
+	l.UseDataPort(func(context.Context) (net.Conn, error) {
+		dials++
+		if dials > 1 {
+			return nil, net.ErrClosed
+		}
+		return host, nil
+	})
+	l.markReady(&agentv1.HealthResponse{DataPort: true})
+	return l, guest
+}
+
+func TestDataPortHostileGuest(t *testing.T) {
+	for name, send := range map[string]func(id uint64) []byte{
+		"bad magic": func(id uint64) []byte { return []byte("not a frame at all, not at all") },
+		"skipped frame": func(id uint64) []byte {
+			return protocol.AppendFrame(nil, protocol.Frame{ID: id, Seq: 1})
+		},
+		"oversized frame": func(id uint64) []byte {
+			b := protocol.AppendFrame(nil, protocol.Frame{ID: id})
+			binary.LittleEndian.PutUint32(b[20:], protocol.MaxDataFrameBytes+1)
+			return b
+		},
+		"another transfer mid-way": func(id uint64) []byte {
+			b := protocol.AppendFrame(nil, protocol.Frame{ID: id, Length: 1})
+			b = append(b, 'x')
+			return protocol.AppendFrame(b, protocol.Frame{ID: id + 1})
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			l, guest := rawPair(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			in := l.ReceiveData(ctx)
+			if in == nil {
+				t.Fatal("no data port")
+			}
+			go guest.Write(send(in.ID))
+			var err error
+			for err == nil {
+				_, err = in.Next(ctx)
+			}
+			in.Close()
+			if !errors.Is(err, ErrDataProtocol) {
+				t.Fatalf("got %v, want the guest's breach", err)
+			}
+			if l.ReceiveData(ctx) != nil || l.SendData(ctx) != nil {
+				t.Fatal("the data port is still used after the guest broke its protocol")
+			}
+		})
+	}
+}
+
+// A guest's abort ends the transfer with ErrTransferAborted and leaves the
+// port in use; frames left over from a transfer given up before are passed
+// over.
+func TestDataPortAbortAndStale(t *testing.T) {
+	l, guest := rawPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	in := l.ReceiveData(ctx)
+	stale := protocol.AppendFrame(nil, protocol.Frame{ID: in.ID ^ 1, Seq: 3, Length: 2})
+	stale = append(stale, "zz"...)
+	go guest.Write(append(stale, protocol.AppendFrame(nil, protocol.Frame{Flags: protocol.FrameAbort, ID: in.ID})...))
+	if _, err := in.Next(ctx); !errors.Is(err, protocol.ErrTransferAborted) {
+		t.Fatalf("got %v, want the abort", err)
+	}
+	in.Close()
+	if in := l.ReceiveData(ctx); in == nil {
+		t.Fatal("an abort turned the data port off")
+	} else {
+		in.Close()
+	}
+}
+
+// The guest's Receive drops the transfer when the host aborts it, and a
+// failed write to its file does not leave the host blocked.
+func TestGuestReceiveAbortAndFailedWrite(t *testing.T) {
+	l, guest := dataPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out := l.SendData(ctx)
+	got := make(chan error, 1)
+	go func() {
+		_, err := guest.Receive(ctx, out.ID, io.Discard)
+		got <- err
+	}()
+	out.Write(make([]byte, 3<<20))
+	out.Abort()
+	if err := <-got; !errors.Is(err, protocol.ErrTransferAborted) {
+		t.Fatalf("got %v, want the abort", err)
+	}
+
+	out = l.SendData(ctx)
+	go func() {
+		_, err := guest.Receive(ctx, out.ID, failingWriter{})
+		got <- err
+	}()
+	if err := out.Write(make([]byte, 5<<20)); err != nil {
+		t.Fatal(err)
+	}
+	if err := out.End(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-got; err == nil || !strings.Contains(err.Error(), "disk full") {
+		t.Fatalf("got %v, want the write's error", err)
+	}
+}
+
+type failingWriter struct{}
+
+func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("disk full") }
