@@ -7,4 +7,8 @@
 // of one answer (a unary call's message and its trailers) leave together.
 // The caller's write deadlines bound only its wait for the
 // queue; a write to the port fails when the port takes nothing for 10 s.
+//
+// DataPort is the guest's end of the data port, a second virtio-serial
+// port for file content in frames (protocol/bulk.go), read into one
+// buffer and written to the file, or the reverse, with no HTTP/2 between.
 package transport

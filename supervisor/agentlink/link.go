@@ -6,6 +6,11 @@
 // untrusted: messages are size-capped (protocol.MaxMessageBytes), every call
 // carries a deadline, and a guest that breaks the protocol gets its
 // connection closed and is marked unhealthy, which is logged once.
+//
+// On a virtio-serial VM the link also has the data port (UseDataPort):
+// file content crosses it in frames as Outbound and Inbound transfers,
+// held to the same rules, and a guest that breaks them has the port
+// turned off, its content going in the stream from then on.
 package agentlink
 
 import (
