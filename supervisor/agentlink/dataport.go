@@ -46,7 +46,10 @@ func (l *Link) UseDataPort(dial func(ctx context.Context) (net.Conn, error)) {
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.data = &dataPort{dial: dial, link: l, send: make(chan struct{}, 1), recv: make(chan struct{}, 1)}
+	// An agent found running (carreld restarted) may have been inside a
+	// frame of the last carreld's: the first transfers resync.
+	l.data = &dataPort{dial: dial, link: l, send: make(chan struct{}, 1), recv: make(chan struct{}, 1),
+		resyncOut: true, resyncIn: true}
 }
 
 // dataPort is carreld's end of the data port.
@@ -167,6 +170,8 @@ type Outbound struct {
 	hdr  []byte
 	err  error // the first failure; the transfer is over
 	done bool
+	// resync: the connection is new after one was dropped (dataPort).
+	resync bool
 }
 
 // SendData starts a transfer to the guest on the data port, or returns nil
@@ -187,16 +192,7 @@ func (l *Link) SendData(ctx context.Context) *Outbound {
 		<-p.send
 		return nil
 	}
-	t := &Outbound{ID: newTransferID(), p: p, conn: c, hdr: make([]byte, 0, protocol.FrameHeaderSize)}
-	if resync {
-		// Bytes that hold no magic, a frame's worth and a header more:
-		// whatever frame the guest was inside ends within them.
-		if err := t.write(make([]byte, protocol.MaxDataFrameBytes+protocol.FrameHeaderSize)); err != nil {
-			t.release()
-			return nil
-		}
-	}
-	return t
+	return &Outbound{ID: newTransferID(), p: p, conn: c, hdr: make([]byte, 0, protocol.FrameHeaderSize), resync: resync}
 }
 
 // Write sends b as the transfer's next frames.
@@ -231,6 +227,13 @@ func (t *Outbound) Abort() {
 }
 
 func (t *Outbound) frame(flags uint32, b []byte) {
+	if t.resync {
+		// Bytes that hold no magic, a frame's worth and a header more:
+		// whatever frame the guest was inside ends within them. They go
+		// with the first frame, once the guest has the call and reads.
+		t.resync = false
+		t.write(make([]byte, protocol.MaxDataFrameBytes+protocol.FrameHeaderSize))
+	}
 	if t.err != nil {
 		return
 	}

@@ -122,6 +122,10 @@ func rawPair(t *testing.T) (*Link, net.Conn) {
 		return host, nil
 	})
 	l.markReady(&agentv1.HealthResponse{DataPort: true})
+	// Not the first connection of a carreld that found the agent
+	// running: what the guest sends is held to the frames from its first
+	// byte.
+	l.data.resyncIn = false
 	return l, guest
 }
 
@@ -225,3 +229,61 @@ func TestGuestReceiveAbortAndFailedWrite(t *testing.T) {
 type failingWriter struct{}
 
 func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("disk full") }
+
+// A carreld that finds the agent running (it restarted mid-transfer) may
+// meet what is left of the last one's frames either way: its first
+// transfers pass over them.
+func TestDataPortResyncAfterRestart(t *testing.T) {
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hf := os.NewFile(uintptr(fds[0]), "host")
+	hc, _ := net.FileConn(hf)
+	hf.Close()
+	gf := os.NewFile(uintptr(fds[1]), "guest")
+	defer hc.Close()
+	defer gf.Close()
+	// What the last carreld and the guest were in the middle of: the
+	// guest had read a frame's header and part of its payload; the last
+	// carreld had read the header and part of the payload of the guest's.
+	cut := protocol.AppendFrame(nil, protocol.Frame{ID: 5, Length: 1000})
+	hc.Write(append(cut, make([]byte, 300)...))
+	gf.Write(bytes.Repeat([]byte("tail of a payload "), 20))
+
+	guest := transport.NewDataPort(gf)
+	l := New(func(context.Context) (net.Conn, error) { return nil, net.ErrClosed }, nil)
+	l.UseDataPort(func(context.Context) (net.Conn, error) { return hc, nil })
+	l.markReady(&agentv1.HealthResponse{DataPort: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	data := []byte("after the restart")
+	out := l.SendData(ctx)
+	var got bytes.Buffer
+	recvd := make(chan error, 1)
+	go func() {
+		_, err := guest.Receive(ctx, out.ID, &got)
+		recvd <- err
+	}()
+	if err := out.Write(data); err != nil {
+		t.Fatal(err)
+	}
+	if err := out.End(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-recvd; err != nil || got.String() != string(data) {
+		t.Fatalf("to the guest: %q, %v", got.String(), err)
+	}
+
+	in := l.ReceiveData(ctx)
+	go guest.Send(ctx, in.ID, bytes.NewReader(data))
+	b, err := in.Next(ctx)
+	if err != nil || string(b) != string(data) {
+		t.Fatalf("from the guest: %q, %v", b, err)
+	}
+	if _, err := in.Next(ctx); err != io.EOF {
+		t.Fatalf("after the last frame: %v", err)
+	}
+	in.Close()
+}
