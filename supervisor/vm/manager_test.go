@@ -247,20 +247,19 @@ func TestVMThatExitsOnItsOwnIsMarkedStopped(t *testing.T) {
 	e.drv.VM(rec.Instance.PID).Exit()
 	deadline := time.Now().Add(5 * time.Second)
 	for {
+		// The record is changed in memory, then written: wait for both.
 		st, _ := e.m.Get("demo")
-		if st.State == registry.StateStopped {
-			if st.LastError == "" {
+		r, _ := e.reg.Get("demo")
+		if st.State == registry.StateStopped && r != nil && r.State == registry.StateStopped {
+			if st.LastError == "" || r.LastError == "" {
 				t.Error("no last error recorded")
 			}
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("state = %s", st.State)
+			t.Fatalf("state = %s, persisted %+v", st.State, r)
 		}
 		time.Sleep(10 * time.Millisecond)
-	}
-	if r, _ := e.reg.Get("demo"); r.State != registry.StateStopped {
-		t.Errorf("persisted state %s", r.State)
 	}
 }
 
