@@ -222,9 +222,12 @@ func readBulk(ctx context.Context, c agentv1connect.FileServiceClient, done func
 			err = pass(b)
 		}
 		if err != nil {
+			// Whether the call ended first, cancelling the wait: looked at
+			// before our own cancel, which would make it always so.
+			rpcEnded := cctx.Err() != nil
 			cancel()
 			rerr := <-rpc
-			if rerr != nil && (errors.Is(err, protocol.ErrTransferAborted) || cctx.Err() != nil) && ctx.Err() == nil {
+			if rerr != nil && (errors.Is(err, protocol.ErrTransferAborted) || rpcEnded) && ctx.Err() == nil {
 				// The guest's call says why it gave up.
 				return relayErr(ctx, done, rerr)
 			}
