@@ -31,6 +31,10 @@ const (
 	maxStaleBytes = 64 << 20
 )
 
+// closeDrainLimit bounds, in all, Close's reading of what is left of a
+// transfer: a guest that never ends it cannot hold the port.
+var closeDrainLimit = dataStallLimit
+
 // errDataPortOff is returned for a data port turned off.
 var errDataPortOff = errors.New("data port off")
 
@@ -130,6 +134,16 @@ func (p *dataPort) drop(c net.Conn) {
 		p.conn.Close()
 		p.conn, p.fr = nil, nil
 		p.resyncOut, p.resyncIn = true, true
+	}
+}
+
+// keepResyncIn hands a resync the transfer did not use on to the next
+// one on c.
+func (p *dataPort) keepResyncIn(c net.Conn) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.conn == c {
+		p.resyncIn = true
 	}
 }
 
@@ -321,6 +335,13 @@ func (t *Inbound) Next(ctx context.Context) ([]byte, error) {
 	defer stop()
 	for {
 		t.conn.SetReadDeadline(time.Now().Add(dataStallLimit))
+		// Looked at after the deadline is set, which would otherwise
+		// undo the AfterFunc's: a guest that keeps sending stale frames
+		// never leaves a read waiting for it.
+		if err := ctx.Err(); err != nil {
+			t.err = err
+			return nil, err
+		}
 		t.fr.MaxSkip = t.resync
 		f, skipped, err := t.fr.Next()
 		t.resync -= skipped
@@ -330,10 +351,12 @@ func (t *Inbound) Next(ctx context.Context) ([]byte, error) {
 		t.resync = 0
 		if f.ID != t.ID {
 			// Left over from a transfer this side gave up early.
-			if t.seq > 0 || t.stale+int64(f.Length) > maxStaleBytes {
+			// Headers count too: empty frames are not free.
+			cost := protocol.FrameHeaderSize + int64(f.Length)
+			if t.seq > 0 || t.stale+cost > maxStaleBytes {
 				return nil, t.violate(fmt.Errorf("a frame of another transfer (%d bytes passed over)", t.stale))
 			}
-			t.stale += int64(f.Length)
+			t.stale += cost
 			if err := t.fr.Skip(f); err != nil {
 				return nil, t.fail(ctx, err)
 			}
@@ -400,8 +423,10 @@ func (t *Inbound) Close() {
 		return
 	}
 	t.done = true
+	// One deadline for the whole drain: a guest sending frame after frame
+	// would renew one per frame forever.
+	t.conn.SetReadDeadline(time.Now().Add(closeDrainLimit))
 	for t.err == nil && !t.end && t.seq > 0 {
-		t.conn.SetReadDeadline(time.Now().Add(dataStallLimit))
 		f, _, err := t.fr.Next()
 		switch {
 		case err != nil:
@@ -419,6 +444,10 @@ func (t *Inbound) Close() {
 	t.conn.SetReadDeadline(time.Time{})
 	if t.err != nil {
 		t.p.drop(t.conn)
+	} else if t.seq == 0 && t.resync > 0 {
+		// Nothing was read: what is left of the dropped frame is the
+		// next transfer's to pass over.
+		t.p.keepResyncIn(t.conn)
 	}
 	<-t.p.recv
 }
