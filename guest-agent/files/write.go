@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"math/rand/v2"
 	"os"
@@ -14,7 +13,6 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
-	"time"
 
 	"connectrpc.com/connect"
 
@@ -46,21 +44,6 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 	hdr := stream.Msg().GetHeader()
 	if hdr == nil {
 		return nil, invalid("write: first message is not a header")
-	}
-	received := false
-	if id := hdr.GetBulkId(); id != 0 && s.opts.Data != nil {
-		defer func() {
-			if !received {
-				// Refused before its content was read: read it and drop
-				// it, so the host is not left blocked sending it. The
-				// host aborts the transfer once it has the refusal.
-				go func() {
-					ctx, cancel := context.WithTimeout(context.Background(), drainTimeout)
-					defer cancel()
-					s.opts.Data.Receive(ctx, id, io.Discard)
-				}()
-			}
-		}()
 	}
 	pl, err := s.resolve("write", hdr.GetPath(), writeAccess)
 	if err != nil {
@@ -125,7 +108,6 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 		if s.opts.Data == nil {
 			return nil, connect.NewError(connect.CodeFailedPrecondition, fmt.Errorf("write %s: the content was sent on a data port, and this agent has none", p))
 		}
-		received = true
 		if size, err = s.opts.Data.Receive(ctx, id, f); err != nil {
 			if errors.Is(err, protocol.ErrTransferAborted) {
 				return nil, connect.NewError(connect.CodeAborted, fmt.Errorf("write %s: the host gave the write up; nothing was written", p))
@@ -179,9 +161,6 @@ func (s *Service) Write(ctx context.Context, stream *connect.ClientStream[agentv
 	// forge, and hashing here costs more than the write under TCG.
 	return connect.NewResponse(&agentv1.WriteResponse{Size: size}), nil
 }
-
-// drainTimeout bounds the reading of a refused write's content.
-const drainTimeout = time.Minute
 
 // keepOwner gives f the owner and group in st where they differ.
 func keepOwner(f *os.File, st *syscall.Stat_t) error {

@@ -26,9 +26,12 @@ const dataStallLimit = 10 * time.Second
 type DataPort struct {
 	f *os.File
 
-	rmu  sync.Mutex // one receiver
+	rsem chan struct{} // held by the one receiver
 	fr   *protocol.FrameReader
 	rbuf []byte
+	// pending is a frame header read, its payload not, that belongs to
+	// the next receiver.
+	pending *protocol.Frame
 
 	wmu  sync.Mutex // one sender
 	wbuf []byte     // a frame header and its payload
@@ -50,7 +53,7 @@ func OpenDataPort(name string) (*DataPort, error) {
 // NewDataPort returns the data port on f, an open port (or, in tests, a
 // pipe's end).
 func NewDataPort(f *os.File) *DataPort {
-	return &DataPort{f: f, fr: protocol.NewFrameReader(f)}
+	return &DataPort{f: f, fr: protocol.NewFrameReader(f), rsem: make(chan struct{}, 1)}
 }
 
 // Receive writes the content of transfer id to w, in order, and returns
@@ -59,15 +62,25 @@ func NewDataPort(f *os.File) *DataPort {
 // transfer is read and dropped, so the host is not left blocked, and the
 // write's error returned. The host's abort returns protocol.ErrTransferAborted.
 func (p *DataPort) Receive(ctx context.Context, id uint64, w io.Writer) (n int64, err error) {
-	p.rmu.Lock()
-	defer p.rmu.Unlock()
+	select {
+	case p.rsem <- struct{}{}:
+	case <-ctx.Done():
+		return 0, ctx.Err()
+	}
+	defer func() { <-p.rsem }()
 	defer interrupt(ctx, p.f.SetReadDeadline)()
 	if p.rbuf == nil {
 		p.rbuf = make([]byte, protocol.MaxDataFrameBytes)
 	}
 	var werr error
 	for seq := uint32(0); ; {
-		f, _, err := p.fr.Next()
+		var f protocol.Frame
+		var err error
+		if p.pending != nil {
+			f, p.pending = *p.pending, nil
+		} else {
+			f, _, err = p.fr.Next()
+		}
 		if err == io.EOF {
 			// A port reads EOF while no host is connected, and the host's
 			// connection reaches the guest after the call that names the
@@ -81,6 +94,14 @@ func (p *DataPort) Receive(ctx context.Context, id uint64, w io.Writer) (n int64
 			return n, receiveErr(ctx, err)
 		}
 		if f.ID != id {
+			if seq > 0 && f.Seq == 0 {
+				// The host sends one transfer at a time: after frames of
+				// this one, the first frame of another means this one
+				// ended without its last frame reaching here (a dropped
+				// connection). The other's receiver takes it from here.
+				p.pending = &f
+				return n, errors.New("data port: the transfer ended before its last frame")
+			}
 			if err := p.fr.Skip(f); err != nil {
 				return n, receiveErr(ctx, err)
 			}

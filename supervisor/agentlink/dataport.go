@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
@@ -186,6 +187,19 @@ type Outbound struct {
 	done bool
 	// resync: the connection is new after one was dropped (dataPort).
 	resync bool
+	// interrupted is set by Interrupt, from another goroutine.
+	interrupted atomic.Bool
+}
+
+// ErrInterrupted is a transfer's error after Interrupt.
+var ErrInterrupted = errors.New("data port: the transfer was interrupted")
+
+// Interrupt stops the transfer from another goroutine: a frame write under
+// way fails at once (the connection is dropped, as the guest may be inside
+// the frame), and so do later ones. The caller still Ends or Aborts it.
+func (t *Outbound) Interrupt() {
+	t.interrupted.Store(true)
+	t.conn.SetWriteDeadline(time.Unix(1, 0))
 }
 
 // SendData starts a transfer to the guest on the data port, or returns nil
@@ -254,20 +268,29 @@ func (t *Outbound) frame(flags uint32, b []byte) {
 	t.hdr = protocol.AppendFrame(t.hdr[:0], protocol.Frame{Flags: flags, ID: t.ID, Seq: t.seq, Length: uint32(len(b))})
 	t.seq++
 	bufs := net.Buffers{t.hdr, b}
-	t.conn.SetWriteDeadline(time.Now().Add(dataStallLimit))
-	if _, err := bufs.WriteTo(t.conn); err != nil {
-		t.err = fmt.Errorf("data port: %w", err)
-		t.p.drop(t.conn)
-	}
+	t.send(func() error { _, err := bufs.WriteTo(t.conn); return err })
 }
 
 func (t *Outbound) write(b []byte) error {
+	t.send(func() error { _, err := t.conn.Write(b); return err })
+	return t.err
+}
+
+// send runs one write under the stall limit. The deadline is set before
+// the interruption is looked at, so an Interrupt meanwhile cuts it short.
+func (t *Outbound) send(write func() error) {
 	t.conn.SetWriteDeadline(time.Now().Add(dataStallLimit))
-	if _, err := t.conn.Write(b); err != nil {
+	err := ErrInterrupted
+	if !t.interrupted.Load() {
+		err = write()
+	}
+	if err != nil {
+		if t.interrupted.Load() {
+			err = ErrInterrupted
+		}
 		t.err = fmt.Errorf("data port: %w", err)
 		t.p.drop(t.conn)
 	}
-	return t.err
 }
 
 func (t *Outbound) release() {

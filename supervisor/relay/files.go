@@ -367,6 +367,11 @@ func writeBulk(ctx context.Context, s *connect.ClientStreamForClient[agentv1.Wri
 	}
 	go func() {
 		resp, err := s.CloseAndReceive()
+		if err != nil {
+			// Refused, or failed, before the content was all sent: a
+			// frame stuck going to a guest that no longer reads stops.
+			t.Interrupt()
+		}
 		replied <- reply{resp, err}
 	}()
 	var sent int64
@@ -387,6 +392,10 @@ func writeBulk(ctx context.Context, s *connect.ClientStreamForClient[agentv1.Wri
 			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: a second header"))
 		case *agentv1.WriteRequest_Data:
 			if err := t.Write(m.Data); err != nil {
+				if errors.Is(err, agentlink.ErrInterrupted) {
+					// Only the guest's refusal interrupts: its reason.
+					return nil, relayErr(ctx, done, (<-replied).err)
+				}
 				return nil, dataErr(err)
 			}
 			sent += int64(len(m.Data))
