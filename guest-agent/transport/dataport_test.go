@@ -24,17 +24,24 @@ func frames(fs ...any) []byte {
 	return b
 }
 
-// A transfer whose last frame never came (the host's connection dropped)
-// ends at the next transfer's first frame, which its own receiver gets.
-func TestReceiveLeavesTheNextTransfer(t *testing.T) {
+// portPair returns the host's end of a socket pair and a DataPort on the
+// other.
+func portPair(t *testing.T) (*os.File, *DataPort) {
+	t.Helper()
 	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	host := os.NewFile(uintptr(fds[0]), "host")
-	defer host.Close()
 	p := NewDataPort(os.NewFile(uintptr(fds[1]), "guest"))
-	defer p.Close()
+	t.Cleanup(func() { host.Close(); p.Close() })
+	return host, p
+}
+
+// A transfer whose last frame never came (the host's connection dropped)
+// ends at the next transfer's first frame, which its own receiver gets.
+func TestReceiveLeavesTheNextTransfer(t *testing.T) {
+	host, p := portPair(t)
 	host.Write(frames(
 		protocol.Frame{ID: 1, Seq: 0}, "first half",
 		protocol.Frame{ID: 2, Seq: 0}, "second ",
@@ -53,14 +60,7 @@ func TestReceiveLeavesTheNextTransfer(t *testing.T) {
 
 // A receiver waiting for the port gives up when its call ends.
 func TestReceiveWaitHonoursContext(t *testing.T) {
-	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	host := os.NewFile(uintptr(fds[0]), "host")
-	defer host.Close()
-	p := NewDataPort(os.NewFile(uintptr(fds[1]), "guest"))
-	defer p.Close()
+	_, p := portPair(t)
 	long, stopLong := context.WithCancel(context.Background())
 	defer stopLong()
 	go p.Receive(long, 1, &bytes.Buffer{}) // holds the port, waiting
