@@ -176,35 +176,19 @@ func newTransferID() uint64 {
 	}
 }
 
-// Outbound is a transfer of file content to the guest. Its frames are
-// written by a goroutine of its own, up to outQueue frames behind the
-// caller, so that the port always has the next frame while the caller
-// receives, hashes and records the one after.
+// Outbound is a transfer of file content to the guest.
 type Outbound struct {
-	ID     uint64
-	p      *dataPort
-	conn   net.Conn
-	seq    uint32
-	resync bool // the connection is new after one was dropped (dataPort)
-	done   bool
-
-	q       chan outFrame // to the writer
-	written chan struct{} // closed when the writer has ended
+	ID   uint64
+	p    *dataPort
+	conn net.Conn
+	seq  uint32
+	hdr  []byte
+	err  error // the first failure; the transfer is over
+	done bool
+	// resync: the connection is new after one was dropped (dataPort).
+	resync bool
 	// interrupted is set by Interrupt, from another goroutine.
 	interrupted atomic.Bool
-
-	mu    sync.Mutex
-	err   error // the writer's first failure; the transfer is over
-	ended bool  // every frame written or dropped; the port is released
-}
-
-// outQueue is how many frames an Outbound holds for its writer: enough to
-// cover the caller's work on one message.
-const outQueue = 4
-
-type outFrame struct {
-	f protocol.Frame
-	b []byte
 }
 
 // ErrInterrupted is a transfer's error after Interrupt.
@@ -214,11 +198,6 @@ var ErrInterrupted = errors.New("data port: the transfer was interrupted")
 // way fails at once (the connection is dropped, as the guest may be inside
 // the frame), and so do later ones. The caller still Ends or Aborts it.
 func (t *Outbound) Interrupt() {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.ended {
-		return // the connection may be the next transfer's now
-	}
 	t.interrupted.Store(true)
 	t.conn.SetWriteDeadline(time.Unix(1, 0))
 }
@@ -241,107 +220,84 @@ func (l *Link) SendData(ctx context.Context) *Outbound {
 		<-p.send
 		return nil
 	}
-	t := &Outbound{ID: newTransferID(), p: p, conn: c, resync: resync,
-		q: make(chan outFrame, outQueue), written: make(chan struct{})}
-	go t.writer()
-	return t
+	return &Outbound{ID: newTransferID(), p: p, conn: c, hdr: make([]byte, 0, protocol.FrameHeaderSize), resync: resync}
 }
 
-// Write queues b as the transfer's next frames. b must not change until
-// End or Abort has returned. A failure of an earlier frame is returned.
+// Write sends b as the transfer's next frames.
 func (t *Outbound) Write(b []byte) error {
-	for len(b) > 0 {
-		if err := t.failed(); err != nil {
-			return err
+	for len(b) > 0 || t.err != nil {
+		if t.err != nil {
+			return t.err
 		}
 		n := min(len(b), protocol.MaxDataFrameBytes)
 		t.frame(0, b[:n])
 		b = b[n:]
 	}
-	return t.failed()
+	return nil
 }
 
-// End sends the transfer's last frame, waits for every frame to be
-// written, and ends it.
+// End sends the transfer's last frame and ends it.
 func (t *Outbound) End() error {
-	t.finish(protocol.FrameEnd)
-	return t.failed()
+	if !t.done {
+		t.frame(protocol.FrameEnd, nil)
+		t.release()
+	}
+	return t.err
 }
 
 // Abort tells the guest to drop the transfer, and ends it. After End it
 // does nothing.
-func (t *Outbound) Abort() { t.finish(protocol.FrameAbort) }
-
-func (t *Outbound) finish(flags uint32) {
-	if t.done {
-		return
+func (t *Outbound) Abort() {
+	if !t.done {
+		t.frame(protocol.FrameAbort, nil)
+		t.release()
 	}
-	t.done = true
-	t.frame(flags, nil)
-	close(t.q)
-	<-t.written
-	t.mu.Lock()
-	t.ended = true
-	t.mu.Unlock()
-	<-t.p.send
 }
 
 func (t *Outbound) frame(flags uint32, b []byte) {
-	t.q <- outFrame{protocol.Frame{Flags: flags, ID: t.ID, Seq: t.seq, Length: uint32(len(b))}, b}
-	t.seq++
-}
-
-func (t *Outbound) failed() error {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return t.err
-}
-
-// writer writes the queued frames in order. After a failure it drops the
-// rest: the connection is gone.
-func (t *Outbound) writer() {
-	defer close(t.written)
-	hdr := make([]byte, 0, protocol.FrameHeaderSize)
-	for f := range t.q {
-		if t.failed() != nil {
-			continue
-		}
-		if t.resync {
-			// Bytes that hold no magic, a frame's worth and a header
-			// more: whatever frame the guest was inside ends within
-			// them. They go with the first frame, once the guest has the
-			// call and reads.
-			t.resync = false
-			pad := make([]byte, protocol.MaxDataFrameBytes+protocol.FrameHeaderSize)
-			if t.send(func() error { _, err := t.conn.Write(pad); return err }) != nil {
-				continue
-			}
-		}
-		hdr = protocol.AppendFrame(hdr[:0], f.f)
-		bufs := net.Buffers{hdr, f.b}
-		t.send(func() error { _, err := bufs.WriteTo(t.conn); return err })
+	if t.resync {
+		// Bytes that hold no magic, a frame's worth and a header more:
+		// whatever frame the guest was inside ends within them. They go
+		// with the first frame, once the guest has the call and reads.
+		t.resync = false
+		t.write(make([]byte, protocol.MaxDataFrameBytes+protocol.FrameHeaderSize))
 	}
+	if t.err != nil {
+		return
+	}
+	t.hdr = protocol.AppendFrame(t.hdr[:0], protocol.Frame{Flags: flags, ID: t.ID, Seq: t.seq, Length: uint32(len(b))})
+	t.seq++
+	bufs := net.Buffers{t.hdr, b}
+	t.send(func() error { _, err := bufs.WriteTo(t.conn); return err })
+}
+
+func (t *Outbound) write(b []byte) error {
+	t.send(func() error { _, err := t.conn.Write(b); return err })
+	return t.err
 }
 
 // send runs one write under the stall limit. The deadline is set before
 // the interruption is looked at, so an Interrupt meanwhile cuts it short.
-func (t *Outbound) send(write func() error) error {
+func (t *Outbound) send(write func() error) {
 	t.conn.SetWriteDeadline(time.Now().Add(dataStallLimit))
 	err := ErrInterrupted
 	if !t.interrupted.Load() {
 		err = write()
 	}
-	if err == nil {
-		return nil
+	if err != nil {
+		if t.interrupted.Load() {
+			err = ErrInterrupted
+		}
+		t.err = fmt.Errorf("data port: %w", err)
+		t.p.drop(t.conn)
 	}
-	if t.interrupted.Load() {
-		err = ErrInterrupted
+}
+
+func (t *Outbound) release() {
+	if !t.done {
+		t.done = true
+		<-t.p.send
 	}
-	t.mu.Lock()
-	t.err = fmt.Errorf("data port: %w", err)
-	t.mu.Unlock()
-	t.p.drop(t.conn)
-	return err
 }
 
 // Inbound is a transfer of file content from the guest.
