@@ -189,6 +189,8 @@ type Outbound struct {
 	resync bool
 	// interrupted is set by Interrupt, from another goroutine.
 	interrupted atomic.Bool
+	mu          sync.Mutex
+	ended       bool // the port is released: Interrupt does nothing
 }
 
 // ErrInterrupted is a transfer's error after Interrupt.
@@ -198,6 +200,11 @@ var ErrInterrupted = errors.New("data port: the transfer was interrupted")
 // way fails at once (the connection is dropped, as the guest may be inside
 // the frame), and so do later ones. The caller still Ends or Aborts it.
 func (t *Outbound) Interrupt() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.ended {
+		return // the connection may be the next transfer's now
+	}
 	t.interrupted.Store(true)
 	t.conn.SetWriteDeadline(time.Unix(1, 0))
 }
@@ -296,6 +303,9 @@ func (t *Outbound) send(write func() error) {
 func (t *Outbound) release() {
 	if !t.done {
 		t.done = true
+		t.mu.Lock()
+		t.ended = true
+		t.mu.Unlock()
 		<-t.p.send
 	}
 }
