@@ -24,8 +24,8 @@ import (
 //	length uint32  payload bytes, at most MaxDataFrameBytes
 //
 // A transfer is its frames up to one with FrameEnd (all of the content
-// sent) or FrameAbort (the sender gave up; the receiver drops what it
-// has). Only one transfer is under way on a port in each direction at a
+// sent; it may carry the last of it) or FrameAbort (the sender gave up;
+// the receiver drops what it has; it carries nothing). Only one transfer is under way on a port in each direction at a
 // time. Frames of another id are left over from a transfer that ended
 // early; the receiver skips them. After a reconnect a reader may land in
 // the middle of a frame: it scans for the magic, and the id and sequence
@@ -86,6 +86,8 @@ func ParseFrame(b []byte) (Frame, error) {
 	switch {
 	case f.Flags&^frameFlags != 0 || f.Flags == frameFlags:
 		return Frame{}, fmt.Errorf("data port: frame flags %#x", f.Flags)
+	case f.Flags&FrameAbort != 0 && f.Length != 0:
+		return Frame{}, errors.New("data port: an aborting frame with a payload")
 	case f.ID == 0:
 		return Frame{}, errors.New("data port: frame of transfer 0")
 	case f.Length > MaxDataFrameBytes:

@@ -26,10 +26,11 @@ func TestFrameRoundTrip(t *testing.T) {
 
 func TestParseFrameRefuses(t *testing.T) {
 	for name, f := range map[string]Frame{
-		"id 0":          {Length: 1},
-		"too long":      {ID: 1, Length: MaxDataFrameBytes + 1},
-		"unknown flag":  {ID: 1, Flags: 1 << 5},
-		"end and abort": {ID: 1, Flags: FrameEnd | FrameAbort},
+		"id 0":                 {Length: 1},
+		"too long":             {ID: 1, Length: MaxDataFrameBytes + 1},
+		"unknown flag":         {ID: 1, Flags: 1 << 5},
+		"end and abort":        {ID: 1, Flags: FrameEnd | FrameAbort},
+		"abort with a payload": {ID: 1, Flags: FrameAbort, Length: 1},
 	} {
 		if _, err := ParseFrame(AppendFrame(nil, f)); err == nil {
 			t.Errorf("%s: accepted", name)
@@ -115,7 +116,7 @@ func FuzzFrameReader(f *testing.F) {
 			if err != nil {
 				return
 			}
-			if f.Length > MaxDataFrameBytes || f.ID == 0 || f.Flags == FrameEnd|FrameAbort || f.Flags&^frameFlags != 0 {
+			if f.Length > MaxDataFrameBytes || f.ID == 0 || f.Flags == FrameEnd|FrameAbort || f.Flags&^frameFlags != 0 || (f.Flags == FrameAbort && f.Length != 0) {
 				t.Fatalf("accepted %+v", f)
 			}
 			total += skipped + FrameHeaderSize
