@@ -8,6 +8,11 @@
 // multiplexing and flow control over one byte stream, which is all a
 // virtio-serial port offers; vsock gets the same framing so that there is one
 // protocol to test and fuzz.
+//
+// On a virtio-serial VM, file content crosses a second port beside the
+// stream, the data port, in the frames of bulk.go: each read of a port
+// returns one 4 KiB buffer, and content there costs the guest no HTTP/2 or
+// protobuf work. The RPC that moves it names the transfer.
 package protocol
 
 import (

@@ -19,9 +19,9 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/transport"
 )
 
-// dataPair returns a link whose data port is one end of a socket pair,
-// and the guest's DataPort on the other.
-func dataPair(t *testing.T) (*Link, *transport.DataPort) {
+// socketPair returns the host's end of a socket pair as a connection and
+// the guest's as a file, both closed when t ends.
+func socketPair(t *testing.T) (net.Conn, *os.File) {
 	t.Helper()
 	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0)
 	if err != nil {
@@ -33,8 +33,17 @@ func dataPair(t *testing.T) (*Link, *transport.DataPort) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	guest := transport.NewDataPort(os.NewFile(uintptr(fds[1]), "guest"))
-	t.Cleanup(func() { hc.Close(); guest.Close() })
+	gf := os.NewFile(uintptr(fds[1]), "guest")
+	t.Cleanup(func() { hc.Close(); gf.Close() })
+	return hc, gf
+}
+
+// dataPair returns a link whose data port is one end of a socket pair,
+// and the guest's DataPort on the other.
+func dataPair(t *testing.T) (*Link, *transport.DataPort) {
+	t.Helper()
+	hc, gf := socketPair(t)
+	guest := transport.NewDataPort(gf)
 	l := New(func(context.Context) (net.Conn, error) { return nil, net.ErrClosed }, nil)
 	l.UseDataPort(func(context.Context) (net.Conn, error) { return hc, nil })
 	l.markReady(&agentv1.HealthResponse{DataPort: true})
@@ -234,16 +243,7 @@ func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("disk ful
 // meet what is left of the last one's frames either way: its first
 // transfers pass over them.
 func TestDataPortResyncAfterRestart(t *testing.T) {
-	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK|syscall.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hf := os.NewFile(uintptr(fds[0]), "host")
-	hc, _ := net.FileConn(hf)
-	hf.Close()
-	gf := os.NewFile(uintptr(fds[1]), "guest")
-	defer hc.Close()
-	defer gf.Close()
+	hc, gf := socketPair(t)
 	// What the last carreld and the guest were in the middle of: the
 	// guest had read a frame's header and part of its payload; the last
 	// carreld had read the header and part of the payload of the guest's.

@@ -66,19 +66,27 @@ func bulkLink(t *testing.T) (*agentlink.Link, net.Conn) {
 	return link, guest
 }
 
+// inbound starts a transfer from the guest on link's data port, under a
+// context that ends with t, and closes it when t ends.
+func inbound(t *testing.T, link *agentlink.Link) (context.Context, *agentlink.Inbound) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	in := link.ReceiveData(ctx)
+	if in == nil {
+		cancel()
+		t.Fatal("no data port")
+	}
+	t.Cleanup(func() { in.Close(); cancel() })
+	return ctx, in
+}
+
 // A read whose guest sends more on the data port than was asked for is
 // refused as the guest's breach (DataLoss), not reported as the link
 // breaking, and the link to the agent stays healthy: readBulk must not
 // swap the real error for the cancelled call's.
 func TestReadBulkKeepsTheRealError(t *testing.T) {
 	link, guest := bulkLink(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	in := link.ReceiveData(ctx)
-	if in == nil {
-		t.Fatal("no data port")
-	}
-	defer in.Close()
+	ctx, in := inbound(t, link)
 	go func() {
 		b := protocol.AppendFrame(nil, protocol.Frame{Flags: protocol.FrameEnd, ID: in.ID, Length: 10})
 		guest.Write(append(b, "0123456789"...))
@@ -106,13 +114,7 @@ func TestReadBulkKeepsTheRealError(t *testing.T) {
 // guest's own error.
 func TestReadBulkGuestRefusal(t *testing.T) {
 	link, _ := bulkLink(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	in := link.ReceiveData(ctx)
-	if in == nil {
-		t.Fatal("no data port")
-	}
-	defer in.Close()
+	ctx, in := inbound(t, link)
 	c, done := link.Files()
 	err := readBulk(ctx, c, done, &agentv1.ReadRequest{Path: "/missing", BulkId: in.ID}, in, func([]byte) error { return nil })
 	if connect.CodeOf(err) != connect.CodeNotFound {
