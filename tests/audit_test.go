@@ -91,9 +91,16 @@ func TestAuditDiskFull(t *testing.T) {
 	// few calls one needs a page the disk does not have.
 	var r harness.Result
 	for i := 0; i < 50; i++ {
-		if r = d.Carrel("exec", "full", "--", "true"); r.Code != 0 {
-			break
+		if r = d.Carrel("exec", "full", "--", "true"); r.Code == 0 {
+			continue
 		}
+		// The periodic checkpoint can meet the full disk first, while a
+		// call is already in the guest: the pause then holds that call
+		// until the link's keepalive ends it. The next call is refused.
+		if strings.Contains(d.Logs(), "audit log unavailable") && strings.Contains(r.Stderr, "link to the guest agent broke") {
+			continue
+		}
+		break
 	}
 	if r.Code == 0 || !strings.Contains(r.Stderr, "audit log unavailable") {
 		t.Fatalf("exec with the audit disk full: %+v", r)
