@@ -14,7 +14,8 @@
 //     client against guest-exec plus guest-exec-status polling; the CLI
 //     against it and against a minimal Go client process, minclient), and file
 //     write and read throughput (Upload/Download against
-//     guest-file-write/-read, and against the raw port);
+//     guest-file-write/-read, and against the raw port), with what QEMU's
+//     main loop and vCPU threads did meanwhile (see threads.go);
 //   - policy decisions (-policy): the default bundle's prepared queries
 //     against compiling the bundle on every call (see policy.go); needs
 //     no VM;

@@ -1,10 +1,10 @@
 package main
 
 import (
+	"cmp"
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -113,7 +113,7 @@ func (w *threadWatch) around(f func() error) error {
 		return err
 	}
 	after, aerr := readQEMUThreads("/proc", w.pid)
-	if err := cmpErr(berr, aerr); err != nil {
+	if err := cmp.Or(berr, aerr); err != nil {
 		if w.err == nil {
 			w.err = err
 		}
@@ -123,43 +123,20 @@ func (w *threadWatch) around(f func() error) error {
 	return nil
 }
 
-func cmpErr(a, b error) error {
-	if a != nil {
-		return a
-	}
-	return b
-}
-
 // median is the median of each figure over the recorded transfers.
 func (w *threadWatch) median() qemuThreads {
-	pick := func(get func(qemuThreads) time.Duration) time.Duration {
-		v := make([]time.Duration, len(w.runs))
-		for i, r := range w.runs {
-			v[i] = get(r)
-		}
-		return median(v)
+	mains, vcpus := make([]threadTimes, len(w.runs)), make([]threadTimes, len(w.runs))
+	for i, r := range w.runs {
+		mains[i], vcpus[i] = r.main, r.vcpus
 	}
-	count := func(get func(qemuThreads) int64) int64 {
-		v := make([]int64, len(w.runs))
-		for i, r := range w.runs {
-			v[i] = get(r)
-		}
-		if len(v) == 0 {
-			return 0
-		}
-		slices.Sort(v)
-		return v[(len(v)-1)/2]
+	return qemuThreads{main: medianTimes(mains), vcpus: medianTimes(vcpus)}
+}
+
+// medianTimes is the median of each of ts's three figures on its own.
+func medianTimes(ts []threadTimes) threadTimes {
+	run, wait, switches := make([]time.Duration, len(ts)), make([]time.Duration, len(ts)), make([]time.Duration, len(ts))
+	for i, t := range ts {
+		run[i], wait[i], switches[i] = t.run, t.wait, time.Duration(t.switches)
 	}
-	return qemuThreads{
-		main: threadTimes{
-			run:      pick(func(q qemuThreads) time.Duration { return q.main.run }),
-			wait:     pick(func(q qemuThreads) time.Duration { return q.main.wait }),
-			switches: count(func(q qemuThreads) int64 { return q.main.switches }),
-		},
-		vcpus: threadTimes{
-			run:      pick(func(q qemuThreads) time.Duration { return q.vcpus.run }),
-			wait:     pick(func(q qemuThreads) time.Duration { return q.vcpus.wait }),
-			switches: count(func(q qemuThreads) int64 { return q.vcpus.switches }),
-		},
-	}
+	return threadTimes{run: median(run), wait: median(wait), switches: int64(median(switches))}
 }
