@@ -10,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/open-policy-agent/opa/v1/rego"
 )
 
 // FuzzDecodeInput feeds arbitrary documents of every kind to DecodeInput
@@ -234,6 +236,67 @@ func FuzzFSDecision(f *testing.F) {
 		}
 		if (slices.Contains(strings.Split(in.Path, "/"), ".ssh") || under(in.Path, "/etc/shadow")) && d.Allow {
 			t.Fatalf("%s %q allowed", in.Operation, in.Path)
+		}
+	})
+}
+
+// FuzzFSShortcut makes read-write roots, secret paths, secret names and a
+// path from a few words that overlap one another (".env" and ".envx",
+// "x.k" and "x.key", roots nested in roots and in secrets) and checks that
+// fs.decision, shortcut and all, is what fs.check says for that path
+// under those settings.
+func FuzzFSShortcut(f *testing.F) {
+	f.Add([]byte{0x01, 0x02}, []byte{0x81}, []byte{}, []byte{0x03}, uint8(0))
+	f.Add([]byte{0x01, 0x03, 0x05}, []byte{0x81, 0x01, 0x83}, []byte{0x01, 0x86}, []byte{0x02, 0x05}, uint8(1))
+	f.Add([]byte{0x01, 0x02, 0x06}, []byte{0x01, 0x02, 0x84, 0x81}, []byte{}, []byte{0x06}, uint8(2))
+	f.Add([]byte{0x00}, []byte{0x80}, []byte{}, []byte{}, uint8(3))
+	ctx := context.Background()
+	p := compiledDefault(f) // once per process, not per input
+	q, err := rego.New(rego.Compiler(p.compiler), rego.Store(p.store), rego.Query(`
+		d := data.carrel.fs.decision with data.settings.fs as input.settings
+		c := data.carrel.fs.check(input.operation, input.path, false) with data.settings.fs as input.settings`)).PrepareForEval(ctx)
+	if err != nil {
+		f.Fatal(err)
+	}
+	words := []string{"", "w", "a", ".env", ".envx", "x.k", "x.key", ".ssh", "b+"}
+	paths := func(src []byte) []string {
+		var out []string
+		cur := ""
+		for _, c := range src {
+			cur += "/" + words[int(c&0x7f)%len(words)]
+			if c&0x80 != 0 {
+				out = append(out, cur)
+				cur = ""
+			}
+		}
+		return out
+	}
+	ops := []string{OpRead, OpWrite, OpList, "exec"}
+	f.Fuzz(func(t *testing.T, path, rw, secretPaths, names []byte, op uint8) {
+		clean, err := CleanPath(strings.Join(paths(append(path, 0x80)), ""))
+		if err != nil {
+			return
+		}
+		var secretNames []string
+		for _, c := range names {
+			secretNames = append(secretNames, words[int(c)%len(words)])
+		}
+		settings := map[string]any{
+			"read_write": append(paths(rw), "/workspace"), "read_only": []string{"/usr"},
+			"secret_paths": paths(secretPaths), "secret_names": secretNames,
+		}
+		for _, k := range []string{"read_write", "secret_paths", "secret_names"} {
+			if settings[k] == nil {
+				settings[k] = []string{}
+			}
+		}
+		in := map[string]any{"version": 1, "vm": "demo", "operation": ops[int(op)%len(ops)], "path": clean, "recursive": false, "settings": settings}
+		rs, err := q.Eval(ctx, rego.EvalInput(in))
+		if err != nil || len(rs) != 1 {
+			t.Fatalf("%v: %v, %v", in, rs, err)
+		}
+		if d, c := rs[0].Bindings["d"], rs[0].Bindings["c"]; !reflect.DeepEqual(d, c) {
+			t.Fatalf("%s %q with settings %v: the decision is %v, check says %v", in["operation"], clean, settings, d, c)
 		}
 	})
 }

@@ -201,9 +201,9 @@ func TestPatternsOfManyVMsStayCompiled(t *testing.T) {
 		}
 	}
 	in := ast.NewObject(ast.Item(ast.StringTerm("vm"), ast.StringTerm("vm7")))
-	pattern, ok, err := p.valueOf(ctx, map[string]rego.PreparedEvalQuery{}, ast.MustParseRef("data.carrel.fs.read_write_pattern"), in)
+	pattern, ok, err := p.valueOf(ctx, map[string]rego.PreparedEvalQuery{}, ast.MustParseRef("data.carrel.fs.quick_pattern"), in)
 	if err != nil || !ok {
-		t.Fatalf("read_write_pattern: %v, %v", ok, err)
+		t.Fatalf("quick_pattern: %v, %v", ok, err)
 	}
 	if _, ok := p.patterns.Get(pattern); !ok {
 		t.Errorf("%v is not in the policy's pattern cache", pattern)

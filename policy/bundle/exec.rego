@@ -33,8 +33,8 @@ decision := {
 } if {
 	reason := plain_users[input.user]
 	regex.match(refused_command_pattern, input.argv[0]) == false
-	regex.match(data.carrel.fs.read_write_pattern, input.cwd)
-	regex.match(data.carrel.fs.secret_pattern, input.cwd) == false
+	[[_, cwd_root]] := regex.find_all_string_submatch_n(data.carrel.fs.quick_pattern, input.cwd, 2)
+	cwd_root != ""
 } else := {
 	"allow": false,
 	"rule": "carrel.exec.no_command",

@@ -34,8 +34,8 @@ decision := {
 } if {
 	input.recursive == false
 	input.operation in {"read", "write", "create", "delete", "chmod", "list", "watch"}
-	[[_, root]] := regex.find_all_string_submatch_n(read_write_pattern, input.path, 1)
-	regex.match(secret_pattern, input.path) == false
+	[[_, root]] := regex.find_all_string_submatch_n(quick_pattern, input.path, 2)
+	root != ""
 } else := check(input.operation, input.path, input.recursive)
 
 # check decides one operation on one path; carrel.exec uses it for a
@@ -109,28 +109,44 @@ check(operation, path, recursive) := {
 # as a prefix. It is undefined otherwise, and check decides; so it is for
 # a path that only the root / holds.
 #
-# It matches path against two patterns made from settings alone, which
-# carreld works out once per VM when it compiles the bundle (see
-# docs/policy.md): the common case costs two matches.
+# It is one match of quick_pattern, which is made from settings alone and
+# which carreld works out once per VM when it compiles the bundle (see
+# docs/policy.md).
 quick_root(operation, path) := root if {
 	operation in {"read", "write", "create", "delete", "chmod", "list", "watch"}
-	[[_, root]] := regex.find_all_string_submatch_n(read_write_pattern, path, 1)
-	regex.match(secret_pattern, path) == false
+	[[_, root]] := regex.find_all_string_submatch_n(quick_pattern, path, 2)
+	root != ""
 }
 
-# read_write_pattern matches a path under a read-write root other than /
-# (and ""), by whole components, and captures the root. The roots are tried
-# in reverse order, so the root captured is the deepest that holds the
-# path: the greatest, as check names it.
-read_write_pattern := concat("", ["^(", any_of(array.reverse(sort([r | some r in settings.read_write; r != ""]))), ")(?:/|$)"])
-
-# secret_pattern matches a path that a secret path starts, or with a
-# component that a secret name starts: every path check might deny as
-# secret, and some it would not.
-secret_pattern := concat("|", [
+# quick_pattern finds, in one pass over a path, a read-write root that
+# holds it and every place where a secret could begin. Its alternatives, in
+# the order a match at the start tries them:
+#   1. a secret path starting the path (as a prefix: /rootx counts);
+#   2. a quick root, then a component that a secret name starts;
+#   3. a quick root, by whole components, captured: the only alternative
+#      with a group;
+#   4. anywhere after that, a component that a secret name starts.
+# A path is the common case when quick_pattern matches it exactly once,
+# with the root captured: 3 matched at the start and nothing after it did.
+# The roots are tried deepest first, so the root captured is the greatest
+# that holds the path, as check names it.
+quick_pattern := concat("|", [
 	concat("", ["^", any_of(settings.secret_paths)]),
-	concat("", ["(?:^|/)", any_of(settings.secret_names)]),
+	concat("", ["^", any_of(quick_roots), "/", any_of(settings.secret_names)]),
+	concat("", ["^(", any_of(quick_roots), ")(?:/|$)"]),
+	concat("", ["/", any_of(settings.secret_names)]),
 ])
+
+# quick_roots are the read-write roots quick_pattern may capture, deepest
+# first: all but / (and ""), which check names, and any root with a
+# component that a secret name starts, which the match of 3 would pass
+# over. A path beneath such a root holds that component, so 2 or 4 still
+# sees it in the rest of the path when a shallower root is captured.
+quick_roots := array.reverse(sort([r |
+	some r in settings.read_write
+	not r in {"", "/"}
+	not strings.any_prefix_match(split(r, "/"), settings.secret_names)
+]))
 
 # any_of is a regular expression matching any of strings, literally; with
 # no strings, it matches nothing.

@@ -325,6 +325,28 @@ test_shortcut_names_the_deepest_root if {
 	fs.quick_root("write", "/workspace/x") == "/workspace" with data.settings.fs.read_write as ["/", "/workspace"]
 }
 
+# quick_pattern sees a secret name wherever a component starts: right
+# after the root, deeper down, and inside a root, which it then never
+# captures. A shallower root still answers for paths beside it.
+test_shortcut_finds_secret_names_everywhere if {
+	roots := ["/w", "/w/a/.envx", "/srv/.aws-cache"]
+	every path in ["/w/.env", "/w/a/.ssh", "/w/a/b/.gnupg/x", "/w/a/.envx/f", "/srv/.aws-cache/x", "/w/.env/.ssh"] {
+		not fs.quick_root("write", path) with data.settings.fs.read_write as roots
+		decide("write", path) == fs.check("write", path, false) with input as fs_input("write", path) with data.settings.fs.read_write as roots
+	}
+	fs.quick_root("write", "/w/a/x") == "/w" with data.settings.fs.read_write as roots
+	fs.quick_root("write", "/w/a/b.env") == "/w" with data.settings.fs.read_write as roots
+	allowed_by(decide("write", "/srv/.aws-cache/x"), "carrel.fs.read_write_root") with data.settings.fs.read_write as roots with data.settings.fs.secret_names as [".ssh"]
+	fs.quick_root("write", "/srv/.aws-cache/x") == "/srv/.aws-cache" with data.settings.fs.read_write as roots with data.settings.fs.secret_names as [".ssh"]
+}
+
+# A secret path starting a path is found before the root it lies under.
+test_shortcut_finds_secret_paths_under_roots if {
+	not fs.quick_root("write", "/workspace/keys/a") with data.settings.fs.secret_paths as ["/workspace/keys"]
+	denied_by(decide("write", "/workspace/keys/a"), "carrel.fs.secret_path") with data.settings.fs.secret_paths as ["/workspace/keys"]
+	not fs.quick_root("write", "/workspace/a") with data.settings.fs.secret_paths as ["/workspace"] with data.settings.fs.read_write as ["/workspace/a", "/workspace"]
+}
+
 # The root / is left to check, which names it; so is "".
 test_shortcut_leaves_the_root_slash_to_check if {
 	not fs.quick_root("write", "/x") with data.settings.fs.read_write as ["/"]
