@@ -80,6 +80,9 @@ type Link struct {
 	lastErr error
 	info    *agentv1.HealthResponse
 	closed  bool
+	held    error     // non-nil while Hold holds the link: why
+	// lostHeld is set when a connection ended while the link was held.
+	lostHeld bool
 	data    *dataPort // nil without one (UseDataPort)
 }
 
@@ -127,10 +130,13 @@ func (l *Link) channel() *channel {
 
 func (l *Link) dialFor(ctx context.Context, s *channel) (net.Conn, error) {
 	l.mu.Lock()
-	closed := l.closed
+	closed, held := l.closed, l.held
 	l.mu.Unlock()
 	if closed {
 		return nil, net.ErrClosed
+	}
+	if held != nil {
+		return nil, held
 	}
 	c, err := l.dial(ctx)
 	if err != nil {
@@ -240,12 +246,16 @@ func (l *Link) markReady(info *agentv1.HealthResponse) {
 	l.state, l.lastErr = Ready, nil
 }
 
-// fail ends channel s and marks the agent unhealthy; the transition is
-// logged once.
+// fail ends channel s and marks the agent unhealthy, unless the link is
+// held; the transition is logged once.
 func (l *Link) fail(s *channel, err error) {
 	l.drop(s)
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.held != nil {
+		l.lostHeld = true
+		return // the guest is stopped (Hold), not broken
+	}
 	if l.state != Unhealthy && !l.closed {
 		l.log.Warn("guest agent unhealthy: link closed", "subsystem", "agentlink", "err", err)
 	}
@@ -265,10 +275,76 @@ func (l *Link) check(ctx context.Context, s *channel, err error) error {
 		// The caller gave up (deadline or cancel); not the guest's fault.
 		return err
 	}
-	if !connect.IsWireError(err) {
-		l.fail(s, err)
+	if connect.IsWireError(err) {
+		return err
 	}
+	l.mu.Lock()
+	held := l.held
+	l.mu.Unlock()
+	if held != nil {
+		// The guest cannot answer: the HTTP/2 keepalive gave up on it, or
+		// the dial was refused. Not the guest's fault, and not news.
+		l.fail(s, err)
+		return fmt.Errorf("%w (%v)", held, err)
+	}
+	l.fail(s, err)
 	return err
+}
+
+// ErrHeld is what calls get while the link is held (Hold): ended if they
+// were in flight, refused if new.
+var ErrHeld = errors.New("the vm is paused")
+
+// Hold is for a VM whose vCPUs carreld stops: the guest answers nothing
+// until they run again. Until Release, the keepalive probes nothing, so
+// the agent's health stays as it was, and the link does not connect:
+// calls that would have to fail with an error wrapping ErrHeld and why.
+// The connection stays up, and the calls in flight on it go on after a
+// short pause as if there had been none. After a long one (past the
+// HTTP/2 keepalive, about 20 s) the transport gives up on the connection,
+// and those calls fail with ErrHeld and why, not as a broken link.
+//
+// Hold does not end the connection itself: on a virtio-serial port the
+// guest learns that a connection ended only when it runs, and a host that
+// connects again before it has (as soon as the VM resumes) talks to the
+// old session.
+func (l *Link) Hold(why string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.held = fmt.Errorf("%w: %s", ErrHeld, why)
+}
+
+// Release ends Hold: the link connects again when a call needs it to.
+// When the connection ended while the link was held, the guest, which
+// learns of that only once it runs, may still send the end of the old
+// session into the port, and the first connection after it can meet
+// those bytes and fail. Release then waits, until ctx ends, for the agent
+// to answer on a fresh connection (WaitReady), so that the calls after it
+// find the link whole; the error is WaitReady's.
+func (l *Link) Release(ctx context.Context) error {
+	l.mu.Lock()
+	lost := l.lostHeld
+	l.held, l.lostHeld = nil, false
+	l.mu.Unlock()
+	if !lost {
+		return nil
+	}
+	if err := l.WaitReadyEvery(ctx, resyncAttempt); err != nil {
+		l.markUnhealthy(err)
+		return err
+	}
+	return nil
+}
+
+// resyncAttempt is how long Release's first probe waits: a guest that
+// has just resumed answers in milliseconds on a connection it has taken.
+const resyncAttempt = time.Second
+
+// Held reports whether the link is held (Hold).
+func (l *Link) Held() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.held != nil
 }
 
 // Health probes the agent once.
@@ -339,6 +415,9 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+		}
+		if l.Held() {
+			continue
 		}
 		_, err := l.Health(ctx)
 		if err == nil || ctx.Err() != nil {

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -380,5 +381,112 @@ func TestSlowHealthProbeKeepsCallsInFlight(t *testing.T) {
 	}
 	if n := logs.count("guest agent unhealthy"); n != 1 {
 		t.Errorf("unhealthy logged %d times, want once", n)
+	}
+}
+
+// TestHoldKeepsCallsAndNamesTheReason: a held link probes nothing and
+// leaves the agent's health as it was; a call in flight goes on, and when
+// the connection ends under it (as the HTTP/2 keepalive ends it after a
+// long pause) it fails with ErrHeld and the reason, the agent is not
+// marked unhealthy, and nothing dials until Release.
+func TestHoldKeepsCallsAndNamesTheReason(t *testing.T) {
+	var probes atomic.Int32
+	release := make(chan struct{})
+	defer close(release)
+	dial := serve(t, &fakeAgent{
+		health: func(context.Context) { probes.Add(1) },
+		exec: func(s *connect.ServerStream[agentv1.ExecResponse]) error {
+			for range 2 {
+				if err := s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: []byte("busy")}}); err != nil {
+					return err
+				}
+				select {
+				case <-release:
+					return nil
+				case <-time.After(50 * time.Millisecond):
+				}
+			}
+			<-release
+			return nil
+		},
+	})
+	var (
+		mu    sync.Mutex
+		conns []net.Conn
+	)
+	var dials atomic.Int32
+	var logs logCounter
+	l := New(func(ctx context.Context) (net.Conn, error) {
+		dials.Add(1)
+		c, err := dial(ctx)
+		if err == nil {
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+		}
+		return c, err
+	}, slog.New(slog.NewTextHandler(&logs, nil)))
+	defer l.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	go l.Keepalive(ctx, 20*time.Millisecond)
+
+	c, done := l.Agent()
+	callCtx, callCancel := context.WithTimeout(ctx, 5*time.Second)
+	defer callCancel()
+	s, err := c.Exec(callCtx, connect.NewRequest(&agentv1.ExecRequest{Argv: []string{"work"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if !s.Receive() {
+		t.Fatalf("no first event: %v", s.Err())
+	}
+	l.Hold("audit log unavailable: disk full")
+	probed := probes.Load()
+	if !s.Receive() {
+		t.Fatalf("the call in flight ended at the hold: %v", s.Err())
+	}
+	time.Sleep(100 * time.Millisecond) // several keepalive ticks
+	if n := probes.Load() - probed; n != 0 {
+		t.Errorf("%d health probes while held", n)
+	}
+
+	// The connection ends under the call, as after a long pause.
+	before := dials.Load()
+	mu.Lock()
+	conns[len(conns)-1].Close()
+	mu.Unlock()
+	for s.Receive() {
+	}
+	err = done(callCtx, s.Err())
+	if !errors.Is(err, ErrHeld) || !strings.Contains(err.Error(), "audit log unavailable: disk full") {
+		t.Fatalf("the call in flight ended with %v; want ErrHeld and the reason", err)
+	}
+	if _, err := execVia(ctx, l, "new"); !errors.Is(err, ErrHeld) {
+		t.Fatalf("a new call while held: %v; want ErrHeld", err)
+	}
+	if n := dials.Load() - before; n != 0 {
+		t.Errorf("%d dials while held", n)
+	}
+	if st, _ := l.State(); st != Ready {
+		t.Errorf("state while held = %v, want ready as before", st)
+	}
+	if n := logs.count("unhealthy"); n != 0 {
+		t.Errorf("unhealthy logged %d times while held", n)
+	}
+
+	before = dials.Load()
+	if err := l.Release(ctx); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	if dials.Load() == before {
+		t.Error("Release did not connect again after the connection was lost while held")
+	}
+	if _, err := l.Health(ctx); err != nil {
+		t.Fatalf("health after release: %v", err)
 	}
 }

@@ -13,6 +13,7 @@ package relay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -118,10 +119,12 @@ func (r *Relay) decide(ctx context.Context, in policy.Input) error {
 // relayErr reports err to the link, which ends the connection when the
 // guest broke the protocol. An error the guest sent is rebuilt
 // (GuestError). A reply the relay refused (DataLoss) or a message over a
-// size cap (ResourceExhausted) is passed on as it is. Any other, unless
-// the caller gave up, means the link broke under the call (a lost
-// connection, a stream cut mid-message): that is Unavailable, whatever
-// code the transport chose, and the next call reconnects.
+// size cap (ResourceExhausted) is passed on as it is. A call that carreld
+// ended because it paused the VM (agentlink.ErrHeld) is Unavailable, and
+// says why. Any other, unless the caller gave up, means the link broke
+// under the call (a lost connection, a stream cut mid-message): that is
+// Unavailable too, whatever code the transport chose, and the next call
+// reconnects.
 func relayErr(ctx context.Context, done func(context.Context, error) error, err error) error {
 	if err == nil {
 		return nil
@@ -132,6 +135,8 @@ func relayErr(ctx context.Context, done func(context.Context, error) error, err 
 		return GuestError(err)
 	case ctx.Err() != nil:
 		return err
+	case errors.Is(err, agentlink.ErrHeld):
+		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("the call was ended: %w", err))
 	}
 	switch connect.CodeOf(err) {
 	case connect.CodeDataLoss, connect.CodeResourceExhausted:

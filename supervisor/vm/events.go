@@ -122,12 +122,14 @@ func (m *Manager) ResumeAll(ctx context.Context) error {
 		mc.paused = false
 		mc.mu.Unlock()
 		if !paused || inst == nil || byOperator {
+			m.holdLink(ctx, mc)
 			continue
 		}
 		if err := m.cfg.Driver.Resume(ctx, *inst); err != nil {
 			errs = append(errs, fmt.Errorf("resume vm %q: %w", mc.rec.Name, err))
 			continue
 		}
+		m.holdLink(ctx, mc)
 		m.log.Info("vm resumed", "vm", mc.rec.Name, "paused_for", time.Since(since).Round(time.Millisecond))
 		// The pause could not be recorded while the log was down; both
 		// are recorded now.
@@ -149,7 +151,8 @@ func (m *Manager) pause(ctx context.Context, mc *machine, reason string) error {
 	byOperator := mc.rec.Paused
 	mc.mu.Unlock()
 	if byOperator {
-		return nil // already stopped; held now as well
+		m.holdLink(ctx, mc) // already stopped; held now as well
+		return nil
 	}
 	if err := m.cfg.Driver.Pause(ctx, *inst); err != nil {
 		mc.mu.Lock()
@@ -157,9 +160,45 @@ func (m *Manager) pause(ctx context.Context, mc *machine, reason string) error {
 		mc.mu.Unlock()
 		return fmt.Errorf("pause vm %q: %w", mc.rec.Name, err)
 	}
+	m.holdLink(ctx, mc)
 	m.log.Warn("vm paused", "vm", mc.rec.Name, "reason", reason)
 	return nil
 }
+
+// holdLink holds mc's agent link while its vCPUs are stopped, by carreld
+// (PauseAll) or by its operator (Pause), and releases it otherwise (see
+// agentlink.Hold): no probes or new connections to a guest that cannot
+// answer, and a call that the pause outlasts fails with its reason, not
+// as a broken link. A release after a pause that outlasted the
+// connection waits for the agent to answer on a new one.
+func (m *Manager) holdLink(ctx context.Context, mc *machine) {
+	m.mu.Lock()
+	why := m.pausedFor
+	m.mu.Unlock()
+	mc.mu.Lock()
+	link, held, byOperator, name := mc.link, mc.paused, mc.rec.Paused, mc.rec.Name
+	mc.mu.Unlock()
+	switch {
+	case link == nil:
+	case held:
+		if why == "" {
+			why = "carreld holds every vm paused"
+		}
+		link.Hold(why + "; carreld resumes the vm when that is fixed")
+	case byOperator:
+		link.Hold(fmt.Sprintf("paused by request; resume it first (carrel vm resume %s)", name))
+	default:
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), resyncTimeout)
+		defer cancel()
+		if err := link.Release(ctx); err != nil {
+			m.log.Warn("guest agent did not answer again after the pause", "vm", name, "err", err)
+		}
+	}
+}
+
+// resyncTimeout bounds how long a resume waits for the agent to answer on
+// a fresh connection when the pause outlasted the old one.
+const resyncTimeout = 15 * time.Second
 
 // pauseIfHeld pauses a VM that came up while every VM is held paused.
 func (m *Manager) pauseIfHeld(ctx context.Context, mc *machine) {

@@ -578,6 +578,7 @@ func (m *Manager) attach(live context.Context, cancel context.CancelFunc, mc *ma
 	mc.mu.Lock()
 	mc.link, mc.console, mc.cancel, mc.transport = link, rc, cancel, transport
 	mc.mu.Unlock()
+	m.holdLink(live, mc) // an adopted VM may be paused
 	go link.Keepalive(live, agentlink.KeepaliveInterval)
 	go func() {
 		select {

@@ -11,8 +11,8 @@ import (
 // Pause stops a running VM's vCPUs at an operator's request. Its memory,
 // devices and disks are kept as they are; it stays paused, across carreld
 // restarts too, until Resume. Calls into a paused guest are refused with
-// ErrPaused instead of being left to time out. Pausing a paused VM returns
-// it unchanged.
+// ErrPaused instead of being left to time out, and calls in flight end at
+// the pause (agentlink.ErrHeld). Pausing a paused VM returns it unchanged.
 func (m *Manager) Pause(ctx context.Context, name string) (registry.Record, error) {
 	var rec registry.Record
 	err := m.locked(ctx, name, func(mc *machine) error {
@@ -31,6 +31,7 @@ func (m *Manager) Pause(ctx context.Context, name string) (registry.Record, erro
 				perr := m.persist(mc, func(r *registry.Record) { r.Paused, r.PausedAt = false, time.Time{} })
 				return fmt.Errorf("pause vm %q: %w", name, joinErr(err, perr))
 			}
+			m.holdLink(ctx, mc)
 			_ = m.event(ctx, mc, EventPaused, "paused by request")
 			m.log.Info("vm paused", "vm", name)
 		}
@@ -59,6 +60,7 @@ func (m *Manager) Resume(ctx context.Context, name string) (registry.Record, err
 				perr := m.persist(mc, func(rr *registry.Record) { rr.Paused, rr.PausedAt = true, r.PausedAt })
 				return fmt.Errorf("resume vm %q: %w", name, joinErr(err, perr))
 			}
+			m.holdLink(ctx, mc)
 			_ = m.event(ctx, mc, EventResumed, "resumed by request after "+time.Since(r.PausedAt).Round(time.Millisecond).String())
 			m.log.Info("vm resumed", "vm", name)
 		}

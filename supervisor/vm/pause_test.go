@@ -5,7 +5,9 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
@@ -104,5 +106,77 @@ func TestAdoptResumesAHeldVM(t *testing.T) {
 	}
 	if e.drv.VM(a.Instance.PID).Paused() {
 		t.Fatal("a held vm stays paused under a new carreld")
+	}
+}
+
+// TestPauseHoldsTheLink: while carreld holds every VM paused, or an
+// operator pauses one, its agent link is held (agentlink.Hold: no probes,
+// no new connection, and a call the pause outlasts fails with the reason);
+// a call in flight goes on through a short pause; ResumeAll leaves the
+// link of a VM its operator paused held, and Resume releases it.
+func TestPauseHoldsTheLink(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	e.create(t, "a")
+	link, err := e.m.Link("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A Process call in flight: the fake agent echoes stdin.
+	callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	c, _ := link.Agent()
+	s := c.Process(callCtx)
+	defer s.CloseRequest()
+	if err := s.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: &agentv1.ExecRequest{Argv: []string{"cat"}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Receive(); err != nil {
+		t.Fatalf("the call did not start: %v", err)
+	}
+
+	if err := e.m.PauseAll(ctx, "audit log unavailable: disk full"); err != nil {
+		t.Fatal(err)
+	}
+	if !link.Held() {
+		t.Fatal("PauseAll left the link unheld")
+	}
+	if err := e.m.ResumeAll(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if link.Held() {
+		t.Fatal("the link is still held after ResumeAll")
+	}
+	if err := s.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Stdin{Stdin: []byte("still here")}}); err != nil {
+		t.Fatal(err)
+	}
+	if m, err := s.Receive(); err != nil || string(m.GetStdout()) != "still here" {
+		t.Fatalf("the call in flight after a short pause: %v, %v", m, err)
+	}
+
+	if _, err := e.m.Pause(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if !link.Held() {
+		t.Fatal("an operator's pause left the link unheld")
+	}
+	// carreld's hold comes and goes: the operator's pause still holds.
+	if err := e.m.PauseAll(ctx, "audit log unavailable: test"); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.m.ResumeAll(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if !link.Held() {
+		t.Fatal("ResumeAll released the link of a vm its operator paused")
+	}
+	if _, err := e.m.Resume(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if link.Held() {
+		t.Fatal("the link is still held after Resume")
+	}
+	if _, err := link.Health(ctx); err != nil {
+		t.Fatalf("health after resume: %v", err)
 	}
 }
