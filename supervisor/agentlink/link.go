@@ -80,10 +80,10 @@ type Link struct {
 	lastErr error
 	info    *agentv1.HealthResponse
 	closed  bool
-	held    error     // non-nil while Hold holds the link: why
+	held    error // non-nil while Hold holds the link: why
 	// lostHeld is set when a connection ended while the link was held.
 	lostHeld bool
-	data    *dataPort // nil without one (UseDataPort)
+	data     *dataPort // nil without one (UseDataPort)
 }
 
 // channel is one HTTP/2 connection to the agent and the client bound to
