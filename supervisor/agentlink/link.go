@@ -20,6 +20,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -81,6 +82,8 @@ type Link struct {
 	info    *agentv1.HealthResponse
 	closed  bool
 	held    error // non-nil while Hold holds the link: why
+	// stopResync ends the probe of a resync in progress (Release).
+	stopResync context.CancelFunc
 	// lostHeld is set when a connection ended while the link was held.
 	lostHeld bool
 	data     *dataPort // nil without one (UseDataPort)
@@ -167,7 +170,7 @@ func (l *Link) connBroken(s *channel, c net.Conn, err error) {
 	s.mu.Lock()
 	current := !s.dead && s.conn == c
 	s.mu.Unlock()
-	if current {
+	if current && !l.lose(s) {
 		l.fail(s, err)
 	}
 }
@@ -246,16 +249,12 @@ func (l *Link) markReady(info *agentv1.HealthResponse) {
 	l.state, l.lastErr = Ready, nil
 }
 
-// fail ends channel s and marks the agent unhealthy, unless the link is
-// held; the transition is logged once.
+// fail ends channel s and marks the agent unhealthy; the transition is
+// logged once.
 func (l *Link) fail(s *channel, err error) {
 	l.drop(s)
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.held != nil {
-		l.lostHeld = true
-		return // the guest is stopped (Hold), not broken
-	}
 	if l.state != Unhealthy && !l.closed {
 		l.log.Warn("guest agent unhealthy: link closed", "subsystem", "agentlink", "err", err)
 	}
@@ -278,17 +277,55 @@ func (l *Link) check(ctx context.Context, s *channel, err error) error {
 	if connect.IsWireError(err) {
 		return err
 	}
-	l.mu.Lock()
-	held := l.held
-	l.mu.Unlock()
-	if held != nil {
-		// The guest cannot answer: the HTTP/2 keepalive gave up on it, or
-		// the dial was refused. Not the guest's fault, and not news.
-		l.fail(s, err)
-		return fmt.Errorf("%w (%v)", held, err)
+	// A connection lost while the guest cannot run (the HTTP/2 keepalive
+	// gave up on it, or the dial was refused) is the pause's doing, not
+	// the guest's. Anything else (an oversized or undecodable message)
+	// breaks the protocol, held or not.
+	if !brokeProtocol(err) && l.lose(s) {
+		if held := l.heldErr(); held != nil && !errors.Is(err, ErrHeld) {
+			return fmt.Errorf("%w (%v)", held, err)
+		}
+		return err
 	}
 	l.fail(s, err)
 	return err
+}
+
+// brokeProtocol reports whether err is this side refusing what the guest
+// sent (a message over the cap, one that does not decode, a reply the
+// relay found wrong), rather than the connection ending under the call,
+// which surfaces as any of several codes (Unavailable, or InvalidArgument
+// for a message cut short).
+func brokeProtocol(err error) bool {
+	switch connect.CodeOf(err) {
+	case connect.CodeResourceExhausted, connect.CodeDataLoss, connect.CodeInternal:
+		return true
+	case connect.CodeInvalidArgument:
+		return strings.Contains(err.Error(), "unmarshal")
+	}
+	return false
+}
+
+// lose ends channel s, lost while the link is held, and reports whether
+// it was held: the agent's health stays as it was, and Release connects
+// again with care.
+func (l *Link) lose(s *channel) bool {
+	l.mu.Lock()
+	held := l.held != nil
+	if held {
+		l.lostHeld = true
+	}
+	l.mu.Unlock()
+	if held {
+		l.drop(s)
+	}
+	return held
+}
+
+func (l *Link) heldErr() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.held
 }
 
 // ErrHeld is what calls get while the link is held (Hold): ended if they
@@ -307,45 +344,88 @@ var ErrHeld = errors.New("the vm is paused")
 // Hold does not end the connection itself: on a virtio-serial port the
 // guest learns that a connection ended only when it runs, and a host that
 // connects again before it has (as soon as the VM resumes) talks to the
-// old session.
+// old session. See Release.
 func (l *Link) Hold(why string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.held = fmt.Errorf("%w: %s", ErrHeld, why)
+	if l.stopResync != nil {
+		l.stopResync()
+	}
 }
 
-// Release ends Hold: the link connects again when a call needs it to.
-// When the connection ended while the link was held, the guest, which
-// learns of that only once it runs, may still send the end of the old
-// session into the port, and the first connection after it can meet
-// those bytes and fail. Release then waits, until ctx ends, for the agent
-// to answer on a fresh connection (WaitReady), so that the calls after it
-// find the link whole; the error is WaitReady's.
-func (l *Link) Release(ctx context.Context) error {
+// Release ends Hold, at once. When the connection ended while the link
+// was held, the guest, which learns of that only once it runs, may still
+// send the end of the old session into the port, and the first
+// connection after it can meet those bytes and fail. Release then returns
+// resync, which probes the agent on fresh connections until one answers
+// (and marks it ready), ctx ends (and marks it unhealthy), or the link is
+// held again or closed; its error says which. Otherwise resync is nil.
+func (l *Link) Release() (resync func(context.Context) error) {
 	l.mu.Lock()
+	defer l.mu.Unlock()
 	lost := l.lostHeld
 	l.held, l.lostHeld = nil, false
-	l.mu.Unlock()
 	if !lost {
 		return nil
 	}
-	if err := l.WaitReadyEvery(ctx, resyncAttempt); err != nil {
-		l.markUnhealthy(err)
-		return err
-	}
-	return nil
+	return l.resync
 }
 
-// resyncAttempt is how long Release's first probe waits: a guest that
-// has just resumed answers in milliseconds on a connection it has taken.
+func (l *Link) resync(ctx context.Context) error {
+	probeCtx, stop := context.WithCancel(ctx)
+	defer stop()
+	l.mu.Lock()
+	l.stopResync = stop
+	l.mu.Unlock()
+	defer func() {
+		l.mu.Lock()
+		l.stopResync = nil
+		l.mu.Unlock()
+	}()
+	attempt := resyncAttempt
+	for {
+		l.mu.Lock()
+		closed, held := l.closed, l.held
+		if held != nil {
+			l.lostHeld = true // held again: no connection known to be good
+		}
+		l.mu.Unlock()
+		switch {
+		case closed:
+			return net.ErrClosed
+		case held != nil:
+			return held
+		}
+		s := l.channel()
+		pctx, cancel := context.WithTimeout(probeCtx, attempt)
+		resp, err := s.client.Health(pctx, connect.NewRequest(&agentv1.HealthRequest{}))
+		cancel()
+		if err == nil {
+			l.markReady(resp.Msg)
+			return nil
+		}
+		l.drop(s)
+		if ctx.Err() != nil {
+			if l.heldErr() == nil {
+				l.markUnhealthy(err)
+			}
+			return fmt.Errorf("the guest agent did not answer on a new connection after the pause: %w", err)
+		}
+		attempt = min(2*attempt, 4*resyncAttempt)
+		select {
+		case <-probeCtx.Done():
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// resyncAttempt is how long resync's first probe waits: a guest that has
+// just resumed answers in milliseconds on a connection it has taken.
 const resyncAttempt = time.Second
 
-// Held reports whether the link is held (Hold).
-func (l *Link) Held() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.held != nil
-}
+// Held returns why the link is held (Hold), or nil.
+func (l *Link) Held() error { return l.heldErr() }
 
 // Health probes the agent once.
 func (l *Link) Health(ctx context.Context) (*agentv1.HealthResponse, error) {
@@ -416,7 +496,7 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 			return
 		case <-t.C:
 		}
-		if l.Held() {
+		if l.Held() != nil {
 			continue
 		}
 		_, err := l.Health(ctx)

@@ -480,13 +480,112 @@ func TestHoldKeepsCallsAndNamesTheReason(t *testing.T) {
 	}
 
 	before = dials.Load()
-	if err := l.Release(ctx); err != nil {
-		t.Fatalf("release: %v", err)
+	resync := l.Release()
+	if resync == nil {
+		t.Fatal("Release after a connection lost while held gave no resync")
+	}
+	if err := resync(ctx); err != nil {
+		t.Fatalf("resync: %v", err)
 	}
 	if dials.Load() == before {
 		t.Error("Release did not connect again after the connection was lost while held")
 	}
 	if _, err := l.Health(ctx); err != nil {
 		t.Fatalf("health after release: %v", err)
+	}
+}
+
+// TestHeldLinkStillEndsABrokenProtocol: bytes the guest sent before its
+// pause that break the protocol end the connection and mark the agent
+// unhealthy, held or not; they are not the pause's doing.
+func TestHeldLinkStillEndsABrokenProtocol(t *testing.T) {
+	dial := serve(t, &fakeAgent{exec: func(s *connect.ServerStream[agentv1.ExecResponse]) error {
+		return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: make([]byte, protocol.MaxMessageBytes+1)}})
+	}})
+	l := New(dial, nil)
+	defer l.Close()
+	ctx := context.Background()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c, done := l.Agent() // the connection is up: the call does not dial
+	s, err := c.Exec(ctx, connect.NewRequest(&agentv1.ExecRequest{Argv: []string{"x"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	l.Hold("paused by request")
+	for s.Receive() {
+	}
+	err = done(ctx, s.Err())
+	if errors.Is(err, ErrHeld) || connect.CodeOf(err) != connect.CodeResourceExhausted {
+		t.Fatalf("an oversized message while held: %v; want ResourceExhausted, not the pause", err)
+	}
+	if st, _ := l.State(); st != Unhealthy {
+		t.Errorf("state = %v, want unhealthy", st)
+	}
+}
+
+// TestHoldDuringResyncStopsIt: a resync after a long pause ends at once,
+// with ErrHeld, when the link is held again meanwhile, and marks nothing
+// unhealthy; the next Release resyncs again.
+func TestHoldDuringResyncStopsIt(t *testing.T) {
+	var answer atomic.Bool
+	dial := serve(t, &fakeAgent{health: func(ctx context.Context) {
+		for !answer.Load() && ctx.Err() == nil {
+			time.Sleep(5 * time.Millisecond)
+		}
+	}})
+	answer.Store(true)
+	var (
+		mu   sync.Mutex
+		last net.Conn
+	)
+	l := New(func(ctx context.Context) (net.Conn, error) {
+		c, err := dial(ctx)
+		mu.Lock()
+		last = c
+		mu.Unlock()
+		return c, err
+	}, nil)
+	defer l.Close()
+	ctx := context.Background()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	l.Hold("paused by request")
+	mu.Lock()
+	last.Close() // lost while held, as after a long pause
+	mu.Unlock()
+	if _, err := l.Health(ctx); !errors.Is(err, ErrHeld) {
+		t.Fatalf("health while held: %v", err)
+	}
+
+	answer.Store(false) // the agent is slow to answer the resync's probe
+	resync := l.Release()
+	if resync == nil {
+		t.Fatal("no resync after a connection lost while held")
+	}
+	errc := make(chan error, 1)
+	go func() { errc <- resync(ctx) }()
+	time.Sleep(100 * time.Millisecond)
+	l.Hold("paused by request, again")
+	select {
+	case err := <-errc:
+		if !errors.Is(err, ErrHeld) {
+			t.Fatalf("resync held again: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("resync went on after the link was held again")
+	}
+	if st, _ := l.State(); st != Ready {
+		t.Errorf("state = %v, want ready as before", st)
+	}
+	answer.Store(true)
+	if resync = l.Release(); resync == nil {
+		t.Fatal("no resync after a resync the new hold stopped")
+	}
+	if err := resync(ctx); err != nil {
+		t.Fatalf("second resync: %v", err)
 	}
 }

@@ -170,7 +170,7 @@ func (r fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRe
 	if in := link.ReceiveData(ctx); in != nil {
 		defer in.Close()
 		ask.BulkId = in.ID
-		return readBulk(ctx, c, done, ask, in, pass)
+		return readBulk(ctx, link, c, done, ask, in, pass)
 	}
 	s, err := c.Read(ctx, connect.NewRequest(ask))
 	if err != nil {
@@ -188,7 +188,7 @@ func (r fileRelay) Read(ctx context.Context, req *connect.Request[agentv1.ReadRe
 // readBulk relays a read whose content comes on the data port as transfer
 // in. The guest's call itself sends no messages; its end says whether the
 // read worked. Either failing ends the other.
-func readBulk(ctx context.Context, c agentv1connect.FileServiceClient, done func(context.Context, error) error,
+func readBulk(ctx context.Context, link *agentlink.Link, c agentv1connect.FileServiceClient, done func(context.Context, error) error,
 	ask *agentv1.ReadRequest, in *agentlink.Inbound, pass func([]byte) error) error {
 	cctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -231,14 +231,16 @@ func readBulk(ctx context.Context, c agentv1connect.FileServiceClient, done func
 				// The guest's call says why it gave up.
 				return relayErr(ctx, done, rerr)
 			}
-			return dataErr(err)
+			return dataErr(link, err)
 		}
 	}
 }
 
 // dataErr is a failed transfer on the data port, as the client sees it.
-// The stream to the agent is not to blame, so it is left alone.
-func dataErr(err error) error {
+// The stream to the agent is not to blame, so it is left alone. A port
+// that stalled while carreld held the VM paused stalled for the pause:
+// its reason is the error.
+func dataErr(link *agentlink.Link, err error) error {
 	if ce := new(connect.Error); errors.As(err, &ce) {
 		return err
 	}
@@ -247,6 +249,9 @@ func dataErr(err error) error {
 		return err
 	case errors.Is(err, agentlink.ErrDataProtocol):
 		return connect.NewError(connect.CodeDataLoss, fmt.Errorf("guest agent: %w", err))
+	}
+	if held := link.Held(); held != nil {
+		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%w (%v)", held, err))
 	}
 	return connect.NewError(connect.CodeUnavailable, fmt.Errorf("%w; the call can be retried", err))
 }
@@ -309,7 +314,7 @@ func (r fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agen
 		if t := link.SendData(ctx); t != nil {
 			defer t.Abort()
 			hdr.BulkId = t.ID
-			resp, err = writeBulk(ctx, open(c, ctx), done, hdr, in, t, content)
+			resp, err = writeBulk(ctx, link, open(c, ctx), done, hdr, in, t, content)
 			return resp, err
 		}
 	}
@@ -355,7 +360,7 @@ func wrapHeader(h *agentv1.WriteHeader) *agentv1.WriteRequest {
 // and writes the file once t ends (FrameEnd), or drops it if t is
 // aborted; its reply is watched meanwhile, so a guest that refuses the
 // write early stops the sending.
-func writeBulk(ctx context.Context, s *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse], done func(context.Context, error) error,
+func writeBulk(ctx context.Context, link *agentlink.Link, s *connect.ClientStreamForClient[agentv1.WriteRequest, agentv1.WriteResponse], done func(context.Context, error) error,
 	hdr *agentv1.WriteHeader, in *connect.ClientStream[agentv1.WriteRequest], t *agentlink.Outbound, content *recorder.Content) (*connect.Response[agentv1.WriteResponse], error) {
 	type reply struct {
 		resp *connect.Response[agentv1.WriteResponse]
@@ -396,7 +401,7 @@ func writeBulk(ctx context.Context, s *connect.ClientStreamForClient[agentv1.Wri
 					// Only the guest's refusal interrupts: its reason.
 					return nil, relayErr(ctx, done, (<-replied).err)
 				}
-				return nil, dataErr(err)
+				return nil, dataErr(link, err)
 			}
 			sent += int64(len(m.Data))
 			sum.Write(m.Data)
@@ -419,7 +424,7 @@ func writeBulk(ctx context.Context, s *connect.ClientStreamForClient[agentv1.Wri
 			return nil, connect.NewError(connect.CodeAborted, errors.New("write: the stream ended without a commit; nothing was written"))
 		}
 		if err := t.End(); err != nil {
-			return nil, dataErr(err)
+			return nil, dataErr(link, err)
 		}
 		r := <-replied
 		early = &r

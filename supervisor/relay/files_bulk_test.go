@@ -101,7 +101,7 @@ func TestReadBulkKeepsTheRealError(t *testing.T) {
 		total += int64(len(b))
 		return nil
 	}
-	err := readBulk(ctx, c, done, &agentv1.ReadRequest{Path: "/f", Length: asked, BulkId: in.ID}, in, pass)
+	err := readBulk(ctx, link, c, done, &agentv1.ReadRequest{Path: "/f", Length: asked, BulkId: in.ID}, in, pass)
 	if connect.CodeOf(err) != connect.CodeDataLoss || !strings.Contains(err.Error(), "more than the 5 bytes") {
 		t.Errorf("got %v, want the guest's breach (DataLoss)", err)
 	}
@@ -116,7 +116,7 @@ func TestReadBulkGuestRefusal(t *testing.T) {
 	link, _ := bulkLink(t)
 	ctx, in := inbound(t, link)
 	c, done := link.Files()
-	err := readBulk(ctx, c, done, &agentv1.ReadRequest{Path: "/missing", BulkId: in.ID}, in, func([]byte) error { return nil })
+	err := readBulk(ctx, link, c, done, &agentv1.ReadRequest{Path: "/missing", BulkId: in.ID}, in, func([]byte) error { return nil })
 	if connect.CodeOf(err) != connect.CodeNotFound {
 		t.Errorf("got %v, want the guest's NotFound", err)
 	}

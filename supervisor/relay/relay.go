@@ -136,7 +136,7 @@ func relayErr(ctx context.Context, done func(context.Context, error) error, err 
 	case ctx.Err() != nil:
 		return err
 	case errors.Is(err, agentlink.ErrHeld):
-		return connect.NewError(connect.CodeUnavailable, fmt.Errorf("the call was ended: %w", err))
+		return connect.NewError(connect.CodeUnavailable, err)
 	}
 	switch connect.CodeOf(err) {
 	case connect.CodeDataLoss, connect.CodeResourceExhausted:

@@ -6,8 +6,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
+	"sync"
 	"time"
 
+	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
@@ -115,7 +118,10 @@ func (m *Manager) ResumeAll(ctx context.Context) error {
 	m.pausedFor = ""
 	mcs := m.machinesLocked()
 	m.mu.Unlock()
-	var errs []error
+	var (
+		errs []error
+		wg   sync.WaitGroup
+	)
 	for _, mc := range mcs {
 		mc.mu.Lock()
 		paused, inst, byOperator := mc.paused, mc.rec.Instance, mc.rec.Paused
@@ -126,16 +132,23 @@ func (m *Manager) ResumeAll(ctx context.Context) error {
 			continue
 		}
 		if err := m.cfg.Driver.Resume(ctx, *inst); err != nil {
+			// Its link is released: the keepalive says what the guest is.
+			m.holdLink(ctx, mc)
 			errs = append(errs, fmt.Errorf("resume vm %q: %w", mc.rec.Name, err))
 			continue
 		}
-		m.holdLink(ctx, mc)
-		m.log.Info("vm resumed", "vm", mc.rec.Name, "paused_for", time.Since(since).Round(time.Millisecond))
-		// The pause could not be recorded while the log was down; both
-		// are recorded now.
-		_ = m.event(ctx, mc, EventPaused, fmt.Sprintf("%s (at %s)", reason, since.UTC().Format(time.RFC3339Nano)))
-		_ = m.event(ctx, mc, EventResumed, fmt.Sprintf("paused for %s", time.Since(since).Round(time.Millisecond)))
+		// Each VM's link comes back on its own time, at once unless the
+		// pause outlasted its connection.
+		wg.Go(func() {
+			m.holdLink(ctx, mc)
+			m.log.Info("vm resumed", "vm", mc.rec.Name, "paused_for", time.Since(since).Round(time.Millisecond))
+			// The pause could not be recorded while the log was down; both
+			// are recorded now.
+			_ = m.event(ctx, mc, EventPaused, fmt.Sprintf("%s (at %s)", reason, since.UTC().Format(time.RFC3339Nano)))
+			_ = m.event(ctx, mc, EventResumed, fmt.Sprintf("paused for %s", time.Since(since).Round(time.Millisecond)))
+		})
 	}
+	wg.Wait()
 	return errors.Join(errs...)
 }
 
@@ -169,30 +182,36 @@ func (m *Manager) pause(ctx context.Context, mc *machine, reason string) error {
 // (PauseAll) or by its operator (Pause), and releases it otherwise (see
 // agentlink.Hold): no probes or new connections to a guest that cannot
 // answer, and a call that the pause outlasts fails with its reason, not
-// as a broken link. A release after a pause that outlasted the
-// connection waits for the agent to answer on a new one.
+// as a broken link. It decides and acts under mc's lock, so that the last
+// call sees the last change to either pause. A release after a pause that
+// outlasted the connection waits for the agent to answer on a new one.
 func (m *Manager) holdLink(ctx context.Context, mc *machine) {
 	m.mu.Lock()
 	why := m.pausedFor
 	m.mu.Unlock()
+	var resync func(context.Context) error
 	mc.mu.Lock()
-	link, held, byOperator, name := mc.link, mc.paused, mc.rec.Paused, mc.rec.Name
-	mc.mu.Unlock()
+	link, name := mc.link, mc.rec.Name
 	switch {
 	case link == nil:
-	case held:
+	case mc.paused:
 		if why == "" {
 			why = "carreld holds every vm paused"
 		}
 		link.Hold(why + "; carreld resumes the vm when that is fixed")
-	case byOperator:
+	case mc.rec.Paused:
 		link.Hold(fmt.Sprintf("paused by request; resume it first (carrel vm resume %s)", name))
 	default:
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), resyncTimeout)
-		defer cancel()
-		if err := link.Release(ctx); err != nil {
-			m.log.Warn("guest agent did not answer again after the pause", "vm", name, "err", err)
-		}
+		resync = link.Release()
+	}
+	mc.mu.Unlock()
+	if resync == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), resyncTimeout)
+	defer cancel()
+	if err := resync(ctx); err != nil && !errors.Is(err, agentlink.ErrHeld) && !errors.Is(err, net.ErrClosed) {
+		m.log.Warn("guest agent did not answer again after the pause", "vm", name, "err", err)
 	}
 }
 

@@ -195,6 +195,8 @@ func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) error
 		if err := m.setVCPUs(ctx, mc, true); err != nil {
 			log.Warn("paused vm could not be resumed to power off; killing", "err", err)
 			force = true
+		} else if link != nil {
+			m.releaseForStop(ctx, mc, link)
 		}
 	}
 	if !force && link != nil {

@@ -5,14 +5,16 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
 // Pause stops a running VM's vCPUs at an operator's request. Its memory,
 // devices and disks are kept as they are; it stays paused, across carreld
 // restarts too, until Resume. Calls into a paused guest are refused with
-// ErrPaused instead of being left to time out, and calls in flight end at
-// the pause (agentlink.ErrHeld). Pausing a paused VM returns it unchanged.
+// ErrPaused instead of being left to time out; calls in flight wait, and
+// fail with agentlink.ErrHeld if the pause outlasts their connection (see
+// holdLink). Pausing a paused VM returns it unchanged.
 func (m *Manager) Pause(ctx context.Context, name string) (registry.Record, error) {
 	var rec registry.Record
 	err := m.locked(ctx, name, func(mc *machine) error {
@@ -90,4 +92,21 @@ func joinErr(err, also error) error {
 		return err
 	}
 	return fmt.Errorf("%w (and its record could not be restored: %v)", err, also)
+}
+
+// releaseForStop releases the link of a VM its operator paused once its
+// vCPUs run again to power off, so that the shutdown request reaches the
+// guest, unless carreld holds it paused as well (then they do not run).
+func (m *Manager) releaseForStop(ctx context.Context, mc *machine, link *agentlink.Link) {
+	var resync func(context.Context) error
+	mc.mu.Lock()
+	if !mc.paused {
+		resync = link.Release()
+	}
+	mc.mu.Unlock()
+	if resync != nil {
+		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+		_ = resync(ctx) // the shutdown that follows says what the guest does
+	}
 }

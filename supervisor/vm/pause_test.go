@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
@@ -138,13 +139,13 @@ func TestPauseHoldsTheLink(t *testing.T) {
 	if err := e.m.PauseAll(ctx, "audit log unavailable: disk full"); err != nil {
 		t.Fatal(err)
 	}
-	if !link.Held() {
+	if link.Held() == nil {
 		t.Fatal("PauseAll left the link unheld")
 	}
 	if err := e.m.ResumeAll(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if link.Held() {
+	if link.Held() != nil {
 		t.Fatal("the link is still held after ResumeAll")
 	}
 	if err := s.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Stdin{Stdin: []byte("still here")}}); err != nil {
@@ -157,7 +158,7 @@ func TestPauseHoldsTheLink(t *testing.T) {
 	if _, err := e.m.Pause(ctx, "a"); err != nil {
 		t.Fatal(err)
 	}
-	if !link.Held() {
+	if link.Held() == nil {
 		t.Fatal("an operator's pause left the link unheld")
 	}
 	// carreld's hold comes and goes: the operator's pause still holds.
@@ -167,16 +168,82 @@ func TestPauseHoldsTheLink(t *testing.T) {
 	if err := e.m.ResumeAll(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if !link.Held() {
+	if link.Held() == nil {
 		t.Fatal("ResumeAll released the link of a vm its operator paused")
 	}
 	if _, err := e.m.Resume(ctx, "a"); err != nil {
 		t.Fatal(err)
 	}
-	if link.Held() {
+	if link.Held() != nil {
 		t.Fatal("the link is still held after Resume")
 	}
 	if _, err := link.Health(ctx); err != nil {
 		t.Fatalf("health after resume: %v", err)
+	}
+}
+
+// TestLongPause: a pause that outlasts the agent connection (cut here as
+// the host's HTTP/2 keepalive cuts it) fails the call in flight with the
+// pause's reason and leaves the agent's health alone; a resume connects
+// again, and a stop after such a pause still powers the guest off.
+func TestLongPause(t *testing.T) {
+	e := newEnv(t)
+	ctx := context.Background()
+	a := e.create(t, "a")
+	fake := e.drv.VM(a.Instance.PID)
+	link, err := e.m.Link("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, done := link.Agent()
+	s := c.Process(ctx)
+	defer s.CloseRequest()
+	if err := s.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: &agentv1.ExecRequest{Argv: []string{"cat"}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Receive(); err != nil {
+		t.Fatalf("the call did not start: %v", err)
+	}
+	if _, err := e.m.Pause(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	fake.CutAgentConnections()
+	ended := make(chan error, 1)
+	go func() {
+		for {
+			if _, err := s.Receive(); err != nil {
+				ended <- done(ctx, err)
+				return
+			}
+		}
+	}()
+	select {
+	case err := <-ended:
+		if !errors.Is(err, agentlink.ErrHeld) || !strings.Contains(err.Error(), "carrel vm resume a") {
+			t.Fatalf("the call the pause outlasted ended with %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the call whose connection was cut did not end")
+	}
+	if st, err := link.State(); st != agentlink.Ready {
+		t.Errorf("agent %v (%v) after a long pause; want ready as before", st, err)
+	}
+	if _, err := e.m.Resume(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := link.Health(ctx); err != nil {
+		t.Fatalf("health after the resume: %v", err)
+	}
+
+	if _, err := e.m.Pause(ctx, "a"); err != nil {
+		t.Fatal(err)
+	}
+	fake.CutAgentConnections()
+	killed := e.drv.Killed
+	if _, err := e.m.Stop(ctx, "a", false); err != nil {
+		t.Fatal(err)
+	}
+	if e.drv.Killed != killed {
+		t.Error("a vm stopped after a long pause was killed, not powered off")
 	}
 }

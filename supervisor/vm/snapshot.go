@@ -314,6 +314,7 @@ func (m *Manager) unstick(ctx context.Context, mc *machine) error {
 	}
 	if err := m.setVCPUs(ctx, mc, false); err != nil {
 		perr := m.persist(mc, func(r *registry.Record) { r.Paused, r.PausedAt = false, time.Time{} })
+		m.holdLink(ctx, mc) // it runs: calls go through again
 		return fmt.Errorf("the vm runs again: it could not be paused after its snapshot: %w", joinErr(err, perr))
 	}
 	return nil

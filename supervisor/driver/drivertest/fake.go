@@ -425,11 +425,27 @@ func serveAgent(v *VM) {
 	go func() { <-v.exited; srv.Close() }()
 }
 
+// CutAgentConnections ends every agent connection the host has made, as
+// the host's HTTP/2 keepalive does to a guest paused for longer than it
+// waits; the fake agent keeps serving new ones.
+func (v *VM) CutAgentConnections() {
+	v.agent.mu.Lock()
+	hosts := v.agent.hosts
+	v.agent.hosts = nil
+	v.agent.mu.Unlock()
+	for _, c := range hosts {
+		c.Close()
+	}
+}
+
 // pipeListener hands out the guest ends of in-memory connections.
 type pipeListener struct {
 	conns  chan net.Conn
 	closed chan struct{}
 	once   sync.Once
+
+	mu    sync.Mutex
+	hosts []net.Conn // the host ends handed out, for CutAgentConnections
 }
 
 var _ net.Listener = (*pipeListener)(nil)
@@ -442,6 +458,9 @@ func (l *pipeListener) dial(ctx context.Context) (net.Conn, error) {
 	host, guest := net.Pipe()
 	select {
 	case l.conns <- guest:
+		l.mu.Lock()
+		l.hosts = append(l.hosts, host)
+		l.mu.Unlock()
 		return host, nil
 	case <-l.closed:
 		return nil, errors.New("fake vm is gone")
