@@ -81,7 +81,8 @@ type Link struct {
 	lastErr error
 	info    *agentv1.HealthResponse
 	closed  bool
-	held    error // non-nil while Hold holds the link: why
+	held    error  // non-nil while Hold holds the link: why
+	holds   uint64 // Holds so far: a resync stops at a new one
 	// stopResync ends the probe of a resync in progress (Release).
 	stopResync context.CancelFunc
 	// lostHeld is set when a connection ended while the link was held.
@@ -98,6 +99,10 @@ type channel struct {
 	files     agentv1connect.FileServiceClient
 	ports     agentv1connect.PortServiceClient
 	egress    agentv1connect.EgressServiceClient
+
+	// resync marks the channel of Release's probe, which may connect
+	// while the link is still held.
+	resync bool
 
 	mu   sync.Mutex
 	conn net.Conn
@@ -117,18 +122,22 @@ func (l *Link) channel() *channel {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.cur == nil {
-		s := &channel{}
-		httpClient, t := protocol.NewHTTPClient(func(ctx context.Context) (net.Conn, error) {
-			return l.dialFor(ctx, s)
-		})
-		s.transport = t
-		s.client = agentv1connect.NewAgentServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
-		s.files = agentv1connect.NewFileServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
-		s.ports = agentv1connect.NewPortServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
-		s.egress = agentv1connect.NewEgressServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
-		l.cur = s
+		l.cur = l.newChannel(false)
 	}
 	return l.cur
+}
+
+func (l *Link) newChannel(resync bool) *channel {
+	s := &channel{resync: resync}
+	httpClient, t := protocol.NewHTTPClient(func(ctx context.Context) (net.Conn, error) {
+		return l.dialFor(ctx, s)
+	})
+	s.transport = t
+	s.client = agentv1connect.NewAgentServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+	s.files = agentv1connect.NewFileServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+	s.ports = agentv1connect.NewPortServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+	s.egress = agentv1connect.NewEgressServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+	return s
 }
 
 func (l *Link) dialFor(ctx context.Context, s *channel) (net.Conn, error) {
@@ -138,7 +147,7 @@ func (l *Link) dialFor(ctx context.Context, s *channel) (net.Conn, error) {
 	if closed {
 		return nil, net.ErrClosed
 	}
-	if held != nil {
+	if held != nil && !s.resync {
 		return nil, held
 	}
 	c, err := l.dial(ctx)
@@ -349,65 +358,92 @@ func (l *Link) Hold(why string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.held = fmt.Errorf("%w: %s", ErrHeld, why)
+	l.holds++
 	if l.stopResync != nil {
 		l.stopResync()
+		l.stopResync = nil
+		l.lostHeld = true // no connection known to be good
 	}
 }
 
-// Release ends Hold, at once. When the connection ended while the link
-// was held, the guest, which learns of that only once it runs, may still
-// send the end of the old session into the port, and the first
-// connection after it can meet those bytes and fail. Release then returns
-// resync, which probes the agent on fresh connections until one answers
-// (and marks it ready), ctx ends (and marks it unhealthy), or the link is
-// held again or closed; its error says which. Otherwise resync is nil.
+// Release ends Hold. When the connection ended while the link was held,
+// the guest, which learns of that only once it runs, may still send the
+// end of the old session into the port, and the first connection after
+// it can meet those bytes and fail. Then the link stays held, refusing
+// calls with ErrHeld ("resuming"), and Release returns resync, which
+// probes the agent on fresh connections of its own until one answers: it
+// makes that one the link's and releases it. It gives up when ctx ends
+// (releasing the link, marked unhealthy) or when the link is held again
+// or closed; its error says which. Otherwise Release releases the link at
+// once and resync is nil.
 func (l *Link) Release() (resync func(context.Context) error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	lost := l.lostHeld
-	l.held, l.lostHeld = nil, false
-	if !lost {
+	if !l.lostHeld {
+		l.held = nil
 		return nil
 	}
-	return l.resync
+	l.lostHeld = false
+	l.held = fmt.Errorf("%w: it is resuming, and carreld is connecting to its agent again; try again in a moment", ErrHeld)
+	holds := l.holds
+	return func(ctx context.Context) error { return l.resync(ctx, holds) }
 }
 
-func (l *Link) resync(ctx context.Context) error {
+func (l *Link) resync(ctx context.Context, holds uint64) error {
 	probeCtx, stop := context.WithCancel(ctx)
 	defer stop()
 	l.mu.Lock()
-	l.stopResync = stop
+	if l.holds == holds {
+		l.stopResync = stop
+	}
 	l.mu.Unlock()
 	defer func() {
 		l.mu.Lock()
-		l.stopResync = nil
+		if l.holds == holds {
+			l.stopResync = nil
+		}
 		l.mu.Unlock()
 	}()
 	attempt := resyncAttempt
 	for {
 		l.mu.Lock()
-		closed, held := l.closed, l.held
-		if held != nil {
-			l.lostHeld = true // held again: no connection known to be good
-		}
+		closed, again, held := l.closed, l.holds != holds, l.held
 		l.mu.Unlock()
 		switch {
 		case closed:
 			return net.ErrClosed
-		case held != nil:
+		case again:
 			return held
 		}
-		s := l.channel()
+		s := l.newChannel(true)
 		pctx, cancel := context.WithTimeout(probeCtx, attempt)
 		resp, err := s.client.Health(pctx, connect.NewRequest(&agentv1.HealthRequest{}))
 		cancel()
 		if err == nil {
+			l.mu.Lock()
+			if l.closed || l.holds != holds {
+				l.mu.Unlock()
+				s.close()
+				continue // the top of the loop says which
+			}
+			old := l.cur
+			l.cur, l.held = s, nil
+			l.mu.Unlock()
+			if old != nil {
+				old.close()
+			}
 			l.markReady(resp.Msg)
 			return nil
 		}
-		l.drop(s)
+		s.close()
 		if ctx.Err() != nil {
-			if l.heldErr() == nil {
+			l.mu.Lock()
+			mine := l.holds == holds
+			if mine {
+				l.held = nil
+			}
+			l.mu.Unlock()
+			if mine {
 				l.markUnhealthy(err)
 			}
 			return fmt.Errorf("the guest agent did not answer on a new connection after the pause: %w", err)
@@ -500,8 +536,8 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 			continue
 		}
 		_, err := l.Health(ctx)
-		if err == nil || ctx.Err() != nil {
-			continue
+		if err == nil || ctx.Err() != nil || l.Held() != nil {
+			continue // a probe the pause caught out says nothing
 		}
 		if connect.CodeOf(err) == connect.CodeDeadlineExceeded {
 			l.markUnhealthy(err)

@@ -526,8 +526,9 @@ func TestHeldLinkStillEndsABrokenProtocol(t *testing.T) {
 	}
 }
 
-// TestHoldDuringResyncStopsIt: a resync after a long pause ends at once,
-// with ErrHeld, when the link is held again meanwhile, and marks nothing
+// TestHoldDuringResyncStopsIt: during a resync after a long pause, calls
+// are refused (the link is still held, "resuming"); the resync ends at
+// once, with ErrHeld, when the link is held again, and marks nothing
 // unhealthy; the next Release resyncs again.
 func TestHoldDuringResyncStopsIt(t *testing.T) {
 	var answer atomic.Bool
@@ -569,6 +570,11 @@ func TestHoldDuringResyncStopsIt(t *testing.T) {
 	errc := make(chan error, 1)
 	go func() { errc <- resync(ctx) }()
 	time.Sleep(100 * time.Millisecond)
+	// Until the resync has a connection the agent answers on, calls are
+	// refused, and do not disturb it.
+	if _, err := l.Health(ctx); !errors.Is(err, ErrHeld) || !strings.Contains(err.Error(), "resuming") {
+		t.Fatalf("a call during the resync: %v; want ErrHeld, resuming", err)
+	}
 	l.Hold("paused by request, again")
 	select {
 	case err := <-errc:

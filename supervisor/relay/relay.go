@@ -136,6 +136,9 @@ func relayErr(ctx context.Context, done func(context.Context, error) error, err 
 	case ctx.Err() != nil:
 		return err
 	case errors.Is(err, agentlink.ErrHeld):
+		if ce, ok := err.(*connect.Error); ok && ce.Code() == connect.CodeUnavailable {
+			return ce // refused before it reached the guest: as it is
+		}
 		return connect.NewError(connect.CodeUnavailable, err)
 	}
 	switch connect.CodeOf(err) {

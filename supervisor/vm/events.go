@@ -133,7 +133,7 @@ func (m *Manager) ResumeAll(ctx context.Context) error {
 		}
 		if err := m.cfg.Driver.Resume(ctx, *inst); err != nil {
 			// Its link is released: the keepalive says what the guest is.
-			m.holdLink(ctx, mc)
+			wg.Go(func() { m.holdLink(ctx, mc) })
 			errs = append(errs, fmt.Errorf("resume vm %q: %w", mc.rec.Name, err))
 			continue
 		}
@@ -199,7 +199,7 @@ func (m *Manager) holdLink(ctx context.Context, mc *machine) {
 			why = "carreld holds every vm paused"
 		}
 		link.Hold(why + "; carreld resumes the vm when that is fixed")
-	case mc.rec.Paused:
+	case mc.rec.Paused && mc.rec.State == registry.StateRunning: // not while it stops
 		link.Hold(fmt.Sprintf("paused by request; resume it first (carrel vm resume %s)", name))
 	default:
 		resync = link.Release()

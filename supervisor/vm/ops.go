@@ -195,8 +195,10 @@ func (m *Manager) stopLocked(ctx context.Context, mc *machine, force bool) error
 		if err := m.setVCPUs(ctx, mc, true); err != nil {
 			log.Warn("paused vm could not be resumed to power off; killing", "err", err)
 			force = true
-		} else if link != nil {
-			m.releaseForStop(ctx, mc, link)
+		} else {
+			// Stopping, it is no longer held for its pause, unless
+			// carreld holds it too (then its vCPUs did not start).
+			m.holdLink(ctx, mc)
 		}
 	}
 	if !force && link != nil {

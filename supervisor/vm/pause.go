@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/registry"
 )
 
@@ -92,21 +91,4 @@ func joinErr(err, also error) error {
 		return err
 	}
 	return fmt.Errorf("%w (and its record could not be restored: %v)", err, also)
-}
-
-// releaseForStop releases the link of a VM its operator paused once its
-// vCPUs run again to power off, so that the shutdown request reaches the
-// guest, unless carreld holds it paused as well (then they do not run).
-func (m *Manager) releaseForStop(ctx context.Context, mc *machine, link *agentlink.Link) {
-	var resync func(context.Context) error
-	mc.mu.Lock()
-	if !mc.paused {
-		resync = link.Release()
-	}
-	mc.mu.Unlock()
-	if resync != nil {
-		ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		defer cancel()
-		_ = resync(ctx) // the shutdown that follows says what the guest does
-	}
 }
