@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"connectrpc.com/connect"
+
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/registry"
@@ -123,18 +125,9 @@ func TestPauseHoldsTheLink(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// A Process call in flight: the fake agent echoes stdin.
 	callCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	c, _ := link.Agent()
-	s := c.Process(callCtx)
-	defer s.CloseRequest()
-	if err := s.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: &agentv1.ExecRequest{Argv: []string{"cat"}}}}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Receive(); err != nil {
-		t.Fatalf("the call did not start: %v", err)
-	}
+	s, _ := startCat(t, callCtx, link)
 
 	if err := e.m.PauseAll(ctx, "audit log unavailable: disk full"); err != nil {
 		t.Fatal(err)
@@ -195,15 +188,7 @@ func TestLongPause(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, done := link.Agent()
-	s := c.Process(ctx)
-	defer s.CloseRequest()
-	if err := s.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: &agentv1.ExecRequest{Argv: []string{"cat"}}}}); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.Receive(); err != nil {
-		t.Fatalf("the call did not start: %v", err)
-	}
+	s, done := startCat(t, ctx, link)
 	if _, err := e.m.Pause(ctx, "a"); err != nil {
 		t.Fatal(err)
 	}
@@ -246,4 +231,21 @@ func TestLongPause(t *testing.T) {
 	if e.drv.Killed != killed {
 		t.Error("a vm stopped after a long pause was killed, not powered off")
 	}
+}
+
+// startCat starts a Process call through link that stays in flight (the
+// fake agent echoes stdin until it closes), and returns it with the done
+// its errors go through.
+func startCat(t *testing.T, ctx context.Context, link *agentlink.Link) (*connect.BidiStreamForClient[agentv1.ProcessInput, agentv1.ExecResponse], func(context.Context, error) error) {
+	t.Helper()
+	c, done := link.Agent()
+	s := c.Process(ctx)
+	t.Cleanup(func() { s.CloseRequest() })
+	if err := s.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: &agentv1.ExecRequest{Argv: []string{"cat"}}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Receive(); err != nil {
+		t.Fatalf("the call did not start: %v", err)
+	}
+	return s, done
 }
