@@ -581,10 +581,11 @@ var benchInputs = map[Kind]func() Input{
 	},
 }
 
-// BenchmarkDecide measures one decision of the default policy per kind:
-// go test -run '^$' -bench Decide -benchmem -cpuprofile cpu.out ./policy/
-// BenchmarkDecide measures one decision with the rules evaluated
-// (Evaluate), and served from the cache (Decide on a repeated input).
+// BenchmarkDecide measures one decision of the default policy per kind,
+// with the rules evaluated (Evaluate) and served from the cache (Decide on
+// a repeated input):
+//
+//	go test -run '^$' -bench Decide -benchmem -cpuprofile cpu.out ./policy/
 func BenchmarkDecide(b *testing.B) {
 	p := compiledDefault(b)
 	for _, k := range []Kind{KindExec, KindFS, KindNet, KindAPI} {
