@@ -53,6 +53,9 @@ func (l *Log) enqueue(reqs []request) error {
 	case l.fault != nil:
 		l.refused++
 		err := unavailable(l.fault)
+		for i := range reqs {
+			l.deferLocked(&reqs[i])
+		}
 		l.mu.Unlock()
 		return err
 	}
@@ -187,6 +190,11 @@ func (l *Log) commit(b *batch) error {
 		}
 		b.err = unavailable(err)
 		close(b.done)
+		l.mu.Lock()
+		for _, r := range b.reqs {
+			l.deferLocked(r)
+		}
+		l.mu.Unlock()
 		l.setFault(err)
 		return err
 	}
@@ -311,6 +319,11 @@ func (l *Log) setFault(cause error) {
 	l.fault = cause
 	pend := l.pending
 	l.pending = nil
+	for _, b := range pend {
+		for _, r := range b.reqs {
+			l.deferLocked(r)
+		}
+	}
 	l.mu.Unlock()
 	for _, b := range pend {
 		b.err = unavailable(cause)
@@ -389,6 +402,9 @@ func (l *Log) probe() {
 		fail(err)
 		return
 	}
+	if err := l.commitDeferred(); err != nil {
+		return // the new cause is set
+	}
 	l.mu.Lock()
 	l.fault = nil
 	refused = l.refused
@@ -399,6 +415,46 @@ func (l *Log) probe() {
 		l.opts.OnRecover()
 		l.cbMu.Unlock()
 	}
+}
+
+// deferLocked keeps r if it is an outcome, for commitDeferred: an action
+// that ended while the log could not say so has ended all the same, and
+// its intent should not stay open until the next start marks it unknown.
+// l.mu is held.
+func (l *Log) deferLocked(r *request) {
+	if r.ends != nil {
+		l.deferred = append(l.deferred, &request{body: r.body, ends: r.ends})
+	}
+}
+
+// commitDeferred writes the outcomes kept while the log was unavailable,
+// in one batch, right after the probe's audit.recovery record: each at
+// most once, and only for an intent still open. They carry the time they
+// are written. A failure sets the fault again, and keeps them for the
+// next probe.
+func (l *Log) commitDeferred() error {
+	l.mu.Lock()
+	reqs := l.deferred
+	l.deferred = nil
+	l.mu.Unlock()
+	b := &batch{done: make(chan struct{})}
+	seen := map[uint64]bool{}
+	for _, r := range reqs {
+		if _, open := l.openIntents[*r.ends]; !open || seen[*r.ends] {
+			continue
+		}
+		seen[*r.ends] = true
+		r.b = b
+		b.reqs = append(b.reqs, r)
+	}
+	if len(b.reqs) == 0 {
+		return nil
+	}
+	if err := l.commit(b); err != nil {
+		return err
+	}
+	l.log.Info("audit log wrote the outcomes that came while it was unavailable", "outcomes", len(b.reqs))
+	return nil
 }
 
 // commitOne commits one record of the log's own, on the committer's

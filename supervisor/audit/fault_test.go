@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -123,6 +124,15 @@ func (e *events) waitRecover(t *testing.T) {
 	}
 }
 
+// faultyLog opens a log in a new directory whose files fail as f is set,
+// retrying every 5 ms, with its fault and recovery events in ev.
+func faultyLog(t *testing.T) (dir string, f *faults, ev *events, l *Log) {
+	dir, f = t.TempDir(), &faults{}
+	opts := Options{open: f.open, RetryInterval: 5 * time.Millisecond}
+	ev = newEvents(&opts)
+	return dir, f, ev, openLog(t, dir, opts)
+}
+
 func TestFaultRecordsFile(t *testing.T) {
 	for name, tc := range map[string]struct {
 		write, sync, trunc error
@@ -136,11 +146,7 @@ func TestFaultRecordsFile(t *testing.T) {
 		"EIO on fsync and truncate, then ok": {sync: syscall.EIO, trunc: syscall.EIO, want: syscall.EIO},
 	} {
 		t.Run(name, func(t *testing.T) {
-			dir := t.TempDir()
-			f := &faults{}
-			opts := Options{open: f.open, RetryInterval: 5 * time.Millisecond}
-			ev := newEvents(&opts)
-			l := openLog(t, dir, opts)
+			dir, f, ev, l := faultyLog(t)
 			ctx := context.Background()
 			appendN(t, l, 10)
 			_, size := frames(t, dir)
@@ -379,5 +385,81 @@ func TestFaultCheckpointWhileIdle(t *testing.T) {
 	ev.waitRecover(t)
 	if cp := l.Checkpoint(); cp == nil || cp.Size < 5 {
 		t.Errorf("checkpoint after recovery: %+v", cp)
+	}
+}
+
+// TestFaultKeepsOutcomes: an outcome that comes while the log is
+// unavailable (its append refused, or in the batch that failed) is
+// written once the log is available again, right after the
+// audit.recovery record, once; its intent is not left open, and the End
+// that failed is not to be retried.
+func TestFaultKeepsOutcomes(t *testing.T) {
+	dir, f, ev, l := faultyLog(t)
+	ctx := context.Background()
+	failing, err := l.Begin(ctx, Record{Provenance: Host})
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused, err := l.Begin(ctx, Record{Provenance: Host})
+	if err != nil {
+		t.Fatal(err)
+	}
+	never, err := l.Begin(ctx, Record{Provenance: Host}) // ends after the log is back
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	f.set(recordsFile, syscall.ENOSPC, nil, nil, false)
+	if _, err := failing.End(ctx, Record{Provenance: Host, Data: []byte(`{"n":1}`)}); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("End in the batch that fails: %v", err)
+	}
+	ev.waitFault(t)
+	if _, err := refused.End(ctx, Record{Provenance: Host, Data: []byte(`{"n":2}`)}); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("End while unavailable: %v", err)
+	}
+	if _, err := refused.End(ctx, Record{Provenance: Host}); !errors.Is(err, ErrEnded) {
+		t.Fatalf("a second End of a kept outcome: %v; want ErrEnded", err)
+	}
+	f.set("", nil, nil, nil, false)
+	ev.waitRecover(t)
+	if _, err := never.End(ctx, Record{Provenance: Host}); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	rep := mustVerify(t, dir)
+	if rep.OpenIntents != 0 {
+		t.Errorf("%d intents left open", rep.OpenIntents)
+	}
+	r, err := OpenReader(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	var kinds []string
+	outcomes := map[uint64]int{}
+	if _, err := r.Scan(func(seq uint64, _ int64, payload []byte) error {
+		rec, err := Decode(payload)
+		if err != nil {
+			return err
+		}
+		kinds = append(kinds, rec.Kind)
+		if rec.Intent != nil {
+			outcomes[*rec.Intent]++
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{KindIntent, KindIntent, KindIntent, KindRecovery, KindOutcome, KindOutcome, KindOutcome}
+	if !slices.Equal(kinds, want) {
+		t.Errorf("records %v, want %v", kinds, want)
+	}
+	for _, p := range []*Pending{failing, refused, never} {
+		if outcomes[p.Seq()] != 1 {
+			t.Errorf("intent %d has %d outcomes", p.Seq(), outcomes[p.Seq()])
+		}
 	}
 }

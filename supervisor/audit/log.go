@@ -132,6 +132,9 @@ type Log struct {
 	fault      error // the cause, while unavailable
 	faultSince time.Time
 	refused    uint64
+	// deferred are the outcomes refused or failed while the log was
+	// unavailable, written once it is available again (see probe).
+	deferred []*request
 
 	size     atomic.Uint64 // durable records
 	commits  atomic.Uint64 // group commits made
@@ -419,13 +422,15 @@ func (p *Pending) Seq() uint64 { return p.seq }
 // seq, Kind defaulting to "action.outcome", and VM and Session to the
 // intent's. A failed End may be retried (after a ctx error the outcome
 // may already be written, and Verify would then report two); a second
-// successful one is ErrEnded.
+// successful one is ErrEnded. One that fails because the log is
+// unavailable is not to be retried: the log keeps the outcome and writes
+// it when it is available again (ErrUnavailable, and End is ErrEnded).
 func (p *Pending) End(ctx context.Context, rec Record) (uint64, error) {
 	if !p.ended.CompareAndSwap(false, true) {
 		return 0, ErrEnded
 	}
 	s, err := p.l.Append(ctx, p.Outcome(rec))
-	if err != nil {
+	if err != nil && !errors.Is(err, ErrUnavailable) {
 		p.ended.Store(false)
 	}
 	return s, err

@@ -41,7 +41,12 @@ func (c *Call) begin(ctx context.Context, what string, intent any) (*Action, err
 
 // end ties the outcome rec to the intent, even when ctx has ended.
 func (a *Action) end(ctx context.Context, rec audit.Record, what string) {
-	if _, err := a.p.End(context.WithoutCancel(ctx), rec); err != nil && !errors.Is(err, audit.ErrEnded) {
+	_, err := a.p.End(context.WithoutCancel(ctx), rec)
+	switch {
+	case err == nil || errors.Is(err, audit.ErrEnded):
+	case errors.Is(err, audit.ErrUnavailable):
+		a.c.r.logger.Warn(what+" outcome kept until the audit log is writable again", "vm", a.c.vm, "err", err)
+	default:
 		a.c.r.logger.Error(what+" outcome not recorded; recovery will mark it unknown", "vm", a.c.vm, "err", err)
 	}
 }

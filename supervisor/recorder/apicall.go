@@ -47,6 +47,8 @@ func (r *Recorder) APICallEnded(ctx context.Context, c *APICall, code string, er
 	// shares this record's group commit.
 	recs := append(takeHeld(ctx), rec)
 	if _, err := r.log.AppendAll(context.WithoutCancel(ctx), recs...); err != nil {
+		// An outcome among recs is kept by the log, and written once
+		// it can write again (audit.Log's deferred outcomes).
 		r.logger.Error("api call not recorded", "procedure", c.Procedure, "records", len(recs), "err", err)
 	}
 }

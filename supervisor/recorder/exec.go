@@ -217,7 +217,12 @@ func (e *Exec) Finish(ctx context.Context, res Result, callErr error) {
 	if hold(ctx, e.p.Outcome(rec)) {
 		return // durable with the call's api.call record
 	}
-	if _, err := e.p.End(ctx, rec); err != nil && !errors.Is(err, audit.ErrEnded) {
+	_, err := e.p.End(ctx, rec)
+	switch {
+	case err == nil || errors.Is(err, audit.ErrEnded):
+	case errors.Is(err, audit.ErrUnavailable):
+		log.Warn("exec outcome kept until the audit log is writable again", "vm", e.c.vm, "err", err)
+	default:
 		log.Error("exec outcome not recorded; recovery will mark it unknown", "vm", e.c.vm, "err", err)
 	}
 }
