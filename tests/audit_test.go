@@ -195,14 +195,6 @@ func TestAuditCrash(t *testing.T) {
 	if out := d.Must("audit", "verify", "--dir", dir); !strings.Contains(out, "ok: the log is intact") {
 		t.Fatalf("verify:\n%s", out)
 	}
-	// The outcome of the call the pause outlasted came while the log was
-	// down; it was written once the log came back, so no intent is open.
-	var rep struct {
-		OpenIntents *int `json:"open_intents"`
-	}
-	if v := d.Carrel("audit", "verify", "--dir", dir, "--output", "json"); v.Code != 0 || json.Unmarshal([]byte(v.Stdout), &rep) != nil || rep.OpenIntents == nil || *rep.OpenIntents != 0 {
-		t.Errorf("intents left open after the outage: %+v", v)
-	}
 	log, err := os.ReadFile(filepath.Join(dir, "records.log"))
 	if err != nil {
 		t.Fatal(err)

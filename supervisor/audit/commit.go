@@ -317,6 +317,7 @@ func (l *Log) setFault(cause error) {
 		l.refused = 0
 	}
 	l.fault = cause
+	l.faults++
 	pend := l.pending
 	l.pending = nil
 	for _, b := range pend {
@@ -361,6 +362,9 @@ func (l *Log) failPending(err error) {
 // how long the log was unavailable. Only when that record is durable does
 // the log take appends again.
 func (l *Log) probe() {
+	l.mu.Lock()
+	faults := l.faults
+	l.mu.Unlock()
 	fail := func(err error) { l.setFault(err) }
 	if l.rec != nil { // nil during a roll that failed to start records.log again
 		if err := l.rec.Truncate(l.offset); err != nil {
@@ -402,13 +406,33 @@ func (l *Log) probe() {
 		fail(err)
 		return
 	}
-	if err := l.commitDeferred(); err != nil {
-		return // the new cause is set
+	// The outcomes kept meanwhile go next, until none is left: one kept
+	// while the last were written is refused by a log still unavailable,
+	// and is written too before the fault is cleared, in the same
+	// critical section that finds none left.
+	for {
+		l.mu.Lock()
+		if len(l.deferred) == 0 {
+			if l.faults != faults {
+				// A fault set since this probe began (by the checkpointer,
+				// or by a commit above whose hashes failed) stands.
+				l.mu.Unlock()
+				return
+			}
+			l.fault = nil
+			refused = l.refused
+			l.mu.Unlock()
+			break
+		}
+		l.mu.Unlock()
+		if err := l.commitDeferred(); err != nil {
+			return // the new cause is set
+		}
+		if err := l.flushHashes(); err != nil {
+			fail(err)
+			return
+		}
 	}
-	l.mu.Lock()
-	l.fault = nil
-	refused = l.refused
-	l.mu.Unlock()
 	l.log.Info("audit log available again", "since", since, "refused", refused)
 	if l.opts.OnRecover != nil {
 		l.cbMu.Lock()

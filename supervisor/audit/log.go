@@ -132,6 +132,7 @@ type Log struct {
 	fault      error // the cause, while unavailable
 	faultSince time.Time
 	refused    uint64
+	faults     uint64 // setFault calls, so that a probe sees one it did not make
 	// deferred are the outcomes refused or failed while the log was
 	// unavailable, written once it is available again (see probe).
 	deferred []*request
@@ -262,6 +263,13 @@ func (l *Log) Close() error {
 	close(l.stop)
 	<-l.committerDone
 	<-l.ckptDone
+	l.mu.Lock()
+	lost := len(l.deferred)
+	l.deferred = nil
+	l.mu.Unlock()
+	if lost > 0 {
+		l.log.Error("audit log closed while unavailable: outcomes kept for it are lost; the next start marks their intents unknown", "outcomes", lost)
+	}
 	var errs []error
 	if l.Health() == nil {
 		errs = append(errs, l.ckpt.flush())
