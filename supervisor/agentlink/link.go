@@ -11,6 +11,11 @@
 // file content crosses it in frames as Outbound and Inbound transfers,
 // held to the same rules, and a guest that breaks them has the port
 // turned off, its content going in the stream from then on.
+//
+// While carreld keeps a VM's vCPUs stopped, its link is held (Hold): no
+// probes, no new connections, and a call the pause outlasts fails with
+// the pause's reason; Release connects again with care after a pause
+// that outlasted the connection.
 package agentlink
 
 import (
@@ -291,7 +296,7 @@ func (l *Link) check(ctx context.Context, s *channel, err error) error {
 	// the guest's. Anything else (an oversized or undecodable message)
 	// breaks the protocol, held or not.
 	if !brokeProtocol(err) && l.lose(s) {
-		if held := l.heldErr(); held != nil && !errors.Is(err, ErrHeld) {
+		if held := l.Held(); held != nil && !errors.Is(err, ErrHeld) {
 			return fmt.Errorf("%w (%v)", held, err)
 		}
 		return err
@@ -329,12 +334,6 @@ func (l *Link) lose(s *channel) bool {
 		l.drop(s)
 	}
 	return held
-}
-
-func (l *Link) heldErr() error {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.held
 }
 
 // ErrHeld is what calls get while the link is held (Hold): ended if they
@@ -461,7 +460,11 @@ func (l *Link) resync(ctx context.Context, holds uint64) error {
 const resyncAttempt = time.Second
 
 // Held returns why the link is held (Hold), or nil.
-func (l *Link) Held() error { return l.heldErr() }
+func (l *Link) Held() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.held
+}
 
 // Health probes the agent once.
 func (l *Link) Health(ctx context.Context) (*agentv1.HealthResponse, error) {

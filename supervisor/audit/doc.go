@@ -69,7 +69,9 @@
 //     appends fail with [ErrUnavailable] until a background probe succeeds,
 //     and Options.OnFault and Options.OnRecover tell the caller. The probe
 //     writes an "audit.recovery" record that says how long the log was
-//     unavailable and how many appends it refused.
+//     unavailable and how many appends it refused, and then the outcomes
+//     (records that end an intent) it refused or failed meanwhile, kept
+//     in memory, so that an outage leaves no intent open.
 //   - Signed: a checkpoint is written every Options.CheckpointEvery records,
 //     every Options.CheckpointInterval when there are new records, and on
 //     Close, after hashes.db is synced, with file and directory fsync'd.
