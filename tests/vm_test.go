@@ -1,12 +1,17 @@
 package tests
 
 import (
+	"bufio"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"io"
 	"os"
+	osexec "os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -95,6 +100,38 @@ func TestVMEndToEnd(t *testing.T) {
 		r = d.Carrel("exec", "nope", "--", "true")
 		if r.Code != 125 || !strings.Contains(r.Stderr, "nope") {
 			t.Errorf("exec in a missing vm: %+v", r)
+		}
+		// Without -i a command reads an empty stdin (and runs on the link's
+		// shared Commands stream); with -i it reads the CLI's.
+		r = d.CarrelTimeout(time.Minute, "exec", "demo", "--", "sh", "-c", "cat; echo read $?")
+		if r.Code != 0 || r.Stdout != "read 0\n" {
+			t.Errorf("exec without -i: %+v, want an empty stdin", r)
+		}
+		r = d.CarrelStdin("piped\n", "exec", "-i", "demo", "--", "cat")
+		if r.Code != 0 || r.Stdout != "piped\n" {
+			t.Errorf("exec -i: %+v", r)
+		}
+		// ^C to the CLI is the command's.
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		cmd := osexec.CommandContext(ctx, filepath.Join(d.Bin, "carrel"), "exec", "demo", "--",
+			"sh", "-c", "trap 'echo got INT; exit 7' INT; echo ready; while :; do sleep 0.1; done")
+		cmd.Env = append(os.Environ(), "CARREL_SOCKET="+d.Socket)
+		stdout, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		line, _ := bufio.NewReader(stdout).ReadString('\n')
+		if line != "ready\n" {
+			t.Fatalf("the command did not start: %q", line)
+		}
+		cmd.Process.Signal(syscall.SIGINT)
+		rest, _ := io.ReadAll(stdout)
+		if err := cmd.Wait(); cmd.ProcessState.ExitCode() != 7 || string(rest) != "got INT\n" {
+			t.Errorf("after ^C: exit %d (%v), output %q; want the command's trap to run", cmd.ProcessState.ExitCode(), err, rest)
 		}
 	})
 

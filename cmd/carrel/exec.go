@@ -44,7 +44,10 @@ func newExecCmd(g *globals) *cobra.Command {
 			if cmd.ArgsLenAtDash() != 1 {
 				return errors.New("usage: carrel exec [flags] NAME -- CMD [ARG...]")
 			}
-			req := &agentv1.ExecRequest{Argv: args[1:], Env: env, Cwd: cwd, User: user, Tty: sf.tty, Detach: detach}
+			req := &agentv1.ExecRequest{Argv: args[1:], Env: env, Cwd: cwd, User: user, Tty: sf.tty, Detach: detach,
+				// Without -i the command reads an empty stdin, as with
+				// docker exec; a detached one keeps stdin for carrel attach -i.
+				NoStdin: !sf.interactive && !sf.tty && !detach}
 			ctx := cmd.Context()
 			if timeout > 0 {
 				var cancel context.CancelFunc

@@ -91,6 +91,18 @@ const (
 	// ExecChunkBytes is the largest output chunk the agent sends at once.
 	ExecChunkBytes = 32 << 10
 
+	// CommandCredit is the output credit each command on a Commands stream
+	// starts with, in units: an event costs its encoded size plus
+	// CommandEventOverhead. It is what the host buffers for a command whose
+	// caller reads slowly, and holds several whole output chunks, so the
+	// agent seldom waits for more. The host grants more as its caller takes
+	// events, in grants of at least half of it.
+	CommandCredit = 256 << 10
+
+	// CommandEventOverhead is what each event costs in credit beyond its
+	// size: it bounds how many tiny events the host may have to hold.
+	CommandEventOverhead = 64
+
 	// ReadyMarker is printed on the guest console once the agent serves. The
 	// supervisor never waits on it (it waits on a Health RPC); it exists for
 	// people reading the console and for the bare-QEMU benchmark baseline.

@@ -77,6 +77,7 @@ procedures := {
 	"/carrel.agent.v1.AgentService/Restored": "admin",
 	"/carrel.agent.v1.AgentService/GuestRequests": "admin",
 	"/carrel.agent.v1.AgentService/AnswerGuestRequest": "admin",
+	"/carrel.agent.v1.AgentService/Commands": "admin",
 	"/carrel.agent.v1.FileService/Stat": "files_read",
 	"/carrel.agent.v1.FileService/List": "files_read",
 	"/carrel.agent.v1.FileService/Read": "files_read",

@@ -12,6 +12,11 @@
 // held to the same rules, and a guest that breaks them has the port
 // turned off, its content going in the stream from then on.
 //
+// Commands that take no stdin share one Commands stream per connection
+// (AgentCommands), each paced by the output credit carreld grants it; a
+// stream of their own would cost an emulated guest about as much again
+// as the command.
+//
 // While carreld keeps a VM's vCPUs stopped, its link is held (Hold): no
 // probes, no new connections, and a call the pause outlasts fails with
 // the pause's reason; Release connects again with care after a pause
@@ -104,6 +109,7 @@ type channel struct {
 	files     agentv1connect.FileServiceClient
 	ports     agentv1connect.PortServiceClient
 	egress    agentv1connect.EgressServiceClient
+	commands  *Commands
 
 	// resync marks the channel of Release's probe, which may connect
 	// while the link is still held.
@@ -142,6 +148,7 @@ func (l *Link) newChannel(resync bool) *channel {
 	s.files = agentv1connect.NewFileServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
 	s.ports = agentv1connect.NewPortServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
 	s.egress = agentv1connect.NewEgressServiceClient(httpClient, protocol.BaseURL, protocol.ClientOptions()...)
+	s.commands = newCommands(s.client)
 	return s
 }
 
@@ -223,8 +230,12 @@ func (s *channel) close() {
 	if c != nil {
 		c.Close()
 	}
+	s.commands.close(errChannelClosed)
 	s.transport.CloseIdleConnections()
 }
+
+// errChannelClosed ends the commands of a channel the link has ended.
+var errChannelClosed = connect.NewError(connect.CodeUnavailable, errors.New("the connection to the guest agent was closed"))
 
 // drop ends channel s if it is still the current one.
 func (l *Link) drop(s *channel) {
@@ -580,6 +591,13 @@ func (l *Link) Egress() (client agentv1connect.EgressServiceClient, done func(ct
 	return s.egress, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
+// AgentCommands is Agent, with the same connection's commands (see
+// Commands); done takes the commands' errors too.
+func (l *Link) AgentCommands() (client agentv1connect.AgentServiceClient, commands *Commands, done func(ctx context.Context, err error) error) {
+	s := l.channel()
+	return s.client, s.commands, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
+}
+
 // Agent returns the guest's agent service on the current connection, and
 // done, to be passed every error of the calls made with it (see Files).
 func (l *Link) Agent() (client agentv1connect.AgentServiceClient, done func(ctx context.Context, err error) error) {
@@ -587,9 +605,11 @@ func (l *Link) Agent() (client agentv1connect.AgentServiceClient, done func(ctx 
 	return s.client, func(ctx context.Context, err error) error { return l.check(ctx, s, err) }
 }
 
-// Shutdown asks the guest to power off (or reboot).
+// Shutdown asks the guest to power off (or reboot). The commands stream
+// ends first: the agent's own shutdown waits for open calls.
 func (l *Link) Shutdown(ctx context.Context, reboot bool) error {
 	s := l.channel()
+	s.commands.reset(connect.NewError(connect.CodeUnavailable, errors.New("the guest is shutting down")))
 	_, err := s.client.Shutdown(ctx, connect.NewRequest(&agentv1.ShutdownRequest{Reboot: reboot}))
 	return l.check(ctx, s, err)
 }

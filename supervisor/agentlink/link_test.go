@@ -41,7 +41,7 @@ func (f *fakeAgent) Exec(_ context.Context, _ *connect.Request[agentv1.ExecReque
 }
 
 // serve runs a fake agent on a unix socket and returns a dialer for it.
-func serve(t *testing.T, f *fakeAgent) func(context.Context) (net.Conn, error) {
+func serve(t *testing.T, f agentv1connect.AgentServiceHandler) func(context.Context) (net.Conn, error) {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "agent.sock")
 	l, err := net.Listen("unix", path)

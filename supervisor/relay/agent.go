@@ -81,6 +81,12 @@ func (r agentRelay) Shutdown(context.Context, *connect.Request[agentv1.ShutdownR
 	return nil, connect.NewError(connect.CodePermissionDenied, errors.New("shutdown is not relayed: stop the vm with VMService.StopVM (carrel vm stop)"))
 }
 
+// Commands is the link's own way to carry many commands (carreld to the
+// guest); a client runs each with Exec or Process.
+func (r agentRelay) Commands(context.Context, *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("commands are not relayed: use Exec or Process, which carreld carries to the guest on one stream"))
+}
+
 // Exec runs a command and relays its events (see Relay.exec).
 func (r agentRelay) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], out *connect.ServerStream[agentv1.ExecResponse]) error {
 	return r.exec(ctx, req.Header(), req.Msg, 0, out.Send)

@@ -45,6 +45,53 @@ type fakeAgent struct {
 	recorded []bool
 	// inputErr, if set, is Input's reply.
 	inputErr error
+
+	// commands serves the Commands call; without it the agent is one from
+	// before it. Its commands named "wait" run until cancelled or
+	// signalled (exit 130).
+	commands    bool
+	viaCommands int
+	processes   int
+	signals     []int32
+}
+
+func (a *fakeAgent) Commands(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+	if !a.commands {
+		return connect.NewError(connect.CodeUnimplemented, errors.New("no Commands"))
+	}
+	send := func(id uint64, ev *agentv1.ExecResponse) error {
+		return s.Send(&agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_Event{Event: ev}})
+	}
+	exit := func(code int32) *agentv1.ExecResponse {
+		return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: code}}}
+	}
+	for {
+		in, err := s.Receive()
+		if err != nil {
+			return nil
+		}
+		switch m := in.Msg.(type) {
+		case *agentv1.CommandsInput_Start:
+			a.mu.Lock()
+			a.starts = append(a.starts, m.Start)
+			a.viaCommands++
+			a.mu.Unlock()
+			err = send(in.Id, &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: 7, Id: "e1"}}})
+			if err == nil && m.Start.GetArgv()[0] != "wait" {
+				err = send(in.Id, exit(0))
+			}
+		case *agentv1.CommandsInput_Signal:
+			a.mu.Lock()
+			a.signals = append(a.signals, m.Signal)
+			a.mu.Unlock()
+			err = send(in.Id, exit(130))
+		case *agentv1.CommandsInput_Cancel:
+			err = s.Send(&agentv1.CommandsOutput{Id: in.Id, Msg: &agentv1.CommandsOutput_End{End: &agentv1.CommandEnd{Code: uint32(connect.CodeCanceled)}}})
+		}
+		if err != nil {
+			return err
+		}
+	}
 }
 
 func (a *fakeAgent) Exec(_ context.Context, req *connect.Request[agentv1.ExecRequest], s *connect.ServerStream[agentv1.ExecResponse]) error {
@@ -61,6 +108,7 @@ func (a *fakeAgent) Process(_ context.Context, s *connect.BidiStream[agentv1.Pro
 	}
 	a.mu.Lock()
 	a.starts = append(a.starts, first.GetStart())
+	a.processes++
 	a.mu.Unlock()
 	if err := s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: 7, Id: "e1"}}}); err != nil {
 		return err

@@ -15,6 +15,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1/agentv1connect"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/recorder"
 )
 
@@ -33,18 +34,62 @@ func (r *Relay) Exec(ctx context.Context, vm string, req *agentv1.ExecRequest, t
 // exec runs a command without stdin: the guest's Exec.
 func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecRequest, timeout time.Duration, send func(*agentv1.ExecResponse) error) error {
 	req = r.withVMEnv(h, req)
-	return r.run(ctx, h, req, false, timeout, func(ctx context.Context, c agentv1connect.AgentServiceClient, _ *recorder.Exec) (guestEvents, error) {
-		s, err := c.Exec(ctx, connect.NewRequest(req))
-		if err != nil {
+	return r.run(ctx, h, req, false, timeout, func(ctx context.Context, a agent, _ *recorder.Exec) (guestEvents, error) {
+		exec := func() (guestEvents, error) {
+			s, err := a.client.Exec(ctx, connect.NewRequest(req))
+			if err != nil {
+				return nil, err
+			}
+			return serverEvents{s}, nil
+		}
+		if !a.commands.Supported() {
+			return exec()
+		}
+		return &commandEvents{cmd: a.commands.Start(ctx, req), exec: exec}, nil
+	}, send)
+}
+
+// agent is the guest's agent service and commands on one connection.
+type agent struct {
+	client   agentv1connect.AgentServiceClient
+	commands *agentlink.Commands
+}
+
+// commandEvents is a command on the link's Commands stream, or, where the
+// agent lacks that call (ErrNoCommands, before anything ran), the same
+// command through Exec.
+type commandEvents struct {
+	cmd  *agentlink.Command
+	exec func() (guestEvents, error)
+	alt  guestEvents
+}
+
+func (e *commandEvents) Receive() (*agentv1.ExecResponse, error) {
+	if e.alt != nil {
+		return e.alt.Receive()
+	}
+	ev, err := e.cmd.Receive()
+	if errors.Is(err, agentlink.ErrNoCommands) {
+		e.cmd.Close()
+		if e.alt, err = e.exec(); err != nil {
 			return nil, err
 		}
-		return serverEvents{s}, nil
-	}, send)
+		return e.alt.Receive()
+	}
+	return ev, err
+}
+
+func (e *commandEvents) Close() {
+	e.cmd.Close()
+	if e.alt != nil {
+		e.alt.Close()
+	}
 }
 
 // process runs (or attaches to) a command with the client's stdin,
 // signals and resizes: the guest's Process. recv gives the client's
-// messages after first.
+// messages after first. A start with no_stdin, no tty and no detach runs
+// on the link's Commands stream (see command).
 func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.ProcessInput,
 	recv func() (*agentv1.ProcessInput, error), send func(*agentv1.ExecResponse) error) error {
 	start := first.GetStart()
@@ -52,15 +97,26 @@ func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.Proce
 		start = r.withVMEnv(h, start)
 		first = &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: start}}
 	}
-	return r.run(ctx, h, start, start.GetDetach(), 0, func(ctx context.Context, c agentv1connect.AgentServiceClient, rec *recorder.Exec) (guestEvents, error) {
+	// A client's misuse ends the call through ctx, as the client's own
+	// going would: it is no fault of the link's.
+	ctx, refuse := context.WithCancelCause(ctx)
+	defer refuse(nil)
+	return r.run(ctx, h, start, start.GetDetach(), 0, func(ctx context.Context, a agent, rec *recorder.Exec) (guestEvents, error) {
+		if start.GetNoStdin() && !start.GetTty() && !start.GetDetach() && a.commands.Supported() {
+			return command(ctx, a, start, recv, refuse), nil
+		}
 		ctx, cancel := context.WithCancel(ctx)
-		g := c.Process(ctx)
+		g := a.client.Process(ctx)
 		// Cancelling ctx alone does not wake a Receive while the request
 		// body is open (net/http's HTTP/2 client): close the response when
 		// the client goes, so the guest side ends at once.
 		stop := context.AfterFunc(ctx, func() { g.CloseResponse() })
 		// A failed send shows up as the guest's reply (or its absence).
 		_ = g.Send(first)
+		if start.GetNoStdin() {
+			// An agent from before no_stdin keeps stdin open until told.
+			_ = g.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_CloseStdin{CloseStdin: &agentv1.CloseStdin{}}})
+		}
 		go func() {
 			// Client to guest. The guest checks these too; the host has
 			// already capped their size.
@@ -82,6 +138,41 @@ func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.Proce
 		}()
 		return bidiEvents{g, func() { stop(); cancel() }}, nil
 	}, send)
+}
+
+// command runs start, which takes no stdin, on the link's Commands
+// stream; where the agent lacks that call, through Exec. The client may
+// follow the start with signals (and a close_stdin, which changes
+// nothing); anything else ends the call through refuse.
+func command(ctx context.Context, a agent, start *agentv1.ExecRequest,
+	recv func() (*agentv1.ProcessInput, error), refuse context.CancelCauseFunc) guestEvents {
+	cmd := a.commands.Start(ctx, start)
+	go func() {
+		for {
+			msg, err := recv()
+			if err != nil {
+				return
+			}
+			switch m := msg.Msg.(type) {
+			case *agentv1.ProcessInput_Signal:
+				err = cmd.Signal(m.Signal)
+			case *agentv1.ProcessInput_CloseStdin:
+			default:
+				err = connect.NewError(connect.CodeInvalidArgument, errors.New("process: the command was started with no_stdin: only signals may follow the start"))
+			}
+			if err != nil {
+				refuse(err)
+				return
+			}
+		}
+	}()
+	return &commandEvents{cmd: cmd, exec: func() (guestEvents, error) {
+		s, err := a.client.Exec(ctx, connect.NewRequest(start))
+		if err != nil {
+			return nil, err
+		}
+		return serverEvents{s}, nil
+	}}
 }
 
 // withVMEnv returns start with the VM's own environment under the
@@ -145,7 +236,7 @@ func (e bidiEvents) Close() {
 // recorded when the call ends, however it ends, with the error the client
 // gets. A timeout (0: none) bounds the command from its start.
 func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecRequest, detach bool, timeout time.Duration,
-	open func(context.Context, agentv1connect.AgentServiceClient, *recorder.Exec) (guestEvents, error),
+	open func(context.Context, agent, *recorder.Exec) (guestEvents, error),
 	send func(*agentv1.ExecResponse) error) (err error) {
 	vm, err := vmOf(h)
 	if err != nil {
@@ -179,8 +270,8 @@ func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecReque
 	if err != nil {
 		return err
 	}
-	c, done := link.Agent()
-	g, err := open(ctx, c, rec)
+	c, cmds, done := link.AgentCommands()
+	g, err := open(ctx, agent{c, cmds}, rec)
 	if err != nil {
 		return relayErr(ctx, done, err)
 	}

@@ -310,9 +310,11 @@ func carrelExec(ctx context.Context, c *client.Client, vm string, argv ...string
 }
 
 // carrelRun runs argv through the client's Run (AgentService.Process, the
-// bidirectional stream the CLI uses) and returns the exit code.
-func carrelRun(ctx context.Context, c *client.Client, vm string, argv ...string) (int32, error) {
-	st, err := c.Run(ctx, client.Session{VM: vm, Start: &agentv1.ExecRequest{Argv: argv}})
+// bidirectional stream the CLI uses) and returns the exit code. With
+// noStdin, as the CLI without -i, carreld carries the command on the
+// link's Commands stream; without, on a Process stream of its own.
+func carrelRun(ctx context.Context, c *client.Client, vm string, noStdin bool, argv ...string) (int32, error) {
+	st, err := c.Run(ctx, client.Session{VM: vm, Start: &agentv1.ExecRequest{Argv: argv, NoStdin: noStdin}})
 	if err != nil {
 		return 0, err
 	}
@@ -341,8 +343,16 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 			}
 			return err
 		}},
-		{name: "carrel, Go client, Run (Process stream)", run: func() error {
-			code, err := carrelRun(ctx, b.c, b.vm, "true")
+		{name: "carrel, Go client, Run (no stdin)", run: func() error {
+			code, err := carrelRun(ctx, b.c, b.vm, true, "true")
+			if err == nil && code != 0 {
+				err = fmt.Errorf("exit %d", code)
+			}
+			return err
+		}},
+		// With stdin open, a command takes a link stream of its own.
+		{name: "carrel, Go client, Run (stdin open)", run: func() error {
+			code, err := carrelRun(ctx, b.c, b.vm, false, "true")
 			if err == nil && code != 0 {
 				err = fmt.Errorf("exit %d", code)
 			}
@@ -372,7 +382,7 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 			return err
 		}},
 		{name: "part: exec route, no process (not found)", part: true, run: func() error {
-			_, err := carrelRun(ctx, b.c, b.vm, "/nonexistent/true")
+			_, err := carrelRun(ctx, b.c, b.vm, true, "/nonexistent/true")
 			if connect.CodeOf(err) == connect.CodeNotFound {
 				return nil
 			}
@@ -427,7 +437,7 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 	var process, cli, minimal *side
 	for _, s := range sides {
 		switch {
-		case strings.Contains(s.name, "Process stream"):
+		case strings.Contains(s.name, "Run (no stdin)"):
 			process = s
 		case strings.Contains(s.name, "CLI"):
 			cli = s

@@ -227,7 +227,12 @@ type ExecRequest struct {
 	Rows uint32 `protobuf:"varint,6,opt,name=rows,proto3" json:"rows,omitempty"`
 	Cols uint32 `protobuf:"varint,7,opt,name=cols,proto3" json:"cols,omitempty"`
 	// Keep running when the call ends (Process only).
-	Detach        bool `protobuf:"varint,8,opt,name=detach,proto3" json:"detach,omitempty"`
+	Detach bool `protobuf:"varint,8,opt,name=detach,proto3" json:"detach,omitempty"`
+	// The caller sends no input (Process): the command's stdin is empty from
+	// the start, and the call carries signals only. carreld runs such a
+	// command, when it has no tty and does not detach, on its Commands
+	// stream; Exec's commands never have input.
+	NoStdin       bool `protobuf:"varint,9,opt,name=no_stdin,json=noStdin,proto3" json:"no_stdin,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -314,6 +319,13 @@ func (x *ExecRequest) GetCols() uint32 {
 func (x *ExecRequest) GetDetach() bool {
 	if x != nil {
 		return x.Detach
+	}
+	return false
+}
+
+func (x *ExecRequest) GetNoStdin() bool {
+	if x != nil {
+		return x.NoStdin
 	}
 	return false
 }
@@ -470,6 +482,326 @@ func (*ProcessInput_Signal) isProcessInput_Msg() {}
 
 func (*ProcessInput_Resize) isProcessInput_Msg() {}
 
+// CommandsInput is the host's side of Commands: one command's start, more
+// credit for its output, or its cancellation.
+type CommandsInput struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The host's number for the command, never 0 and never reused on a
+	// stream.
+	Id uint64 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Types that are valid to be assigned to Msg:
+	//
+	//	*CommandsInput_Start
+	//	*CommandsInput_Credit
+	//	*CommandsInput_Cancel
+	//	*CommandsInput_Signal
+	Msg           isCommandsInput_Msg `protobuf_oneof:"msg"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CommandsInput) Reset() {
+	*x = CommandsInput{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CommandsInput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CommandsInput) ProtoMessage() {}
+
+func (x *CommandsInput) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CommandsInput.ProtoReflect.Descriptor instead.
+func (*CommandsInput) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *CommandsInput) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *CommandsInput) GetMsg() isCommandsInput_Msg {
+	if x != nil {
+		return x.Msg
+	}
+	return nil
+}
+
+func (x *CommandsInput) GetStart() *ExecRequest {
+	if x != nil {
+		if x, ok := x.Msg.(*CommandsInput_Start); ok {
+			return x.Start
+		}
+	}
+	return nil
+}
+
+func (x *CommandsInput) GetCredit() uint32 {
+	if x != nil {
+		if x, ok := x.Msg.(*CommandsInput_Credit); ok {
+			return x.Credit
+		}
+	}
+	return 0
+}
+
+func (x *CommandsInput) GetCancel() *Cancel {
+	if x != nil {
+		if x, ok := x.Msg.(*CommandsInput_Cancel); ok {
+			return x.Cancel
+		}
+	}
+	return nil
+}
+
+func (x *CommandsInput) GetSignal() int32 {
+	if x != nil {
+		if x, ok := x.Msg.(*CommandsInput_Signal); ok {
+			return x.Signal
+		}
+	}
+	return 0
+}
+
+type isCommandsInput_Msg interface {
+	isCommandsInput_Msg()
+}
+
+type CommandsInput_Start struct {
+	// Starts the command, as Exec does; the first message of each id.
+	Start *ExecRequest `protobuf:"bytes,2,opt,name=start,proto3,oneof"`
+}
+
+type CommandsInput_Credit struct {
+	// More units the host takes of this command's output. Each event costs
+	// its encoded size plus CommandEventOverhead units; a command starts
+	// with CommandCredit units.
+	Credit uint32 `protobuf:"varint,3,opt,name=credit,proto3,oneof"`
+}
+
+type CommandsInput_Cancel struct {
+	// The caller has gone: end the command as ending an Exec call does.
+	Cancel *Cancel `protobuf:"bytes,4,opt,name=cancel,proto3,oneof"`
+}
+
+type CommandsInput_Signal struct {
+	// A signal (1 to 64) for the command's process group, as Process's
+	// signal; one sent before the command has started is delivered once it
+	// has.
+	Signal int32 `protobuf:"varint,5,opt,name=signal,proto3,oneof"`
+}
+
+func (*CommandsInput_Start) isCommandsInput_Msg() {}
+
+func (*CommandsInput_Credit) isCommandsInput_Msg() {}
+
+func (*CommandsInput_Cancel) isCommandsInput_Msg() {}
+
+func (*CommandsInput_Signal) isCommandsInput_Msg() {}
+
+type Cancel struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Cancel) Reset() {
+	*x = Cancel{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Cancel) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Cancel) ProtoMessage() {}
+
+func (x *Cancel) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Cancel.ProtoReflect.Descriptor instead.
+func (*Cancel) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{5}
+}
+
+// CommandsOutput is the agent's side of Commands: one command's event, or
+// the end of its call.
+type CommandsOutput struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Id    uint64                 `protobuf:"varint,1,opt,name=id,proto3" json:"id,omitempty"`
+	// Types that are valid to be assigned to Msg:
+	//
+	//	*CommandsOutput_Event
+	//	*CommandsOutput_End
+	Msg           isCommandsOutput_Msg `protobuf_oneof:"msg"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CommandsOutput) Reset() {
+	*x = CommandsOutput{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CommandsOutput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CommandsOutput) ProtoMessage() {}
+
+func (x *CommandsOutput) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CommandsOutput.ProtoReflect.Descriptor instead.
+func (*CommandsOutput) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *CommandsOutput) GetId() uint64 {
+	if x != nil {
+		return x.Id
+	}
+	return 0
+}
+
+func (x *CommandsOutput) GetMsg() isCommandsOutput_Msg {
+	if x != nil {
+		return x.Msg
+	}
+	return nil
+}
+
+func (x *CommandsOutput) GetEvent() *ExecResponse {
+	if x != nil {
+		if x, ok := x.Msg.(*CommandsOutput_Event); ok {
+			return x.Event
+		}
+	}
+	return nil
+}
+
+func (x *CommandsOutput) GetEnd() *CommandEnd {
+	if x != nil {
+		if x, ok := x.Msg.(*CommandsOutput_End); ok {
+			return x.End
+		}
+	}
+	return nil
+}
+
+type isCommandsOutput_Msg interface {
+	isCommandsOutput_Msg()
+}
+
+type CommandsOutput_Event struct {
+	// What Exec would send: started, output, the exit status.
+	Event *ExecResponse `protobuf:"bytes,2,opt,name=event,proto3,oneof"`
+}
+
+type CommandsOutput_End struct {
+	// The call is over without an exit status (an exit status ends it
+	// too); nothing of this id follows.
+	End *CommandEnd `protobuf:"bytes,3,opt,name=end,proto3,oneof"`
+}
+
+func (*CommandsOutput_Event) isCommandsOutput_Msg() {}
+
+func (*CommandsOutput_End) isCommandsOutput_Msg() {}
+
+// CommandEnd is how a command's call ended without an exit status: the
+// connect error code and message Exec would have ended with (0 is no
+// error, and so an end without an exit status, which the host refuses).
+type CommandEnd struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Code          uint32                 `protobuf:"varint,1,opt,name=code,proto3" json:"code,omitempty"`
+	Message       string                 `protobuf:"bytes,2,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CommandEnd) Reset() {
+	*x = CommandEnd{}
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CommandEnd) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CommandEnd) ProtoMessage() {}
+
+func (x *CommandEnd) ProtoReflect() protoreflect.Message {
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CommandEnd.ProtoReflect.Descriptor instead.
+func (*CommandEnd) Descriptor() ([]byte, []int) {
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *CommandEnd) GetCode() uint32 {
+	if x != nil {
+		return x.Code
+	}
+	return 0
+}
+
+func (x *CommandEnd) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 type AttachRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Id            string                 `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
@@ -479,7 +811,7 @@ type AttachRequest struct {
 
 func (x *AttachRequest) Reset() {
 	*x = AttachRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[4]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -491,7 +823,7 @@ func (x *AttachRequest) String() string {
 func (*AttachRequest) ProtoMessage() {}
 
 func (x *AttachRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[4]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -504,7 +836,7 @@ func (x *AttachRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachRequest.ProtoReflect.Descriptor instead.
 func (*AttachRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{4}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *AttachRequest) GetId() string {
@@ -522,7 +854,7 @@ type CloseStdin struct {
 
 func (x *CloseStdin) Reset() {
 	*x = CloseStdin{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[5]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -534,7 +866,7 @@ func (x *CloseStdin) String() string {
 func (*CloseStdin) ProtoMessage() {}
 
 func (x *CloseStdin) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[5]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -547,7 +879,7 @@ func (x *CloseStdin) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CloseStdin.ProtoReflect.Descriptor instead.
 func (*CloseStdin) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{5}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{9}
 }
 
 type Resize struct {
@@ -560,7 +892,7 @@ type Resize struct {
 
 func (x *Resize) Reset() {
 	*x = Resize{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[6]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -572,7 +904,7 @@ func (x *Resize) String() string {
 func (*Resize) ProtoMessage() {}
 
 func (x *Resize) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[6]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -585,7 +917,7 @@ func (x *Resize) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Resize.ProtoReflect.Descriptor instead.
 func (*Resize) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{6}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Resize) GetRows() uint32 {
@@ -610,7 +942,7 @@ type ListProcessesRequest struct {
 
 func (x *ListProcessesRequest) Reset() {
 	*x = ListProcessesRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[7]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -622,7 +954,7 @@ func (x *ListProcessesRequest) String() string {
 func (*ListProcessesRequest) ProtoMessage() {}
 
 func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[7]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -635,7 +967,7 @@ func (x *ListProcessesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesRequest.ProtoReflect.Descriptor instead.
 func (*ListProcessesRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{7}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{11}
 }
 
 type ListProcessesResponse struct {
@@ -647,7 +979,7 @@ type ListProcessesResponse struct {
 
 func (x *ListProcessesResponse) Reset() {
 	*x = ListProcessesResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[8]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -659,7 +991,7 @@ func (x *ListProcessesResponse) String() string {
 func (*ListProcessesResponse) ProtoMessage() {}
 
 func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[8]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -672,7 +1004,7 @@ func (x *ListProcessesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListProcessesResponse.ProtoReflect.Descriptor instead.
 func (*ListProcessesResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{8}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListProcessesResponse) GetProcesses() []*ProcessInfo {
@@ -701,7 +1033,7 @@ type ProcessInfo struct {
 
 func (x *ProcessInfo) Reset() {
 	*x = ProcessInfo{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[9]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -713,7 +1045,7 @@ func (x *ProcessInfo) String() string {
 func (*ProcessInfo) ProtoMessage() {}
 
 func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[9]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -726,7 +1058,7 @@ func (x *ProcessInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ProcessInfo.ProtoReflect.Descriptor instead.
 func (*ProcessInfo) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{9}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ProcessInfo) GetPid() int32 {
@@ -793,7 +1125,7 @@ type SignalRequest struct {
 
 func (x *SignalRequest) Reset() {
 	*x = SignalRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[10]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -805,7 +1137,7 @@ func (x *SignalRequest) String() string {
 func (*SignalRequest) ProtoMessage() {}
 
 func (x *SignalRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[10]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -818,7 +1150,7 @@ func (x *SignalRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalRequest.ProtoReflect.Descriptor instead.
 func (*SignalRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{10}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *SignalRequest) GetTarget() isSignalRequest_Target {
@@ -877,7 +1209,7 @@ type SignalResponse struct {
 
 func (x *SignalResponse) Reset() {
 	*x = SignalResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[11]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -889,7 +1221,7 @@ func (x *SignalResponse) String() string {
 func (*SignalResponse) ProtoMessage() {}
 
 func (x *SignalResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[11]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -902,7 +1234,7 @@ func (x *SignalResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SignalResponse.ProtoReflect.Descriptor instead.
 func (*SignalResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{11}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{15}
 }
 
 type InputRequest struct {
@@ -921,7 +1253,7 @@ type InputRequest struct {
 
 func (x *InputRequest) Reset() {
 	*x = InputRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -933,7 +1265,7 @@ func (x *InputRequest) String() string {
 func (*InputRequest) ProtoMessage() {}
 
 func (x *InputRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[12]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -946,7 +1278,7 @@ func (x *InputRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputRequest.ProtoReflect.Descriptor instead.
 func (*InputRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{12}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *InputRequest) GetExecId() string {
@@ -1020,7 +1352,7 @@ type InputResponse struct {
 
 func (x *InputResponse) Reset() {
 	*x = InputResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1032,7 +1364,7 @@ func (x *InputResponse) String() string {
 func (*InputResponse) ProtoMessage() {}
 
 func (x *InputResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[13]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1045,7 +1377,7 @@ func (x *InputResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InputResponse.ProtoReflect.Descriptor instead.
 func (*InputResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{13}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{17}
 }
 
 type ExecResponse struct {
@@ -1063,7 +1395,7 @@ type ExecResponse struct {
 
 func (x *ExecResponse) Reset() {
 	*x = ExecResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1075,7 +1407,7 @@ func (x *ExecResponse) String() string {
 func (*ExecResponse) ProtoMessage() {}
 
 func (x *ExecResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[14]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1088,7 +1420,7 @@ func (x *ExecResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExecResponse.ProtoReflect.Descriptor instead.
 func (*ExecResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{14}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *ExecResponse) GetEvent() isExecResponse_Event {
@@ -1177,7 +1509,7 @@ type Started struct {
 
 func (x *Started) Reset() {
 	*x = Started{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1189,7 +1521,7 @@ func (x *Started) String() string {
 func (*Started) ProtoMessage() {}
 
 func (x *Started) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[15]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1202,7 +1534,7 @@ func (x *Started) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Started.ProtoReflect.Descriptor instead.
 func (*Started) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{15}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Started) GetPid() int32 {
@@ -1231,7 +1563,7 @@ type ExitStatus struct {
 
 func (x *ExitStatus) Reset() {
 	*x = ExitStatus{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1243,7 +1575,7 @@ func (x *ExitStatus) String() string {
 func (*ExitStatus) ProtoMessage() {}
 
 func (x *ExitStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[16]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1256,7 +1588,7 @@ func (x *ExitStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ExitStatus.ProtoReflect.Descriptor instead.
 func (*ExitStatus) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{16}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *ExitStatus) GetCode() int32 {
@@ -1283,7 +1615,7 @@ type ShutdownRequest struct {
 
 func (x *ShutdownRequest) Reset() {
 	*x = ShutdownRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1295,7 +1627,7 @@ func (x *ShutdownRequest) String() string {
 func (*ShutdownRequest) ProtoMessage() {}
 
 func (x *ShutdownRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[17]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1308,7 +1640,7 @@ func (x *ShutdownRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShutdownRequest.ProtoReflect.Descriptor instead.
 func (*ShutdownRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{17}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ShutdownRequest) GetReboot() bool {
@@ -1326,7 +1658,7 @@ type ShutdownResponse struct {
 
 func (x *ShutdownResponse) Reset() {
 	*x = ShutdownResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1338,7 +1670,7 @@ func (x *ShutdownResponse) String() string {
 func (*ShutdownResponse) ProtoMessage() {}
 
 func (x *ShutdownResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[18]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1351,7 +1683,7 @@ func (x *ShutdownResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ShutdownResponse.ProtoReflect.Descriptor instead.
 func (*ShutdownResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{18}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{22}
 }
 
 // SetSandboxRequest lists the roots commands and file operations may use.
@@ -1379,7 +1711,7 @@ type SetSandboxRequest struct {
 
 func (x *SetSandboxRequest) Reset() {
 	*x = SetSandboxRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1391,7 +1723,7 @@ func (x *SetSandboxRequest) String() string {
 func (*SetSandboxRequest) ProtoMessage() {}
 
 func (x *SetSandboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[19]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1404,7 +1736,7 @@ func (x *SetSandboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetSandboxRequest.ProtoReflect.Descriptor instead.
 func (*SetSandboxRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{19}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *SetSandboxRequest) GetReadWrite() []string {
@@ -1450,7 +1782,7 @@ type SetSandboxResponse struct {
 
 func (x *SetSandboxResponse) Reset() {
 	*x = SetSandboxResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1462,7 +1794,7 @@ func (x *SetSandboxResponse) String() string {
 func (*SetSandboxResponse) ProtoMessage() {}
 
 func (x *SetSandboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[20]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1475,7 +1807,7 @@ func (x *SetSandboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetSandboxResponse.ProtoReflect.Descriptor instead.
 func (*SetSandboxResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{20}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *SetSandboxResponse) GetLandlock() bool {
@@ -1514,7 +1846,7 @@ type RestoredRequest struct {
 
 func (x *RestoredRequest) Reset() {
 	*x = RestoredRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1526,7 +1858,7 @@ func (x *RestoredRequest) String() string {
 func (*RestoredRequest) ProtoMessage() {}
 
 func (x *RestoredRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[21]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1539,7 +1871,7 @@ func (x *RestoredRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoredRequest.ProtoReflect.Descriptor instead.
 func (*RestoredRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{21}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *RestoredRequest) GetSeed() []byte {
@@ -1577,7 +1909,7 @@ type RestoredResponse struct {
 
 func (x *RestoredResponse) Reset() {
 	*x = RestoredResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1589,7 +1921,7 @@ func (x *RestoredResponse) String() string {
 func (*RestoredResponse) ProtoMessage() {}
 
 func (x *RestoredResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[22]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1602,7 +1934,7 @@ func (x *RestoredResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RestoredResponse.ProtoReflect.Descriptor instead.
 func (*RestoredResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{22}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *RestoredResponse) GetReseeded() bool {
@@ -1641,7 +1973,7 @@ type GuestRequestsRequest struct {
 
 func (x *GuestRequestsRequest) Reset() {
 	*x = GuestRequestsRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1653,7 +1985,7 @@ func (x *GuestRequestsRequest) String() string {
 func (*GuestRequestsRequest) ProtoMessage() {}
 
 func (x *GuestRequestsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[23]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1666,7 +1998,7 @@ func (x *GuestRequestsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestRequestsRequest.ProtoReflect.Descriptor instead.
 func (*GuestRequestsRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{23}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{27}
 }
 
 // GuestRequest is one thing a program in the guest asked for.
@@ -1688,7 +2020,7 @@ type GuestRequest struct {
 
 func (x *GuestRequest) Reset() {
 	*x = GuestRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1700,7 +2032,7 @@ func (x *GuestRequest) String() string {
 func (*GuestRequest) ProtoMessage() {}
 
 func (x *GuestRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[24]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1713,7 +2045,7 @@ func (x *GuestRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestRequest.ProtoReflect.Descriptor instead.
 func (*GuestRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{24}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *GuestRequest) GetId() uint64 {
@@ -1771,7 +2103,7 @@ type GuestAnswer struct {
 
 func (x *GuestAnswer) Reset() {
 	*x = GuestAnswer{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1783,7 +2115,7 @@ func (x *GuestAnswer) String() string {
 func (*GuestAnswer) ProtoMessage() {}
 
 func (x *GuestAnswer) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[25]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1796,7 +2128,7 @@ func (x *GuestAnswer) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestAnswer.ProtoReflect.Descriptor instead.
 func (*GuestAnswer) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{25}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *GuestAnswer) GetId() uint64 {
@@ -1835,7 +2167,7 @@ type GuestAnswerResponse struct {
 
 func (x *GuestAnswerResponse) Reset() {
 	*x = GuestAnswerResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1847,7 +2179,7 @@ func (x *GuestAnswerResponse) String() string {
 func (*GuestAnswerResponse) ProtoMessage() {}
 
 func (x *GuestAnswerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[26]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1860,7 +2192,7 @@ func (x *GuestAnswerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GuestAnswerResponse.ProtoReflect.Descriptor instead.
 func (*GuestAnswerResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{26}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{30}
 }
 
 type ActivityRequest struct {
@@ -1871,7 +2203,7 @@ type ActivityRequest struct {
 
 func (x *ActivityRequest) Reset() {
 	*x = ActivityRequest{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1883,7 +2215,7 @@ func (x *ActivityRequest) String() string {
 func (*ActivityRequest) ProtoMessage() {}
 
 func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[27]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1896,7 +2228,7 @@ func (x *ActivityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityRequest.ProtoReflect.Descriptor instead.
 func (*ActivityRequest) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{27}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{31}
 }
 
 type ActivityEvent struct {
@@ -1920,7 +2252,7 @@ type ActivityEvent struct {
 
 func (x *ActivityEvent) Reset() {
 	*x = ActivityEvent{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[28]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1932,7 +2264,7 @@ func (x *ActivityEvent) String() string {
 func (*ActivityEvent) ProtoMessage() {}
 
 func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[28]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1945,7 +2277,7 @@ func (x *ActivityEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityEvent.ProtoReflect.Descriptor instead.
 func (*ActivityEvent) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{28}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ActivityEvent) GetOp() ActivityOp {
@@ -1995,7 +2327,7 @@ type ActivityResponse struct {
 
 func (x *ActivityResponse) Reset() {
 	*x = ActivityResponse{}
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[29]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2007,7 +2339,7 @@ func (x *ActivityResponse) String() string {
 func (*ActivityResponse) ProtoMessage() {}
 
 func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_carrel_agent_v1_agent_proto_msgTypes[29]
+	mi := &file_carrel_agent_v1_agent_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2020,7 +2352,7 @@ func (x *ActivityResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ActivityResponse.ProtoReflect.Descriptor instead.
 func (*ActivityResponse) Descriptor() ([]byte, []int) {
-	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{29}
+	return file_carrel_agent_v1_agent_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *ActivityResponse) GetEvents() []*ActivityEvent {
@@ -2048,7 +2380,7 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x06kernel\x18\x02 \x01(\tR\x06kernel\x12\x1b\n" +
 	"\tuptime_ms\x18\x03 \x01(\x03R\buptimeMs\x12\x1c\n" +
 	"\ttransport\x18\x04 \x01(\tR\ttransport\x12\x1b\n" +
-	"\tdata_port\x18\x05 \x01(\bR\bdataPort\"\xab\x01\n" +
+	"\tdata_port\x18\x05 \x01(\bR\bdataPort\"\xc6\x01\n" +
 	"\vExecRequest\x12\x12\n" +
 	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x10\n" +
 	"\x03env\x18\x02 \x03(\tR\x03env\x12\x10\n" +
@@ -2057,7 +2389,8 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x03tty\x18\x05 \x01(\bR\x03tty\x12\x12\n" +
 	"\x04rows\x18\x06 \x01(\rR\x04rows\x12\x12\n" +
 	"\x04cols\x18\a \x01(\rR\x04cols\x12\x16\n" +
-	"\x06detach\x18\b \x01(\bR\x06detach\"\xaa\x02\n" +
+	"\x06detach\x18\b \x01(\bR\x06detach\x12\x19\n" +
+	"\bno_stdin\x18\t \x01(\bR\anoStdin\"\xaa\x02\n" +
 	"\fProcessInput\x124\n" +
 	"\x05start\x18\x01 \x01(\v2\x1c.carrel.agent.v1.ExecRequestH\x00R\x05start\x128\n" +
 	"\x06attach\x18\x02 \x01(\v2\x1e.carrel.agent.v1.AttachRequestH\x00R\x06attach\x12\x16\n" +
@@ -2066,7 +2399,24 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"closeStdin\x12\x18\n" +
 	"\x06signal\x18\x05 \x01(\x05H\x00R\x06signal\x121\n" +
 	"\x06resize\x18\x06 \x01(\v2\x17.carrel.agent.v1.ResizeH\x00R\x06resizeB\x05\n" +
-	"\x03msg\"\x1f\n" +
+	"\x03msg\"\xc3\x01\n" +
+	"\rCommandsInput\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x124\n" +
+	"\x05start\x18\x02 \x01(\v2\x1c.carrel.agent.v1.ExecRequestH\x00R\x05start\x12\x18\n" +
+	"\x06credit\x18\x03 \x01(\rH\x00R\x06credit\x121\n" +
+	"\x06cancel\x18\x04 \x01(\v2\x17.carrel.agent.v1.CancelH\x00R\x06cancel\x12\x18\n" +
+	"\x06signal\x18\x05 \x01(\x05H\x00R\x06signalB\x05\n" +
+	"\x03msg\"\b\n" +
+	"\x06Cancel\"\x8f\x01\n" +
+	"\x0eCommandsOutput\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\x04R\x02id\x125\n" +
+	"\x05event\x18\x02 \x01(\v2\x1d.carrel.agent.v1.ExecResponseH\x00R\x05event\x12/\n" +
+	"\x03end\x18\x03 \x01(\v2\x1b.carrel.agent.v1.CommandEndH\x00R\x03endB\x05\n" +
+	"\x03msg\":\n" +
+	"\n" +
+	"CommandEnd\x12\x12\n" +
+	"\x04code\x18\x01 \x01(\rR\x04code\x12\x18\n" +
+	"\amessage\x18\x02 \x01(\tR\amessage\"\x1f\n" +
 	"\rAttachRequest\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\"\f\n" +
 	"\n" +
@@ -2168,11 +2518,12 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x12ACTIVITY_OP_CREATE\x10\x03\x12\x16\n" +
 	"\x12ACTIVITY_OP_DELETE\x10\x04\x12\x19\n" +
 	"\x15ACTIVITY_OP_MOVE_FROM\x10\x05\x12\x17\n" +
-	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\xdf\a\n" +
+	"\x13ACTIVITY_OP_MOVE_TO\x10\x062\xb0\b\n" +
 	"\fAgentService\x12I\n" +
 	"\x06Health\x12\x1e.carrel.agent.v1.HealthRequest\x1a\x1f.carrel.agent.v1.HealthResponse\x12E\n" +
 	"\x04Exec\x12\x1c.carrel.agent.v1.ExecRequest\x1a\x1d.carrel.agent.v1.ExecResponse0\x01\x12K\n" +
-	"\aProcess\x12\x1d.carrel.agent.v1.ProcessInput\x1a\x1d.carrel.agent.v1.ExecResponse(\x010\x01\x12^\n" +
+	"\aProcess\x12\x1d.carrel.agent.v1.ProcessInput\x1a\x1d.carrel.agent.v1.ExecResponse(\x010\x01\x12O\n" +
+	"\bCommands\x12\x1e.carrel.agent.v1.CommandsInput\x1a\x1f.carrel.agent.v1.CommandsOutput(\x010\x01\x12^\n" +
 	"\rListProcesses\x12%.carrel.agent.v1.ListProcessesRequest\x1a&.carrel.agent.v1.ListProcessesResponse\x12I\n" +
 	"\x06Signal\x12\x1e.carrel.agent.v1.SignalRequest\x1a\x1f.carrel.agent.v1.SignalResponse\x12F\n" +
 	"\x05Input\x12\x1d.carrel.agent.v1.InputRequest\x1a\x1e.carrel.agent.v1.InputResponse\x12O\n" +
@@ -2197,81 +2548,91 @@ func file_carrel_agent_v1_agent_proto_rawDescGZIP() []byte {
 }
 
 var file_carrel_agent_v1_agent_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 30)
+var file_carrel_agent_v1_agent_proto_msgTypes = make([]protoimpl.MessageInfo, 34)
 var file_carrel_agent_v1_agent_proto_goTypes = []any{
 	(ActivityOp)(0),               // 0: carrel.agent.v1.ActivityOp
 	(*HealthRequest)(nil),         // 1: carrel.agent.v1.HealthRequest
 	(*HealthResponse)(nil),        // 2: carrel.agent.v1.HealthResponse
 	(*ExecRequest)(nil),           // 3: carrel.agent.v1.ExecRequest
 	(*ProcessInput)(nil),          // 4: carrel.agent.v1.ProcessInput
-	(*AttachRequest)(nil),         // 5: carrel.agent.v1.AttachRequest
-	(*CloseStdin)(nil),            // 6: carrel.agent.v1.CloseStdin
-	(*Resize)(nil),                // 7: carrel.agent.v1.Resize
-	(*ListProcessesRequest)(nil),  // 8: carrel.agent.v1.ListProcessesRequest
-	(*ListProcessesResponse)(nil), // 9: carrel.agent.v1.ListProcessesResponse
-	(*ProcessInfo)(nil),           // 10: carrel.agent.v1.ProcessInfo
-	(*SignalRequest)(nil),         // 11: carrel.agent.v1.SignalRequest
-	(*SignalResponse)(nil),        // 12: carrel.agent.v1.SignalResponse
-	(*InputRequest)(nil),          // 13: carrel.agent.v1.InputRequest
-	(*InputResponse)(nil),         // 14: carrel.agent.v1.InputResponse
-	(*ExecResponse)(nil),          // 15: carrel.agent.v1.ExecResponse
-	(*Started)(nil),               // 16: carrel.agent.v1.Started
-	(*ExitStatus)(nil),            // 17: carrel.agent.v1.ExitStatus
-	(*ShutdownRequest)(nil),       // 18: carrel.agent.v1.ShutdownRequest
-	(*ShutdownResponse)(nil),      // 19: carrel.agent.v1.ShutdownResponse
-	(*SetSandboxRequest)(nil),     // 20: carrel.agent.v1.SetSandboxRequest
-	(*SetSandboxResponse)(nil),    // 21: carrel.agent.v1.SetSandboxResponse
-	(*RestoredRequest)(nil),       // 22: carrel.agent.v1.RestoredRequest
-	(*RestoredResponse)(nil),      // 23: carrel.agent.v1.RestoredResponse
-	(*GuestRequestsRequest)(nil),  // 24: carrel.agent.v1.GuestRequestsRequest
-	(*GuestRequest)(nil),          // 25: carrel.agent.v1.GuestRequest
-	(*GuestAnswer)(nil),           // 26: carrel.agent.v1.GuestAnswer
-	(*GuestAnswerResponse)(nil),   // 27: carrel.agent.v1.GuestAnswerResponse
-	(*ActivityRequest)(nil),       // 28: carrel.agent.v1.ActivityRequest
-	(*ActivityEvent)(nil),         // 29: carrel.agent.v1.ActivityEvent
-	(*ActivityResponse)(nil),      // 30: carrel.agent.v1.ActivityResponse
+	(*CommandsInput)(nil),         // 5: carrel.agent.v1.CommandsInput
+	(*Cancel)(nil),                // 6: carrel.agent.v1.Cancel
+	(*CommandsOutput)(nil),        // 7: carrel.agent.v1.CommandsOutput
+	(*CommandEnd)(nil),            // 8: carrel.agent.v1.CommandEnd
+	(*AttachRequest)(nil),         // 9: carrel.agent.v1.AttachRequest
+	(*CloseStdin)(nil),            // 10: carrel.agent.v1.CloseStdin
+	(*Resize)(nil),                // 11: carrel.agent.v1.Resize
+	(*ListProcessesRequest)(nil),  // 12: carrel.agent.v1.ListProcessesRequest
+	(*ListProcessesResponse)(nil), // 13: carrel.agent.v1.ListProcessesResponse
+	(*ProcessInfo)(nil),           // 14: carrel.agent.v1.ProcessInfo
+	(*SignalRequest)(nil),         // 15: carrel.agent.v1.SignalRequest
+	(*SignalResponse)(nil),        // 16: carrel.agent.v1.SignalResponse
+	(*InputRequest)(nil),          // 17: carrel.agent.v1.InputRequest
+	(*InputResponse)(nil),         // 18: carrel.agent.v1.InputResponse
+	(*ExecResponse)(nil),          // 19: carrel.agent.v1.ExecResponse
+	(*Started)(nil),               // 20: carrel.agent.v1.Started
+	(*ExitStatus)(nil),            // 21: carrel.agent.v1.ExitStatus
+	(*ShutdownRequest)(nil),       // 22: carrel.agent.v1.ShutdownRequest
+	(*ShutdownResponse)(nil),      // 23: carrel.agent.v1.ShutdownResponse
+	(*SetSandboxRequest)(nil),     // 24: carrel.agent.v1.SetSandboxRequest
+	(*SetSandboxResponse)(nil),    // 25: carrel.agent.v1.SetSandboxResponse
+	(*RestoredRequest)(nil),       // 26: carrel.agent.v1.RestoredRequest
+	(*RestoredResponse)(nil),      // 27: carrel.agent.v1.RestoredResponse
+	(*GuestRequestsRequest)(nil),  // 28: carrel.agent.v1.GuestRequestsRequest
+	(*GuestRequest)(nil),          // 29: carrel.agent.v1.GuestRequest
+	(*GuestAnswer)(nil),           // 30: carrel.agent.v1.GuestAnswer
+	(*GuestAnswerResponse)(nil),   // 31: carrel.agent.v1.GuestAnswerResponse
+	(*ActivityRequest)(nil),       // 32: carrel.agent.v1.ActivityRequest
+	(*ActivityEvent)(nil),         // 33: carrel.agent.v1.ActivityEvent
+	(*ActivityResponse)(nil),      // 34: carrel.agent.v1.ActivityResponse
 }
 var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	3,  // 0: carrel.agent.v1.ProcessInput.start:type_name -> carrel.agent.v1.ExecRequest
-	5,  // 1: carrel.agent.v1.ProcessInput.attach:type_name -> carrel.agent.v1.AttachRequest
-	6,  // 2: carrel.agent.v1.ProcessInput.close_stdin:type_name -> carrel.agent.v1.CloseStdin
-	7,  // 3: carrel.agent.v1.ProcessInput.resize:type_name -> carrel.agent.v1.Resize
-	10, // 4: carrel.agent.v1.ListProcessesResponse.processes:type_name -> carrel.agent.v1.ProcessInfo
-	6,  // 5: carrel.agent.v1.InputRequest.close_stdin:type_name -> carrel.agent.v1.CloseStdin
-	7,  // 6: carrel.agent.v1.InputRequest.resize:type_name -> carrel.agent.v1.Resize
-	16, // 7: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
-	17, // 8: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
-	0,  // 9: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
-	29, // 10: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
-	1,  // 11: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
-	3,  // 12: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
-	4,  // 13: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
-	8,  // 14: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
-	11, // 15: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
-	13, // 16: carrel.agent.v1.AgentService.Input:input_type -> carrel.agent.v1.InputRequest
-	18, // 17: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
-	20, // 18: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
-	28, // 19: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
-	22, // 20: carrel.agent.v1.AgentService.Restored:input_type -> carrel.agent.v1.RestoredRequest
-	24, // 21: carrel.agent.v1.AgentService.GuestRequests:input_type -> carrel.agent.v1.GuestRequestsRequest
-	26, // 22: carrel.agent.v1.AgentService.AnswerGuestRequest:input_type -> carrel.agent.v1.GuestAnswer
-	2,  // 23: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
-	15, // 24: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
-	15, // 25: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
-	9,  // 26: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
-	12, // 27: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
-	14, // 28: carrel.agent.v1.AgentService.Input:output_type -> carrel.agent.v1.InputResponse
-	19, // 29: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
-	21, // 30: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
-	30, // 31: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
-	23, // 32: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
-	25, // 33: carrel.agent.v1.AgentService.GuestRequests:output_type -> carrel.agent.v1.GuestRequest
-	27, // 34: carrel.agent.v1.AgentService.AnswerGuestRequest:output_type -> carrel.agent.v1.GuestAnswerResponse
-	23, // [23:35] is the sub-list for method output_type
-	11, // [11:23] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	9,  // 1: carrel.agent.v1.ProcessInput.attach:type_name -> carrel.agent.v1.AttachRequest
+	10, // 2: carrel.agent.v1.ProcessInput.close_stdin:type_name -> carrel.agent.v1.CloseStdin
+	11, // 3: carrel.agent.v1.ProcessInput.resize:type_name -> carrel.agent.v1.Resize
+	3,  // 4: carrel.agent.v1.CommandsInput.start:type_name -> carrel.agent.v1.ExecRequest
+	6,  // 5: carrel.agent.v1.CommandsInput.cancel:type_name -> carrel.agent.v1.Cancel
+	19, // 6: carrel.agent.v1.CommandsOutput.event:type_name -> carrel.agent.v1.ExecResponse
+	8,  // 7: carrel.agent.v1.CommandsOutput.end:type_name -> carrel.agent.v1.CommandEnd
+	14, // 8: carrel.agent.v1.ListProcessesResponse.processes:type_name -> carrel.agent.v1.ProcessInfo
+	10, // 9: carrel.agent.v1.InputRequest.close_stdin:type_name -> carrel.agent.v1.CloseStdin
+	11, // 10: carrel.agent.v1.InputRequest.resize:type_name -> carrel.agent.v1.Resize
+	20, // 11: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
+	21, // 12: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
+	0,  // 13: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
+	33, // 14: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
+	1,  // 15: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
+	3,  // 16: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
+	4,  // 17: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
+	5,  // 18: carrel.agent.v1.AgentService.Commands:input_type -> carrel.agent.v1.CommandsInput
+	12, // 19: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
+	15, // 20: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
+	17, // 21: carrel.agent.v1.AgentService.Input:input_type -> carrel.agent.v1.InputRequest
+	22, // 22: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
+	24, // 23: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
+	32, // 24: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
+	26, // 25: carrel.agent.v1.AgentService.Restored:input_type -> carrel.agent.v1.RestoredRequest
+	28, // 26: carrel.agent.v1.AgentService.GuestRequests:input_type -> carrel.agent.v1.GuestRequestsRequest
+	30, // 27: carrel.agent.v1.AgentService.AnswerGuestRequest:input_type -> carrel.agent.v1.GuestAnswer
+	2,  // 28: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
+	19, // 29: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
+	19, // 30: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
+	7,  // 31: carrel.agent.v1.AgentService.Commands:output_type -> carrel.agent.v1.CommandsOutput
+	13, // 32: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
+	16, // 33: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
+	18, // 34: carrel.agent.v1.AgentService.Input:output_type -> carrel.agent.v1.InputResponse
+	23, // 35: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
+	25, // 36: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
+	34, // 37: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
+	27, // 38: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
+	29, // 39: carrel.agent.v1.AgentService.GuestRequests:output_type -> carrel.agent.v1.GuestRequest
+	31, // 40: carrel.agent.v1.AgentService.AnswerGuestRequest:output_type -> carrel.agent.v1.GuestAnswerResponse
+	28, // [28:41] is the sub-list for method output_type
+	15, // [15:28] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_carrel_agent_v1_agent_proto_init() }
@@ -2287,16 +2648,26 @@ func file_carrel_agent_v1_agent_proto_init() {
 		(*ProcessInput_Signal)(nil),
 		(*ProcessInput_Resize)(nil),
 	}
-	file_carrel_agent_v1_agent_proto_msgTypes[10].OneofWrappers = []any{
+	file_carrel_agent_v1_agent_proto_msgTypes[4].OneofWrappers = []any{
+		(*CommandsInput_Start)(nil),
+		(*CommandsInput_Credit)(nil),
+		(*CommandsInput_Cancel)(nil),
+		(*CommandsInput_Signal)(nil),
+	}
+	file_carrel_agent_v1_agent_proto_msgTypes[6].OneofWrappers = []any{
+		(*CommandsOutput_Event)(nil),
+		(*CommandsOutput_End)(nil),
+	}
+	file_carrel_agent_v1_agent_proto_msgTypes[14].OneofWrappers = []any{
 		(*SignalRequest_Pid)(nil),
 		(*SignalRequest_ExecId)(nil),
 	}
-	file_carrel_agent_v1_agent_proto_msgTypes[12].OneofWrappers = []any{
+	file_carrel_agent_v1_agent_proto_msgTypes[16].OneofWrappers = []any{
 		(*InputRequest_Stdin)(nil),
 		(*InputRequest_CloseStdin)(nil),
 		(*InputRequest_Resize)(nil),
 	}
-	file_carrel_agent_v1_agent_proto_msgTypes[14].OneofWrappers = []any{
+	file_carrel_agent_v1_agent_proto_msgTypes[18].OneofWrappers = []any{
 		(*ExecResponse_Started)(nil),
 		(*ExecResponse_Stdout)(nil),
 		(*ExecResponse_Stderr)(nil),
@@ -2308,7 +2679,7 @@ func file_carrel_agent_v1_agent_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_carrel_agent_v1_agent_proto_rawDesc), len(file_carrel_agent_v1_agent_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   30,
+			NumMessages:   34,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

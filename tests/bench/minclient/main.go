@@ -23,7 +23,7 @@ func main() {
 	}
 	c := client.New(os.Getenv("CARREL_SOCKET"))
 	st, err := c.Run(context.Background(), client.Session{VM: os.Args[1],
-		Start: &agentv1.ExecRequest{Argv: os.Args[2:]}, Stdout: os.Stdout, Stderr: os.Stderr})
+		Start: &agentv1.ExecRequest{Argv: os.Args[2:], NoStdin: true}, Stdout: os.Stdout, Stderr: os.Stderr})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "minclient:", err)
 		os.Exit(125)

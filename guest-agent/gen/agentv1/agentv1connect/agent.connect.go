@@ -43,6 +43,8 @@ const (
 	AgentServiceExecProcedure = "/carrel.agent.v1.AgentService/Exec"
 	// AgentServiceProcessProcedure is the fully-qualified name of the AgentService's Process RPC.
 	AgentServiceProcessProcedure = "/carrel.agent.v1.AgentService/Process"
+	// AgentServiceCommandsProcedure is the fully-qualified name of the AgentService's Commands RPC.
+	AgentServiceCommandsProcedure = "/carrel.agent.v1.AgentService/Commands"
 	// AgentServiceListProcessesProcedure is the fully-qualified name of the AgentService's
 	// ListProcesses RPC.
 	AgentServiceListProcessesProcedure = "/carrel.agent.v1.AgentService/ListProcesses"
@@ -79,6 +81,13 @@ type AgentServiceClient interface {
 	// A command started with detach keeps running when the call ends, its
 	// output kept in a bounded buffer for the next attach.
 	Process(context.Context) *connect.BidiStreamForClient[agentv1.ProcessInput, agentv1.ExecResponse]
+	// Commands carries many Exec calls on one long-lived stream, so that a
+	// command costs messages on it rather than a stream of its own (HTTP/2
+	// stream setup is most of a call's cost in an emulated guest). The host
+	// numbers each command; every message names its number. Output is paced
+	// per command by credit (CommandsInput.credit), so one command's output
+	// never holds up another's. Ending the stream ends every command on it.
+	Commands(context.Context) *connect.BidiStreamForClient[agentv1.CommandsInput, agentv1.CommandsOutput]
 	// ListProcesses lists the guest's processes.
 	ListProcesses(context.Context, *connect.Request[agentv1.ListProcessesRequest]) (*connect.Response[agentv1.ListProcessesResponse], error)
 	// Signal sends a signal to a process (by pid) or to the process group of
@@ -161,6 +170,12 @@ func NewAgentServiceClient(httpClient connect.HTTPClient, baseURL string, opts .
 			connect.WithSchema(agentServiceMethods.ByName("Process")),
 			connect.WithClientOptions(opts...),
 		),
+		commands: connect.NewClient[agentv1.CommandsInput, agentv1.CommandsOutput](
+			httpClient,
+			baseURL+AgentServiceCommandsProcedure,
+			connect.WithSchema(agentServiceMethods.ByName("Commands")),
+			connect.WithClientOptions(opts...),
+		),
 		listProcesses: connect.NewClient[agentv1.ListProcessesRequest, agentv1.ListProcessesResponse](
 			httpClient,
 			baseURL+AgentServiceListProcessesProcedure,
@@ -223,6 +238,7 @@ type agentServiceClient struct {
 	health             *connect.Client[agentv1.HealthRequest, agentv1.HealthResponse]
 	exec               *connect.Client[agentv1.ExecRequest, agentv1.ExecResponse]
 	process            *connect.Client[agentv1.ProcessInput, agentv1.ExecResponse]
+	commands           *connect.Client[agentv1.CommandsInput, agentv1.CommandsOutput]
 	listProcesses      *connect.Client[agentv1.ListProcessesRequest, agentv1.ListProcessesResponse]
 	signal             *connect.Client[agentv1.SignalRequest, agentv1.SignalResponse]
 	input              *connect.Client[agentv1.InputRequest, agentv1.InputResponse]
@@ -247,6 +263,11 @@ func (c *agentServiceClient) Exec(ctx context.Context, req *connect.Request[agen
 // Process calls carrel.agent.v1.AgentService.Process.
 func (c *agentServiceClient) Process(ctx context.Context) *connect.BidiStreamForClient[agentv1.ProcessInput, agentv1.ExecResponse] {
 	return c.process.CallBidiStream(ctx)
+}
+
+// Commands calls carrel.agent.v1.AgentService.Commands.
+func (c *agentServiceClient) Commands(ctx context.Context) *connect.BidiStreamForClient[agentv1.CommandsInput, agentv1.CommandsOutput] {
+	return c.commands.CallBidiStream(ctx)
 }
 
 // ListProcesses calls carrel.agent.v1.AgentService.ListProcesses.
@@ -307,6 +328,13 @@ type AgentServiceHandler interface {
 	// A command started with detach keeps running when the call ends, its
 	// output kept in a bounded buffer for the next attach.
 	Process(context.Context, *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error
+	// Commands carries many Exec calls on one long-lived stream, so that a
+	// command costs messages on it rather than a stream of its own (HTTP/2
+	// stream setup is most of a call's cost in an emulated guest). The host
+	// numbers each command; every message names its number. Output is paced
+	// per command by credit (CommandsInput.credit), so one command's output
+	// never holds up another's. Ending the stream ends every command on it.
+	Commands(context.Context, *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error
 	// ListProcesses lists the guest's processes.
 	ListProcesses(context.Context, *connect.Request[agentv1.ListProcessesRequest]) (*connect.Response[agentv1.ListProcessesResponse], error)
 	// Signal sends a signal to a process (by pid) or to the process group of
@@ -385,6 +413,12 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 		connect.WithSchema(agentServiceMethods.ByName("Process")),
 		connect.WithHandlerOptions(opts...),
 	)
+	agentServiceCommandsHandler := connect.NewBidiStreamHandler(
+		AgentServiceCommandsProcedure,
+		svc.Commands,
+		connect.WithSchema(agentServiceMethods.ByName("Commands")),
+		connect.WithHandlerOptions(opts...),
+	)
 	agentServiceListProcessesHandler := connect.NewUnaryHandler(
 		AgentServiceListProcessesProcedure,
 		svc.ListProcesses,
@@ -447,6 +481,8 @@ func NewAgentServiceHandler(svc AgentServiceHandler, opts ...connect.HandlerOpti
 			agentServiceExecHandler.ServeHTTP(w, r)
 		case AgentServiceProcessProcedure:
 			agentServiceProcessHandler.ServeHTTP(w, r)
+		case AgentServiceCommandsProcedure:
+			agentServiceCommandsHandler.ServeHTTP(w, r)
 		case AgentServiceListProcessesProcedure:
 			agentServiceListProcessesHandler.ServeHTTP(w, r)
 		case AgentServiceSignalProcedure:
@@ -484,6 +520,10 @@ func (UnimplementedAgentServiceHandler) Exec(context.Context, *connect.Request[a
 
 func (UnimplementedAgentServiceHandler) Process(context.Context, *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
 	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Process is not implemented"))
+}
+
+func (UnimplementedAgentServiceHandler) Commands(context.Context, *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+	return connect.NewError(connect.CodeUnimplemented, errors.New("carrel.agent.v1.AgentService.Commands is not implemented"))
 }
 
 func (UnimplementedAgentServiceHandler) ListProcesses(context.Context, *connect.Request[agentv1.ListProcessesRequest]) (*connect.Response[agentv1.ListProcessesResponse], error) {

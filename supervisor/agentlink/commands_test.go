@@ -1,0 +1,328 @@
+package agentlink
+
+import (
+	"context"
+	"errors"
+	"io"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+
+	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
+	"github.com/carrel-os/carrel/guest-agent/proctable"
+	"github.com/carrel-os/carrel/guest-agent/protocol"
+)
+
+// commandsAgent is a fake agent whose Commands stream is scripted.
+type commandsAgent struct {
+	fakeAgent
+	calls  atomic.Int32
+	script func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error
+}
+
+func (f *commandsAgent) Commands(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+	f.calls.Add(1)
+	return f.script(ctx, s)
+}
+
+func event(id uint64, ev *agentv1.ExecResponse) *agentv1.CommandsOutput {
+	return &agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_Event{Event: ev}}
+}
+
+func exitEvent(code int32) *agentv1.ExecResponse {
+	return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: code}}}
+}
+
+func stdoutEvent(b []byte) *agentv1.ExecResponse {
+	return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: b}}
+}
+
+// readyLink is a link to f, ready.
+func readyLink(t *testing.T, f *commandsAgent) *Link {
+	t.Helper()
+	l := New(serve(t, f), nil)
+	t.Cleanup(func() { l.Close() })
+	if err := l.WaitReady(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// run starts argv as a command on l and collects its events and end, as
+// the relay does: errors go through done.
+func runCommand(ctx context.Context, l *Link, argv ...string) ([]*agentv1.ExecResponse, error) {
+	_, cmds, done := l.AgentCommands()
+	cmd := cmds.Start(ctx, &agentv1.ExecRequest{Argv: argv})
+	defer cmd.Close()
+	var evs []*agentv1.ExecResponse
+	for {
+		ev, err := cmd.Receive()
+		if errors.Is(err, io.EOF) {
+			return evs, nil
+		}
+		if err != nil {
+			return evs, done(ctx, err)
+		}
+		evs = append(evs, ev)
+	}
+}
+
+func TestCommandsShareOneStream(t *testing.T) {
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		var mu sync.Mutex
+		for {
+			in, err := s.Receive()
+			if err != nil {
+				return nil
+			}
+			if in.GetStart() == nil {
+				continue
+			}
+			mu.Lock()
+			err = errors.Join(s.Send(event(in.Id, stdoutEvent([]byte(in.GetStart().Argv[0])))), s.Send(event(in.Id, exitEvent(int32(in.Id)))))
+			mu.Unlock()
+			if err != nil {
+				return err
+			}
+		}
+	}}
+	l := readyLink(t, f)
+	var wg sync.WaitGroup
+	for _, name := range []string{"a", "b", "c", "d"} {
+		wg.Go(func() {
+			evs, err := runCommand(context.Background(), l, name)
+			if err != nil || len(evs) != 2 || string(evs[0].GetStdout()) != name || evs[1].GetExit() == nil {
+				t.Errorf("%s: %v %v", name, evs, err)
+			}
+		})
+	}
+	wg.Wait()
+	if n := f.calls.Load(); n != 1 {
+		t.Errorf("%d Commands calls for 4 commands, want 1", n)
+	}
+}
+
+// An agent without the call: ErrNoCommands, nothing marked unhealthy, and
+// no second try.
+func TestCommandsWithoutTheCall(t *testing.T) {
+	l := New(serve(t, &fakeAgent{}), nil)
+	defer l.Close()
+	ctx := context.Background()
+	if err := l.WaitReady(ctx); err != nil {
+		t.Fatal(err)
+	}
+	_, cmds, _ := l.AgentCommands()
+	cmd := cmds.Start(ctx, &agentv1.ExecRequest{Argv: []string{"x"}})
+	if _, err := cmd.Receive(); !errors.Is(err, ErrNoCommands) {
+		t.Fatalf("got %v, want ErrNoCommands", err)
+	}
+	cmd.Close()
+	if cmds.Supported() {
+		t.Error("still Supported after the agent said it lacks the call")
+	}
+	if _, err := cmds.Start(ctx, &agentv1.ExecRequest{}).Receive(); !errors.Is(err, ErrNoCommands) {
+		t.Errorf("second command: %v", err)
+	}
+	if st, err := l.State(); st != Ready {
+		t.Errorf("state %v (%v), want ready", st, err)
+	}
+}
+
+// A guest that breaks the protocol breaks the stream with DataLoss, and
+// the link ends the connection; the next command opens a new stream.
+func TestCommandsRefuseAHostileGuest(t *testing.T) {
+	chunk := make([]byte, protocol.ExecChunkBytes)
+	for name, misbehave := range map[string]func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error{
+		"past its credit": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
+			for range 2 * protocol.CommandCredit / len(chunk) {
+				if err := s.Send(event(id, stdoutEvent(chunk))); err != nil {
+					return err
+				}
+			}
+			return nil
+		},
+		"a command never started": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
+			return s.Send(event(id+1, exitEvent(0)))
+		},
+		"an end with an unknown code": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
+			return s.Send(&agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_End{End: &agentv1.CommandEnd{Code: 99}}})
+		},
+		"no message": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
+			return s.Send(&agentv1.CommandsOutput{Id: id})
+		},
+	} {
+		t.Run(name, func(t *testing.T) {
+			var hostile atomic.Bool
+			hostile.Store(true)
+			f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+				for {
+					in, err := s.Receive()
+					if err != nil {
+						return nil
+					}
+					if in.GetStart() == nil {
+						continue
+					}
+					if hostile.Load() {
+						if err := misbehave(s, in.Id); err != nil {
+							return nil
+						}
+						continue
+					}
+					if err := s.Send(event(in.Id, exitEvent(0))); err != nil {
+						return err
+					}
+				}
+			}}
+			l := readyLink(t, f)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			_, err := runCommand(ctx, l, "x")
+			if connect.CodeOf(err) != connect.CodeDataLoss {
+				t.Fatalf("got %v, want data_loss", err)
+			}
+			if st, _ := l.State(); st != Unhealthy {
+				t.Errorf("state %v, want unhealthy: the connection can no longer be trusted", st)
+			}
+			hostile.Store(false)
+			if evs, err := runCommand(ctx, l, "y"); err != nil || len(evs) != 1 {
+				t.Fatalf("after reconnecting: %v %v", evs, err)
+			}
+			if n := f.calls.Load(); n != 2 {
+				t.Errorf("%d Commands calls, want 2 (one per connection)", n)
+			}
+		})
+	}
+}
+
+// Closing a command the guest has not ended cancels it there; its late
+// output is dropped, and the stream goes on.
+func TestCommandsCloseCancels(t *testing.T) {
+	cancelled := make(chan uint64, 1)
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		for {
+			in, err := s.Receive()
+			if err != nil {
+				return nil
+			}
+			switch {
+			case in.GetStart() != nil && in.GetStart().Argv[0] == "quick":
+				err = s.Send(event(in.Id, exitEvent(0)))
+			case in.GetCancel() != nil:
+				cancelled <- in.Id
+				err = errors.Join(s.Send(event(in.Id, stdoutEvent([]byte("late")))),
+					s.Send(&agentv1.CommandsOutput{Id: in.Id, Msg: &agentv1.CommandsOutput_End{End: &agentv1.CommandEnd{Code: uint32(connect.CodeCanceled)}}}))
+			}
+			if err != nil {
+				return err
+			}
+		}
+	}}
+	l := readyLink(t, f)
+	ctx, cancel := context.WithCancel(context.Background())
+	_, cmds, _ := l.AgentCommands()
+	cmd := cmds.Start(ctx, &agentv1.ExecRequest{Argv: []string{"slow"}})
+	cancel()
+	if _, err := cmd.Receive(); connect.CodeOf(err) != connect.CodeCanceled {
+		t.Fatalf("got %v, want canceled", err)
+	}
+	cmd.Close()
+	select {
+	case id := <-cancelled:
+		if id != 1 {
+			t.Fatalf("cancelled %d, want 1", id)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the guest was not told")
+	}
+	if evs, err := runCommand(context.Background(), l, "quick"); err != nil || len(evs) != 1 {
+		t.Fatalf("next command: %v %v", evs, err)
+	}
+	if st, _ := l.State(); st != Ready {
+		t.Errorf("state %v, want ready", st)
+	}
+}
+
+// The host grants credit as its caller takes events, so a command's
+// output of any size gets through, paced.
+func TestCommandsGrantCredit(t *testing.T) {
+	chunk := make([]byte, protocol.ExecChunkBytes)
+	const chunks = 40 // 1.25 MiB, five times the first credit
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		in, err := s.Receive()
+		if err != nil {
+			return err
+		}
+		credit := int64(protocol.CommandCredit)
+		cost := units(stdoutEvent(chunk))
+		for sent := 0; sent < chunks; {
+			if credit < cost {
+				g, err := s.Receive()
+				if err != nil {
+					return err
+				}
+				credit += int64(g.GetCredit())
+				continue
+			}
+			if err := s.Send(event(in.Id, stdoutEvent(chunk))); err != nil {
+				return err
+			}
+			credit -= cost
+			sent++
+		}
+		if err := s.Send(event(in.Id, exitEvent(0))); err != nil {
+			return err
+		}
+		_, err = s.Receive()
+		return nil
+	}}
+	l := readyLink(t, f)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	evs, err := runCommand(ctx, l, "big")
+	if err != nil || len(evs) != chunks+1 {
+		t.Fatalf("%d events, %v", len(evs), err)
+	}
+}
+
+func TestCommandSignal(t *testing.T) {
+	got := make(chan int32, 1)
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		for {
+			in, err := s.Receive()
+			if err != nil {
+				return nil
+			}
+			if sig := in.GetSignal(); sig != 0 {
+				got <- sig
+				if err := s.Send(event(in.Id, exitEvent(130))); err != nil {
+					return err
+				}
+			}
+		}
+	}}
+	if MaxSignal != proctable.MaxSignal {
+		t.Fatalf("MaxSignal %d, the agent's %d", MaxSignal, proctable.MaxSignal)
+	}
+	l := readyLink(t, f)
+	_, cmds, _ := l.AgentCommands()
+	cmd := cmds.Start(context.Background(), &agentv1.ExecRequest{Argv: []string{"x"}})
+	defer cmd.Close()
+	for _, bad := range []int32{0, -1, MaxSignal + 1} {
+		if err := cmd.Signal(bad); connect.CodeOf(err) != connect.CodeInvalidArgument {
+			t.Errorf("signal %d: %v", bad, err)
+		}
+	}
+	if err := cmd.Signal(2); err != nil {
+		t.Fatal(err)
+	}
+	if sig := <-got; sig != 2 {
+		t.Fatalf("guest got signal %d", sig)
+	}
+	if ev, err := cmd.Receive(); err != nil || ev.GetExit().GetCode() != 130 {
+		t.Fatalf("%v %v", ev, err)
+	}
+}
