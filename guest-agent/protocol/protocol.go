@@ -103,6 +103,11 @@ const (
 	// size: it bounds how many tiny events the host may have to hold.
 	CommandEventOverhead = 64
 
+	// MaxCommands caps the commands running at once on a Commands stream,
+	// as HTTP/2's MaxConcurrentStreams caps calls: carreld refuses the next
+	// one, and so does the agent.
+	MaxCommands = 1000
+
 	// ReadyMarker is printed on the guest console once the agent serves. The
 	// supervisor never waits on it (it waits on a Health RPC); it exists for
 	// people reading the console and for the bare-QEMU benchmark baseline.

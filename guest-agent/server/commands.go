@@ -109,6 +109,15 @@ func (m *commandServer) handle(in *agentv1.CommandsInput) error {
 			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("commands: command %d started twice, out of order or empty", id))
 		}
 		m.last = id
+		if len(m.running) >= protocol.MaxCommands {
+			end := &agentv1.CommandEnd{Code: uint32(connect.CodeResourceExhausted), Message: fmt.Sprintf("exec: %d commands are running", len(m.running))}
+			m.wg.Add(1)
+			go func() { // handle must not wait on the stream
+				defer m.wg.Done()
+				_ = m.out(&agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_End{End: end}})
+			}()
+			return nil
+		}
 		ctx, cancel := context.WithCancel(m.ctx)
 		c = &runningCommand{cancel: cancel, credit: protocol.CommandCredit, more: make(chan struct{}, 1)}
 		m.running[id] = c
@@ -173,9 +182,8 @@ func (m *commandServer) exec(ctx context.Context, id uint64, c *runningCommand, 
 		if ce := new(connect.Error); errors.As(err, &ce) {
 			end.Message = ce.Message()
 		}
-		if len(end.Message) > maxEndMessage {
-			end.Message = end.Message[:maxEndMessage]
-		}
+		// A proto string must be UTF-8, or the end could not be sent.
+		end.Message = protocol.CleanText(end.Message, maxEndMessage)
 		if level := callLevel(err); m.log.Enabled(m.ctx, level) {
 			m.log.Log(m.ctx, level, "command failed", "rpc", "Commands", "argv0", firstArg(req.GetArgv()), "err", err)
 		}

@@ -10,9 +10,11 @@ import (
 	"sync"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
+	"google.golang.org/protobuf/proto"
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
@@ -30,7 +32,13 @@ type commandsHarness struct {
 
 func newCommandsHarness(t *testing.T, run func(context.Context, *agentv1.ExecRequest, func(*agentv1.ExecResponse) error) error) *commandsHarness {
 	h := &commandsHarness{t: t, in: make(chan *agentv1.CommandsInput), out: make(chan *agentv1.CommandsOutput, 1024), done: make(chan error, 1)}
-	h.m = newCommandServer(context.Background(), run, func(o *agentv1.CommandsOutput) error { h.out <- o; return nil }, nil)
+	h.m = newCommandServer(context.Background(), run, func(o *agentv1.CommandsOutput) error {
+		if _, err := proto.Marshal(o); err != nil { // as connect would
+			return err
+		}
+		h.out <- o
+		return nil
+	}, nil)
 	go func() {
 		h.done <- h.m.serve(func() (*agentv1.CommandsInput, error) {
 			m, ok := <-h.in
@@ -141,6 +149,22 @@ func TestCommandsEndWithTheRunnersError(t *testing.T) {
 	o := h.next()
 	if e := o.GetEnd(); o.Id != 1 || e == nil || connect.Code(e.Code) != connect.CodeNotFound || e.Message != "exec: nope: not found" {
 		t.Fatalf("got %v, want command 1's end: not_found with the runner's message", o)
+	}
+	close(h.in)
+	<-h.done
+}
+
+// An error's text is cut to a character boundary and made UTF-8, which a
+// proto string must be: otherwise the end could not be sent, and the host
+// would wait for it.
+func TestCommandsEndWithAnyText(t *testing.T) {
+	h := newCommandsHarness(t, func(context.Context, *agentv1.ExecRequest, func(*agentv1.ExecResponse) error) error {
+		return connect.NewError(connect.CodeInvalidArgument, errors.New("exec: working directory: stat /workspace/"+strings.Repeat("é", 600)+"\xff: file name too long"))
+	})
+	h.send(startMsg(1, "x"))
+	o := h.next()
+	if e := o.GetEnd(); e == nil || !utf8.ValidString(e.Message) || len(e.Message) > maxEndMessage || !strings.HasPrefix(e.Message, "exec: working directory") {
+		t.Fatalf("got %v", o)
 	}
 	close(h.in)
 	<-h.done

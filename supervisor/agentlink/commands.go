@@ -20,6 +20,29 @@ import (
 // runs the command with Exec instead.
 var ErrNoCommands = errors.New("the guest agent has no Commands call")
 
+// hostError is an error of carreld's own making, not the guest's: a
+// request too large for the link, too many commands, a VM stopping.
+// Link.check passes it through without ending the connection.
+type hostError struct{ err error }
+
+func (e *hostError) Error() string { return e.err.Error() }
+func (e *hostError) Unwrap() error { return e.err }
+
+// IsHostError reports whether err is one of carreld's own (see
+// hostError): the relay returns it as it is.
+func IsHostError(err error) bool {
+	var h *hostError
+	return errors.As(err, &h)
+}
+
+func hostErr(code connect.Code, format string, args ...any) error {
+	return &hostError{connect.NewError(code, fmt.Errorf(format, args...))}
+}
+
+// maxQueued caps the messages waiting for the writer: a client sending
+// signals faster than the guest reads gets ResourceExhausted.
+const maxQueued = 4096
+
 // Commands carries a channel's commands to the guest on one Commands
 // stream, opened on the first command and again after one ends. In an
 // emulated guest a call's own HTTP/2 stream costs about as much again as
@@ -69,6 +92,10 @@ func (c *Commands) Start(ctx context.Context, req *agentv1.ExecRequest) *Command
 		c.cur = s
 	}
 	c.mu.Unlock()
+	// Over the cap, the writer's Send would fail and end every command.
+	if n := proto.Size(req) + 16; n > protocol.MaxMessageBytes {
+		return endedCommand(hostErr(connect.CodeResourceExhausted, "exec: the request is %d bytes, over the link's %d", n, protocol.MaxMessageBytes))
+	}
 	return s.start(ctx, req)
 }
 
@@ -146,6 +173,9 @@ func (s *commandStream) start(ctx context.Context, req *agentv1.ExecRequest) *Co
 	if s.err != nil {
 		return endedCommand(s.err)
 	}
+	if len(s.running) >= protocol.MaxCommands {
+		return endedCommand(hostErr(connect.CodeResourceExhausted, "exec: %d commands are already running on this VM's link", len(s.running)))
+	}
 	s.next++
 	cmd := &Command{s: s, id: s.next, ctx: ctx, granted: protocol.CommandCredit, ready: make(chan struct{}, 1)}
 	s.running[cmd.id] = cmd
@@ -171,8 +201,11 @@ func (s *commandStream) enqueueLocked(m *agentv1.CommandsInput) {
 	}
 }
 
-// write sends the queue in order until the stream ends.
+// write sends the queue in order until the stream ends. It then closes
+// the request side, which also lets a Receive that started before any
+// Send return.
 func (s *commandStream) write() {
+	defer s.stream.CloseRequest()
 	for {
 		select {
 		case <-s.wake:
@@ -247,18 +280,23 @@ func (s *commandStream) deliver(out *agentv1.CommandsOutput) error {
 		return nil // late output of a command that was cancelled
 	}
 	ev := out.GetEvent()
-	if ev == nil || ev.GetExit() != nil { // an end, or an exit status, which ends it
-		delete(s.running, out.GetId())
-	}
-	s.mu.Unlock()
 	if ev == nil {
+		delete(s.running, out.GetId())
+		s.mu.Unlock()
 		cmd.finish(endErr)
 		return nil
 	}
+	s.mu.Unlock()
+	// A refusal leaves the command running, for end to finish.
 	if err := cmd.push(ev); err != nil {
 		return err
 	}
-	if ev.GetExit() != nil {
+	if ev.GetExit() != nil { // an exit status ends the command
+		s.mu.Lock()
+		if s.running[out.GetId()] == cmd {
+			delete(s.running, out.GetId())
+		}
+		s.mu.Unlock()
 		cmd.finish(nil)
 	}
 	return nil
@@ -275,11 +313,7 @@ func commandEndErr(e *agentv1.CommandEnd) (err, bad error) {
 	case e.Code > uint32(connect.CodeUnauthenticated):
 		return nil, errGuest("an end with code %d", e.Code)
 	}
-	msg := e.Message
-	if len(msg) > maxEndMessage {
-		msg = msg[:maxEndMessage]
-	}
-	return connect.NewWireError(connect.Code(e.Code), errors.New(msg)), nil
+	return connect.NewWireError(connect.Code(e.Code), errors.New(protocol.CleanText(e.Message, maxEndMessage))), nil
 }
 
 // maxEndMessage caps the error text kept from a command's end.
@@ -374,6 +408,9 @@ func (c *Command) signal() {
 // error), the stream's, or its context's.
 func (c *Command) Receive() (*agentv1.ExecResponse, error) {
 	for {
+		if c.ctx != nil && c.ctx.Err() != nil {
+			return nil, ctxError(c.ctx)
+		}
 		c.mu.Lock()
 		if len(c.queue) > 0 {
 			ev := c.queue[0]
@@ -433,8 +470,17 @@ func (c *Command) Signal(sig int32) error {
 	c.mu.Lock()
 	ended := c.ended
 	c.mu.Unlock()
-	if !ended {
-		c.s.enqueue(&agentv1.CommandsInput{Id: c.id, Msg: &agentv1.CommandsInput_Signal{Signal: sig}})
+	if ended {
+		return nil
+	}
+	s := c.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.queue) >= maxQueued {
+		return hostErr(connect.CodeResourceExhausted, "signal: %d messages are already waiting for the guest", len(s.queue))
+	}
+	if s.err == nil {
+		s.enqueueLocked(&agentv1.CommandsInput{Id: c.id, Msg: &agentv1.CommandsInput_Signal{Signal: sig}})
 	}
 	return nil
 }

@@ -134,15 +134,11 @@ func TestCommandsWithoutTheCall(t *testing.T) {
 // A guest that breaks the protocol breaks the stream with DataLoss, and
 // the link ends the connection; the next command opens a new stream.
 func TestCommandsRefuseAHostileGuest(t *testing.T) {
-	chunk := make([]byte, protocol.ExecChunkBytes)
 	for name, misbehave := range map[string]func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error{
 		"past its credit": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
-			for range 2 * protocol.CommandCredit / len(chunk) {
-				if err := s.Send(event(id, stdoutEvent(chunk))); err != nil {
-					return err
-				}
-			}
-			return nil
+			// Whatever the host has granted by then, one event over the
+			// whole credit is past it.
+			return s.Send(event(id, stdoutEvent(make([]byte, protocol.CommandCredit))))
 		},
 		"a command never started": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
 			return s.Send(event(id+1, exitEvent(0)))
@@ -324,5 +320,152 @@ func TestCommandSignal(t *testing.T) {
 	}
 	if ev, err := cmd.Receive(); err != nil || ev.GetExit().GetCode() != 130 {
 		t.Fatalf("%v %v", ev, err)
+	}
+}
+
+// An exit status past the credit is refused like any other event: the
+// caller gets DataLoss, not a wait that never ends.
+func TestCommandsExitPastCredit(t *testing.T) {
+	n := protocol.CommandCredit - 10
+	for units(stdoutEvent(make([]byte, n))) > protocol.CommandCredit-10 {
+		n--
+	}
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		in, err := s.Receive()
+		if err != nil {
+			return nil
+		}
+		if err := errors.Join(s.Send(event(in.Id, stdoutEvent(make([]byte, n)))), s.Send(event(in.Id, exitEvent(0)))); err != nil {
+			return err
+		}
+		<-ctx.Done()
+		return nil
+	}}
+	l := readyLink(t, f)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	_, cmds, _ := l.AgentCommands()
+	cmd := cmds.Start(ctx, &agentv1.ExecRequest{Argv: []string{"x"}})
+	defer cmd.Close()
+	time.Sleep(200 * time.Millisecond) // both events arrive before any is taken, so no grant
+	var err error
+	for err == nil {
+		_, err = cmd.Receive()
+	}
+	if connect.CodeOf(err) != connect.CodeDataLoss {
+		t.Fatalf("got %v, want data_loss", err)
+	}
+}
+
+// Stopping the VM ends its commands with an error that is carreld's, and
+// leaves the connection for the Shutdown call.
+func TestCommandsEndAtShutdown(t *testing.T) {
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		for {
+			if _, err := s.Receive(); err != nil {
+				return nil
+			}
+		}
+	}}
+	l := readyLink(t, f)
+	ctx := context.Background()
+	_, cmds, done := l.AgentCommands()
+	cmd := cmds.Start(ctx, &agentv1.ExecRequest{Argv: []string{"sleep"}})
+	defer cmd.Close()
+	errc := make(chan error, 1)
+	go func() {
+		_, err := cmd.Receive()
+		errc <- done(ctx, err)
+	}()
+	l.Shutdown(ctx, false) // the fake agent does not implement it
+	err := <-errc
+	if !IsHostError(err) || connect.CodeOf(err) != connect.CodeUnavailable {
+		t.Fatalf("got %v, want carreld's own unavailable", err)
+	}
+	if st, err := l.State(); st != Ready {
+		t.Errorf("state %v (%v): stopping the VM blamed the guest", st, err)
+	}
+}
+
+// A caller's context ends its command even while events keep coming.
+func TestCommandsDeadlineWithOutputWaiting(t *testing.T) {
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		in, err := s.Receive()
+		if err != nil {
+			return nil
+		}
+		for range 4 {
+			if err := s.Send(event(in.Id, stdoutEvent([]byte("y\n")))); err != nil {
+				return err
+			}
+		}
+		<-ctx.Done()
+		return nil
+	}}
+	l := readyLink(t, f)
+	ctx, cancel := context.WithCancel(context.Background())
+	_, cmds, _ := l.AgentCommands()
+	cmd := cmds.Start(ctx, &agentv1.ExecRequest{Argv: []string{"yes"}})
+	defer cmd.Close()
+	if _, err := cmd.Receive(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond)
+	cancel()
+	if _, err := cmd.Receive(); connect.CodeOf(err) != connect.CodeCanceled {
+		t.Fatalf("got %v, want canceled though events wait", err)
+	}
+}
+
+// A request too large for the link, and a command past MaxCommands, are
+// refused for that caller alone; the link and the other commands go on.
+func TestCommandsRefuseWhatTheLinkCannotCarry(t *testing.T) {
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		for {
+			in, err := s.Receive()
+			if err != nil {
+				return nil
+			}
+			if in.GetStart() != nil {
+				if err := s.Send(event(in.Id, exitEvent(0))); err != nil {
+					return err
+				}
+			}
+		}
+	}}
+	l := readyLink(t, f)
+	ctx := context.Background()
+	_, cmds, done := l.AgentCommands()
+	_, err := cmds.Start(ctx, &agentv1.ExecRequest{Argv: []string{string(make([]byte, protocol.MaxMessageBytes))}}).Receive()
+	if err = done(ctx, err); connect.CodeOf(err) != connect.CodeResourceExhausted || !IsHostError(err) {
+		t.Fatalf("a request over the cap: %v", err)
+	}
+	if evs, err := runCommand(ctx, l, "x"); err != nil || len(evs) != 1 {
+		t.Fatalf("after it: %v %v", evs, err)
+	}
+	if st, _ := l.State(); st != Ready {
+		t.Errorf("state %v", st)
+	}
+
+	// MaxCommands and the signal queue, on a stream with no writer.
+	c := &Commands{}
+	s := &commandStream{owner: c, cancel: func() {}, running: map[uint64]*Command{}, wake: make(chan struct{}, 1), stopped: make(chan struct{})}
+	var first *Command
+	for i := range protocol.MaxCommands {
+		cmd := s.start(ctx, &agentv1.ExecRequest{})
+		if i == 0 {
+			first = cmd
+		}
+	}
+	if _, err := s.start(ctx, &agentv1.ExecRequest{}).Receive(); connect.CodeOf(err) != connect.CodeResourceExhausted || !IsHostError(err) {
+		t.Fatalf("command %d: %v", protocol.MaxCommands+1, err)
+	}
+	for len(s.queue) < maxQueued {
+		if err := first.Signal(2); err != nil {
+			t.Fatalf("signal with %d queued: %v", len(s.queue), err)
+		}
+	}
+	if err := first.Signal(2); connect.CodeOf(err) != connect.CodeResourceExhausted {
+		t.Fatalf("signal past the queue's cap: %v", err)
 	}
 }

@@ -295,8 +295,9 @@ func (l *Link) check(ctx context.Context, s *channel, err error) error {
 	if err == nil {
 		return nil
 	}
-	if ctx.Err() != nil {
-		// The caller gave up (deadline or cancel); not the guest's fault.
+	if ctx.Err() != nil || IsHostError(err) {
+		// The caller gave up (deadline or cancel), or carreld refused;
+		// not the guest's fault.
 		return err
 	}
 	if connect.IsWireError(err) {
@@ -609,7 +610,7 @@ func (l *Link) Agent() (client agentv1connect.AgentServiceClient, done func(ctx 
 // ends first: the agent's own shutdown waits for open calls.
 func (l *Link) Shutdown(ctx context.Context, reboot bool) error {
 	s := l.channel()
-	s.commands.reset(connect.NewError(connect.CodeUnavailable, errors.New("the guest is shutting down")))
+	s.commands.reset(hostErr(connect.CodeUnavailable, "the vm is stopping"))
 	_, err := s.client.Shutdown(ctx, connect.NewRequest(&agentv1.ShutdownRequest{Reboot: reboot}))
 	return l.check(ctx, s, err)
 }

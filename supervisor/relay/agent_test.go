@@ -53,6 +53,7 @@ type fakeAgent struct {
 	viaCommands int
 	processes   int
 	signals     []int32
+	signalled   chan struct{} // closed by Signal, for Exec's "wait"
 }
 
 func (a *fakeAgent) Commands(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
@@ -94,11 +95,40 @@ func (a *fakeAgent) Commands(ctx context.Context, s *connect.BidiStream[agentv1.
 	}
 }
 
-func (a *fakeAgent) Exec(_ context.Context, req *connect.Request[agentv1.ExecRequest], s *connect.ServerStream[agentv1.ExecResponse]) error {
+func (a *fakeAgent) Exec(ctx context.Context, req *connect.Request[agentv1.ExecRequest], s *connect.ServerStream[agentv1.ExecResponse]) error {
 	a.mu.Lock()
 	a.starts = append(a.starts, req.Msg)
+	if a.signalled == nil {
+		a.signalled = make(chan struct{})
+	}
+	signalled := a.signalled
 	a.mu.Unlock()
+	if req.Msg.GetArgv()[0] == "wait" { // runs until signalled: exit 130
+		if err := s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: 7, Id: "e1"}}}); err != nil {
+			return err
+		}
+		select {
+		case <-signalled:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: 130}}})
+	}
 	return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{}}})
+}
+
+func (a *fakeAgent) Signal(_ context.Context, req *connect.Request[agentv1.SignalRequest]) (*connect.Response[agentv1.SignalResponse], error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if req.Msg.GetExecId() != "e1" {
+		return nil, connect.NewError(connect.CodeNotFound, errors.New("no such command"))
+	}
+	a.signals = append(a.signals, req.Msg.Signal)
+	if a.signalled != nil {
+		close(a.signalled)
+		a.signalled = nil
+	}
+	return connect.NewResponse(&agentv1.SignalResponse{}), nil
 }
 
 func (a *fakeAgent) Process(_ context.Context, s *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -117,5 +118,44 @@ func TestNoStdinTakesSignalsOnly(t *testing.T) {
 	}
 	if st, err := h.vms.link.State(); st == agentlink.Unhealthy {
 		t.Errorf("link unhealthy (%v): the client's mistake is not the guest's", err)
+	}
+}
+
+// After an older agent makes carreld fall back to Exec, signals still
+// reach the command, through the agent's Signal call.
+func TestNoStdinSignalAfterFallBack(t *testing.T) {
+	h := newHarness(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	sig := make(chan *agentv1.ProcessInput)
+	hdr := http.Header{}
+	hdr.Set(protocol.VMHeader, testVM)
+	started := make(chan struct{})
+	var once sync.Once
+	recv := func() (*agentv1.ProcessInput, error) {
+		select {
+		case m := <-sig:
+			return m, nil
+		case <-ctx.Done():
+			return nil, io.EOF
+		}
+	}
+	errc := make(chan error, 1)
+	var evs []*agentv1.ExecResponse
+	go func() {
+		errc <- h.r.process(ctx, hdr, &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: &agentv1.ExecRequest{Argv: []string{"wait"}, NoStdin: true}}}, recv,
+			func(ev *agentv1.ExecResponse) error {
+				evs = append(evs, ev)
+				once.Do(func() { close(started) })
+				return nil
+			})
+	}()
+	<-started
+	sig <- &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Signal{Signal: 15}}
+	if err := <-errc; err != nil || len(evs) != 2 || evs[1].GetExit().GetCode() != 130 {
+		t.Fatalf("%v %v", evs, err)
+	}
+	if _, _, sigs := h.agent.counts(); len(sigs) != 1 || sigs[0] != 15 {
+		t.Fatalf("the guest got signals %v", sigs)
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"slices"
+	"sync"
 	"time"
 
 	"connectrpc.com/connect"
@@ -45,7 +46,7 @@ func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecReques
 		if !a.commands.Supported() {
 			return exec()
 		}
-		return &commandEvents{cmd: a.commands.Start(ctx, req), exec: exec}, nil
+		return &commandEvents{cmd: a.commands.Start(ctx, req), exec: exec, client: a.client}, nil
 	}, send)
 }
 
@@ -59,30 +60,68 @@ type agent struct {
 // agent lacks that call (ErrNoCommands, before anything ran), the same
 // command through Exec.
 type commandEvents struct {
-	cmd  *agentlink.Command
-	exec func() (guestEvents, error)
-	alt  guestEvents
+	cmd    *agentlink.Command
+	exec   func() (guestEvents, error)
+	client agentv1connect.AgentServiceClient // for signals after a fall back
+
+	mu     sync.Mutex
+	alt    guestEvents
+	execID string // the guest's id, once started through Exec
 }
 
 func (e *commandEvents) Receive() (*agentv1.ExecResponse, error) {
-	if e.alt != nil {
-		return e.alt.Receive()
-	}
-	ev, err := e.cmd.Receive()
-	if errors.Is(err, agentlink.ErrNoCommands) {
+	e.mu.Lock()
+	alt := e.alt
+	e.mu.Unlock()
+	if alt == nil {
+		ev, err := e.cmd.Receive()
+		if !errors.Is(err, agentlink.ErrNoCommands) {
+			return ev, err
+		}
 		e.cmd.Close()
-		if e.alt, err = e.exec(); err != nil {
+		if alt, err = e.exec(); err != nil {
 			return nil, err
 		}
-		return e.alt.Receive()
+		e.mu.Lock()
+		e.alt = alt
+		e.mu.Unlock()
+	}
+	ev, err := alt.Receive()
+	if id := ev.GetStarted().GetId(); id != "" {
+		e.mu.Lock()
+		e.execID = id
+		e.mu.Unlock()
 	}
 	return ev, err
 }
 
+// signal sends sig to the command: on the Commands stream, or, after a
+// fall back to Exec, through the agent's Signal call once the command has
+// started (until then it is dropped, as it is once the command has ended).
+func (e *commandEvents) signal(ctx context.Context, sig int32) error {
+	e.mu.Lock()
+	alt, id := e.alt, e.execID
+	e.mu.Unlock()
+	if alt == nil {
+		return e.cmd.Signal(sig)
+	}
+	if sig < 1 || sig > agentlink.MaxSignal {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("signal %d is not 1 to %d", sig, agentlink.MaxSignal))
+	}
+	if id != "" {
+		// A command that has just exited is no error of the client's.
+		_, _ = e.client.Signal(ctx, connect.NewRequest(&agentv1.SignalRequest{Target: &agentv1.SignalRequest_ExecId{ExecId: id}, Signal: sig}))
+	}
+	return nil
+}
+
 func (e *commandEvents) Close() {
 	e.cmd.Close()
-	if e.alt != nil {
-		e.alt.Close()
+	e.mu.Lock()
+	alt := e.alt
+	e.mu.Unlock()
+	if alt != nil {
+		alt.Close()
 	}
 }
 
@@ -146,7 +185,13 @@ func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.Proce
 // nothing); anything else ends the call through refuse.
 func command(ctx context.Context, a agent, start *agentv1.ExecRequest,
 	recv func() (*agentv1.ProcessInput, error), refuse context.CancelCauseFunc) guestEvents {
-	cmd := a.commands.Start(ctx, start)
+	ev := &commandEvents{cmd: a.commands.Start(ctx, start), client: a.client, exec: func() (guestEvents, error) {
+		s, err := a.client.Exec(ctx, connect.NewRequest(start))
+		if err != nil {
+			return nil, err
+		}
+		return serverEvents{s}, nil
+	}}
 	go func() {
 		for {
 			msg, err := recv()
@@ -155,7 +200,7 @@ func command(ctx context.Context, a agent, start *agentv1.ExecRequest,
 			}
 			switch m := msg.Msg.(type) {
 			case *agentv1.ProcessInput_Signal:
-				err = cmd.Signal(m.Signal)
+				err = ev.signal(ctx, m.Signal)
 			case *agentv1.ProcessInput_CloseStdin:
 			default:
 				err = connect.NewError(connect.CodeInvalidArgument, errors.New("process: the command was started with no_stdin: only signals may follow the start"))
@@ -166,13 +211,7 @@ func command(ctx context.Context, a agent, start *agentv1.ExecRequest,
 			}
 		}
 	}()
-	return &commandEvents{cmd: cmd, exec: func() (guestEvents, error) {
-		s, err := a.client.Exec(ctx, connect.NewRequest(start))
-		if err != nil {
-			return nil, err
-		}
-		return serverEvents{s}, nil
-	}}
+	return ev
 }
 
 // withVMEnv returns start with the VM's own environment under the

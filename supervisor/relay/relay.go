@@ -133,7 +133,7 @@ func relayErr(ctx context.Context, done func(context.Context, error) error, err 
 	switch {
 	case connect.IsWireError(err):
 		return GuestError(err)
-	case ctx.Err() != nil:
+	case ctx.Err() != nil, agentlink.IsHostError(err):
 		return err
 	case errors.Is(err, agentlink.ErrHeld):
 		if ce, ok := err.(*connect.Error); ok && ce.Code() == connect.CodeUnavailable {
