@@ -341,3 +341,28 @@ func TestCommandsRefuseWhatBreaksTheProtocol(t *testing.T) {
 		})
 	}
 }
+
+// Past MaxCommands running at once, a start gets ResourceExhausted alone;
+// the stream goes on.
+func TestCommandsCapRunning(t *testing.T) {
+	h := newCommandsHarness(t, func(ctx context.Context, _ *agentv1.ExecRequest, _ func(*agentv1.ExecResponse) error) error {
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	for id := uint64(1); id <= protocol.MaxCommands; id++ {
+		h.send(startMsg(id, "x"))
+	}
+	h.send(startMsg(protocol.MaxCommands+1, "x"))
+	o := h.next()
+	if o.Id != protocol.MaxCommands+1 || connect.Code(o.GetEnd().GetCode()) != connect.CodeResourceExhausted {
+		t.Fatalf("got %v, want the last start refused", o)
+	}
+	h.send(&agentv1.CommandsInput{Id: 1, Msg: &agentv1.CommandsInput_Cancel{Cancel: &agentv1.Cancel{}}})
+	if o := h.next(); o.Id != 1 || o.GetEnd() == nil {
+		t.Fatalf("got %v, want command 1's end", o)
+	}
+	close(h.in)
+	if err := <-h.done; err != nil {
+		t.Fatal(err)
+	}
+}

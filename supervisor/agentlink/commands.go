@@ -39,9 +39,15 @@ func hostErr(code connect.Code, format string, args ...any) error {
 	return &hostError{connect.NewError(code, fmt.Errorf(format, args...))}
 }
 
-// maxQueued caps the messages waiting for the writer: a client sending
-// signals faster than the guest reads gets ResourceExhausted.
-const maxQueued = 4096
+// maxQueued and maxQueuedBytes cap what waits for the writer, should the
+// guest stop reading: past them, a start or a signal gets
+// ResourceExhausted. Grants and cancels need no cap of their own: a
+// command has at most one grant waiting, and a start still waiting is
+// dropped, not cancelled.
+const (
+	maxQueued      = 4096
+	maxQueuedBytes = 16 << 20
+)
 
 // Commands carries a channel's commands to the guest on one Commands
 // stream, opened on the first command and again after one ends. In an
@@ -163,8 +169,10 @@ type commandStream struct {
 	heard   bool                     // any message has come
 	queue   []*agentv1.CommandsInput // for write, in order
 	wake    chan struct{}            // queue has grown
-	err     error                    // why the stream ended
-	stopped chan struct{}            // closed when it ends
+	// queuedBytes is the size of the starts in queue.
+	queuedBytes int
+	err         error         // why the stream ended
+	stopped     chan struct{} // closed when it ends
 }
 
 func (s *commandStream) start(ctx context.Context, req *agentv1.ExecRequest) *Command {
@@ -176,9 +184,14 @@ func (s *commandStream) start(ctx context.Context, req *agentv1.ExecRequest) *Co
 	if len(s.running) >= protocol.MaxCommands {
 		return endedCommand(hostErr(connect.CodeResourceExhausted, "exec: %d commands are already running on this VM's link", len(s.running)))
 	}
+	size := proto.Size(req)
+	if len(s.queue) >= maxQueued || s.queuedBytes+size > maxQueuedBytes {
+		return endedCommand(hostErr(connect.CodeResourceExhausted, "exec: %d messages (%d bytes of requests) are already waiting for the guest", len(s.queue), s.queuedBytes))
+	}
 	s.next++
 	cmd := &Command{s: s, id: s.next, ctx: ctx, granted: protocol.CommandCredit, ready: make(chan struct{}, 1)}
 	s.running[cmd.id] = cmd
+	s.queuedBytes += size
 	s.enqueueLocked(&agentv1.CommandsInput{Id: cmd.id, Msg: &agentv1.CommandsInput_Start{Start: req}})
 	return cmd
 }
@@ -190,6 +203,21 @@ func (s *commandStream) enqueue(m *agentv1.CommandsInput) {
 	defer s.mu.Unlock()
 	if s.err == nil {
 		s.enqueueLocked(m)
+	}
+}
+
+// grantCredit queues n more units for cmd, adding them to its grant
+// still in the queue if there is one.
+func (s *commandStream) grantCredit(cmd *Command, n int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.err != nil:
+	case cmd.grant != nil:
+		cmd.grant.Msg.(*agentv1.CommandsInput_Credit).Credit += uint32(n)
+	default:
+		cmd.grant = &agentv1.CommandsInput{Id: cmd.id, Msg: &agentv1.CommandsInput_Credit{Credit: uint32(n)}}
+		s.enqueueLocked(cmd.grant)
 	}
 }
 
@@ -214,7 +242,12 @@ func (s *commandStream) write() {
 		}
 		s.mu.Lock()
 		q := s.queue
-		s.queue = nil
+		s.queue, s.queuedBytes = nil, 0
+		for _, m := range q {
+			if cmd := s.running[m.Id]; cmd != nil && cmd.grant == m {
+				cmd.grant = nil // on its way: the next grant is a new message
+			}
+		}
 		s.mu.Unlock()
 		for _, m := range q {
 			if err := s.stream.Send(m); err != nil {
@@ -333,10 +366,12 @@ func (s *commandStream) end(err error) {
 	s.err = err
 	running := s.running
 	s.running = nil
-	s.queue = nil
+	s.queue, s.queuedBytes = nil, 0
+	// Cancelled before the writer stops, so the request it closes on its
+	// way out is never made.
+	s.cancel()
 	close(s.stopped)
 	s.mu.Unlock()
-	s.cancel()
 	s.owner.streamEnded(s, err)
 	for _, cmd := range running {
 		cmd.finish(err)
@@ -359,6 +394,9 @@ type Command struct {
 	err      error
 	closed   bool
 	ready    chan struct{}
+	grant    *agentv1.CommandsInput // a grant still in the queue (s.mu)
+	// lastSignal is the last signal given to Signal.
+	lastSignal int32
 }
 
 func endedCommand(err error) *Command {
@@ -426,7 +464,7 @@ func (c *Command) Receive() (*agentv1.ExecResponse, error) {
 			}
 			c.mu.Unlock()
 			if grant > 0 {
-				c.s.enqueue(&agentv1.CommandsInput{Id: c.id, Msg: &agentv1.CommandsInput_Credit{Credit: uint32(grant)}})
+				c.s.grantCredit(c, grant)
 			}
 			return ev, nil
 		}
@@ -469,6 +507,7 @@ func (c *Command) Signal(sig int32) error {
 	}
 	c.mu.Lock()
 	ended := c.ended
+	c.lastSignal = sig
 	c.mu.Unlock()
 	if ended {
 		return nil
@@ -483,6 +522,14 @@ func (c *Command) Signal(sig int32) error {
 		s.enqueueLocked(&agentv1.CommandsInput{Id: c.id, Msg: &agentv1.CommandsInput_Signal{Signal: sig}})
 	}
 	return nil
+}
+
+// LastSignal is the last signal Signal was given, 0 if none: for a caller
+// that runs the command another way after ErrNoCommands.
+func (c *Command) LastSignal() int32 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lastSignal
 }
 
 // MaxSignal is the highest signal number a command may be sent, as the
@@ -510,11 +557,27 @@ func (c *Command) Close() {
 	}
 	s := c.s
 	s.mu.Lock()
-	if s.running[c.id] == c {
-		delete(s.running, c.id)
-		if s.err == nil {
-			s.enqueueLocked(&agentv1.CommandsInput{Id: c.id, Msg: &agentv1.CommandsInput_Cancel{Cancel: &agentv1.Cancel{}}})
+	defer s.mu.Unlock()
+	if s.running[c.id] != c || s.err != nil {
+		return
+	}
+	delete(s.running, c.id)
+	// A start still waiting for the writer is dropped: the guest never
+	// hears of the command (it allows gaps in the ids). Its grant goes too.
+	kept := s.queue[:0]
+	dropped := false
+	for _, m := range s.queue {
+		switch {
+		case m.Id != c.id:
+			kept = append(kept, m)
+		case m.GetStart() != nil:
+			s.queuedBytes -= proto.Size(m.GetStart())
+			dropped = true
 		}
 	}
-	s.mu.Unlock()
+	clear(s.queue[len(kept):])
+	s.queue = kept
+	if !dropped {
+		s.enqueueLocked(&agentv1.CommandsInput{Id: c.id, Msg: &agentv1.CommandsInput_Cancel{Cancel: &agentv1.Cancel{}}})
+	}
 }

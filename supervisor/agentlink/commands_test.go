@@ -198,6 +198,7 @@ func TestCommandsRefuseAHostileGuest(t *testing.T) {
 // output is dropped, and the stream goes on.
 func TestCommandsCloseCancels(t *testing.T) {
 	cancelled := make(chan uint64, 1)
+	slow := make(chan struct{})
 	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
 		for {
 			in, err := s.Receive()
@@ -205,6 +206,8 @@ func TestCommandsCloseCancels(t *testing.T) {
 				return nil
 			}
 			switch {
+			case in.GetStart() != nil && in.GetStart().Argv[0] == "slow":
+				close(slow)
 			case in.GetStart() != nil && in.GetStart().Argv[0] == "quick":
 				err = s.Send(event(in.Id, exitEvent(0)))
 			case in.GetCancel() != nil:
@@ -221,6 +224,7 @@ func TestCommandsCloseCancels(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	_, cmds, _ := l.AgentCommands()
 	cmd := cmds.Start(ctx, &agentv1.ExecRequest{Argv: []string{"slow"}})
+	<-slow // a start still waiting to go out is dropped, not cancelled
 	cancel()
 	if _, err := cmd.Receive(); connect.CodeOf(err) != connect.CodeCanceled {
 		t.Fatalf("got %v, want canceled", err)
@@ -347,7 +351,7 @@ func TestCommandsExitPastCredit(t *testing.T) {
 	_, cmds, _ := l.AgentCommands()
 	cmd := cmds.Start(ctx, &agentv1.ExecRequest{Argv: []string{"x"}})
 	defer cmd.Close()
-	time.Sleep(200 * time.Millisecond) // both events arrive before any is taken, so no grant
+	<-cmd.s.stopped // both events came before any was taken, so no grant
 	var err error
 	for err == nil {
 		_, err = cmd.Receive()
@@ -467,5 +471,43 @@ func TestCommandsRefuseWhatTheLinkCannotCarry(t *testing.T) {
 	}
 	if err := first.Signal(2); connect.CodeOf(err) != connect.CodeResourceExhausted {
 		t.Fatalf("signal past the queue's cap: %v", err)
+	}
+}
+
+// While the guest does not read, what waits for it stays bounded: a start
+// still waiting is dropped at Close instead of cancelled, and a command's
+// grants merge into one message.
+func TestCommandsQueueStaysBounded(t *testing.T) {
+	c := &Commands{}
+	s := &commandStream{owner: c, cancel: func() {}, running: map[uint64]*Command{}, wake: make(chan struct{}, 1), stopped: make(chan struct{})}
+	ctx := context.Background()
+	a := s.start(ctx, &agentv1.ExecRequest{Argv: []string{"a"}})
+	b := s.start(ctx, &agentv1.ExecRequest{Argv: []string{"b"}})
+	if len(s.queue) != 2 || s.queuedBytes == 0 {
+		t.Fatalf("queue %d, %d bytes", len(s.queue), s.queuedBytes)
+	}
+	a.Close()
+	if len(s.queue) != 1 || s.queue[0].Id != b.id {
+		t.Fatalf("after closing a waiting start: %v", s.queue)
+	}
+	s.grantCredit(b, 100)
+	s.grantCredit(b, 50)
+	if len(s.queue) != 2 || s.queue[1].GetCredit() != 150 {
+		t.Fatalf("grants did not merge: %v", s.queue)
+	}
+	b.Close()
+	if len(s.queue) != 0 || s.queuedBytes != 0 {
+		t.Fatalf("after closing b: %v, %d bytes", s.queue, s.queuedBytes)
+	}
+	big := &agentv1.ExecRequest{Argv: []string{string(make([]byte, 900<<10))}}
+	var cmd *Command
+	for i := 0; cmd == nil || !cmd.ended; i++ {
+		if i > maxQueuedBytes/(900<<10)+1 {
+			t.Fatal("no cap on the bytes of waiting starts")
+		}
+		cmd = s.start(ctx, big)
+	}
+	if _, err := cmd.Receive(); connect.CodeOf(err) != connect.CodeResourceExhausted || !IsHostError(err) {
+		t.Fatalf("got %v", err)
 	}
 }

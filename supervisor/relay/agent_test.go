@@ -54,6 +54,7 @@ type fakeAgent struct {
 	processes   int
 	signals     []int32
 	signalled   chan struct{} // closed by Signal, for Exec's "wait"
+	gate        chan struct{} // if set, Exec's "wait" starts once it is closed
 }
 
 func (a *fakeAgent) Commands(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
@@ -101,9 +102,12 @@ func (a *fakeAgent) Exec(ctx context.Context, req *connect.Request[agentv1.ExecR
 	if a.signalled == nil {
 		a.signalled = make(chan struct{})
 	}
-	signalled := a.signalled
+	signalled, gate := a.signalled, a.gate
 	a.mu.Unlock()
 	if req.Msg.GetArgv()[0] == "wait" { // runs until signalled: exit 130
+		if gate != nil {
+			<-gate
+		}
 		if err := s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: 7, Id: "e1"}}}); err != nil {
 			return err
 		}

@@ -122,9 +122,19 @@ func TestNoStdinTakesSignalsOnly(t *testing.T) {
 }
 
 // After an older agent makes carreld fall back to Exec, signals still
-// reach the command, through the agent's Signal call.
+// reach the command, through the agent's Signal call: one sent once it
+// has started, and one sent before.
 func TestNoStdinSignalAfterFallBack(t *testing.T) {
+	for _, early := range []bool{false, true} {
+		t.Run(map[bool]string{false: "started", true: "early"}[early], func(t *testing.T) { signalAfterFallBack(t, early) })
+	}
+}
+
+func signalAfterFallBack(t *testing.T, early bool) {
 	h := newHarness(t)
+	if early {
+		h.agent.gate = make(chan struct{})
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	sig := make(chan *agentv1.ProcessInput)
@@ -150,8 +160,14 @@ func TestNoStdinSignalAfterFallBack(t *testing.T) {
 				return nil
 			})
 	}()
-	<-started
-	sig <- &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Signal{Signal: 15}}
+	if early {
+		sig <- &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Signal{Signal: 15}}
+		time.Sleep(50 * time.Millisecond) // on the Commands stream or after the fall back: either must keep it
+		close(h.agent.gate)
+	} else {
+		<-started
+		sig <- &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Signal{Signal: 15}}
+	}
 	if err := <-errc; err != nil || len(evs) != 2 || evs[1].GetExit().GetCode() != 130 {
 		t.Fatalf("%v %v", evs, err)
 	}

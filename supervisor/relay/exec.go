@@ -67,6 +67,7 @@ type commandEvents struct {
 	mu     sync.Mutex
 	alt    guestEvents
 	execID string // the guest's id, once started through Exec
+	early  int32  // the last signal sent before that
 }
 
 func (e *commandEvents) Receive() (*agentv1.ExecResponse, error) {
@@ -84,33 +85,55 @@ func (e *commandEvents) Receive() (*agentv1.ExecResponse, error) {
 		}
 		e.mu.Lock()
 		e.alt = alt
+		e.early = e.cmd.LastSignal() // sent while it was on the Commands stream
 		e.mu.Unlock()
 	}
 	ev, err := alt.Receive()
-	if id := ev.GetStarted().GetId(); id != "" {
+	if id := ev.GetStarted().GetId(); id != "" && protocol.ValidExecID(id) {
 		e.mu.Lock()
 		e.execID = id
+		sig := e.early
 		e.mu.Unlock()
+		if sig != 0 {
+			e.signalExec(id, sig)
+		}
 	}
 	return ev, err
 }
 
+// signalExec signals the command with the agent's Signal call. A command
+// that has just exited is no error of the client's, and the reply says
+// nothing the relay acts on.
+func (e *commandEvents) signalExec(id string, sig int32) {
+	ctx, cancel := context.WithTimeout(context.Background(), signalTimeout)
+	defer cancel()
+	_, _ = e.client.Signal(ctx, connect.NewRequest(&agentv1.SignalRequest{Target: &agentv1.SignalRequest_ExecId{ExecId: id}, Signal: sig}))
+}
+
+// signalTimeout bounds a signal sent through the agent's Signal call.
+const signalTimeout = 10 * time.Second
+
 // signal sends sig to the command: on the Commands stream, or, after a
 // fall back to Exec, through the agent's Signal call once the command has
-// started (until then it is dropped, as it is once the command has ended).
-func (e *commandEvents) signal(ctx context.Context, sig int32) error {
-	e.mu.Lock()
-	alt, id := e.alt, e.execID
-	e.mu.Unlock()
-	if alt == nil {
-		return e.cmd.Signal(sig)
-	}
+// started (one sent before is kept until then).
+func (e *commandEvents) signal(sig int32) error {
 	if sig < 1 || sig > agentlink.MaxSignal {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("signal %d is not 1 to %d", sig, agentlink.MaxSignal))
 	}
+	e.mu.Lock()
+	if e.alt == nil {
+		// Under e.mu: a fall back under way takes the signal from cmd.
+		err := e.cmd.Signal(sig)
+		e.mu.Unlock()
+		return err
+	}
+	id := e.execID
+	if id == "" {
+		e.early = sig
+	}
+	e.mu.Unlock()
 	if id != "" {
-		// A command that has just exited is no error of the client's.
-		_, _ = e.client.Signal(ctx, connect.NewRequest(&agentv1.SignalRequest{Target: &agentv1.SignalRequest_ExecId{ExecId: id}, Signal: sig}))
+		e.signalExec(id, sig)
 	}
 	return nil
 }
@@ -200,7 +223,7 @@ func command(ctx context.Context, a agent, start *agentv1.ExecRequest,
 			}
 			switch m := msg.Msg.(type) {
 			case *agentv1.ProcessInput_Signal:
-				err = ev.signal(ctx, m.Signal)
+				err = ev.signal(m.Signal)
 			case *agentv1.ProcessInput_CloseStdin:
 			default:
 				err = connect.NewError(connect.CodeInvalidArgument, errors.New("process: the command was started with no_stdin: only signals may follow the start"))
@@ -304,6 +327,11 @@ func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecReque
 				err = connect.NewError(connect.CodeDeadlineExceeded, fmt.Errorf("exec: command timed out after %s", timeout))
 			}
 		}()
+	}
+	// With the VM's environment added, a request the API took may be over
+	// the link's cap; sent, it would read as the link breaking.
+	if n := proto.Size(start); n+64 > protocol.MaxMessageBytes {
+		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("exec: the request is %d bytes with the vm's environment, over the link's %d", n, protocol.MaxMessageBytes))
 	}
 	link, err := r.cfg.VMs.Link(vm)
 	if err != nil {
