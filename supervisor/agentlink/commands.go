@@ -212,7 +212,8 @@ func (s *commandStream) grantCredit(cmd *Command, n int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	switch {
-	case s.err != nil:
+	case s.err != nil, s.running[cmd.id] != cmd:
+		// Ended: no more output comes, and its grant may be on its way.
 	case cmd.grant != nil:
 		cmd.grant.Msg.(*agentv1.CommandsInput_Credit).Credit += uint32(n)
 	default:
@@ -515,12 +516,15 @@ func (c *Command) Signal(sig int32) error {
 	s := c.s
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.err != nil || s.running[c.id] != c {
+		// Ended or closed meanwhile; its start may have been dropped, and
+		// the guest refuses a signal for a command it never heard of.
+		return nil
+	}
 	if len(s.queue) >= maxQueued {
 		return hostErr(connect.CodeResourceExhausted, "signal: %d messages are already waiting for the guest", len(s.queue))
 	}
-	if s.err == nil {
-		s.enqueueLocked(&agentv1.CommandsInput{Id: c.id, Msg: &agentv1.CommandsInput_Signal{Signal: sig}})
-	}
+	s.enqueueLocked(&agentv1.CommandsInput{Id: c.id, Msg: &agentv1.CommandsInput_Signal{Signal: sig}})
 	return nil
 }
 

@@ -91,11 +91,14 @@ func (e *commandEvents) Receive() (*agentv1.ExecResponse, error) {
 	ev, err := alt.Receive()
 	if id := ev.GetStarted().GetId(); id != "" && protocol.ValidExecID(id) {
 		e.mu.Lock()
-		e.execID = id
+		first := e.execID == ""
 		sig := e.early
+		if first {
+			e.execID, e.early = id, 0
+		}
 		e.mu.Unlock()
-		if sig != 0 {
-			e.signalExec(id, sig)
+		if first && sig != 0 {
+			go e.signalExec(id, sig) // Started goes on to the client meanwhile
 		}
 	}
 	return ev, err
