@@ -35,6 +35,22 @@ func segmentFiles(t testing.TB, dir string) []string {
 }
 
 // firstRecord decodes the first record of records.log.
+// hasFirstRecord reports whether records.log in dir holds a whole first
+// record yet.
+func hasFirstRecord(dir string) bool {
+	f, err := os.Open(filepath.Join(dir, recordsFile))
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return false
+	}
+	_, _, err = newFrameReader(f, st.Size()).next()
+	return err == nil
+}
+
 func firstRecord(t testing.TB, dir string) (Record, SegmentStart) {
 	t.Helper()
 	f, err := os.Open(filepath.Join(dir, recordsFile))
@@ -195,7 +211,9 @@ func TestRollByAge(t *testing.T) {
 	}
 	c.Advance(61 * time.Minute)
 	appendN(t, l, 1)
-	waitFor(t, func() bool { return len(segmentFiles(t, dir)) == 1 })
+	// The roll renames records.log away, then starts a new one: wait for
+	// its first record too.
+	waitFor(t, func() bool { return len(segmentFiles(t, dir)) == 1 && hasFirstRecord(dir) })
 	if got := segmentFiles(t, dir); got[0] != segmentName(0, 3) {
 		t.Errorf("segments %v", got)
 	}
