@@ -36,18 +36,26 @@ func (r *Relay) Exec(ctx context.Context, vm string, req *agentv1.ExecRequest, t
 func (r *Relay) exec(ctx context.Context, h http.Header, req *agentv1.ExecRequest, timeout time.Duration, send func(*agentv1.ExecResponse) error) error {
 	req = r.withVMEnv(h, req)
 	return r.run(ctx, h, req, false, timeout, func(ctx context.Context, a agent, _ *recorder.Exec) (guestEvents, error) {
-		exec := func() (guestEvents, error) {
-			s, err := a.client.Exec(ctx, connect.NewRequest(req))
-			if err != nil {
-				return nil, err
-			}
-			return serverEvents{s}, nil
-		}
 		if !a.commands.Supported() {
-			return exec()
+			return a.exec(ctx, req)
 		}
-		return &commandEvents{cmd: a.commands.Start(ctx, req), exec: exec, client: a.client}, nil
+		return a.command(ctx, req), nil
 	}, send)
+}
+
+// exec runs req through the agent's Exec call, a stream of its own.
+func (a agent) exec(ctx context.Context, req *agentv1.ExecRequest) (guestEvents, error) {
+	s, err := a.client.Exec(ctx, connect.NewRequest(req))
+	if err != nil {
+		return nil, err
+	}
+	return serverEvents{s}, nil
+}
+
+// command starts req on the Commands stream, falling back to exec.
+func (a agent) command(ctx context.Context, req *agentv1.ExecRequest) *commandEvents {
+	return &commandEvents{cmd: a.commands.Start(ctx, req), client: a.client,
+		exec: func() (guestEvents, error) { return a.exec(ctx, req) }}
 }
 
 // agent is the guest's agent service and commands on one connection.
@@ -211,13 +219,7 @@ func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.Proce
 // nothing); anything else ends the call through refuse.
 func command(ctx context.Context, a agent, start *agentv1.ExecRequest,
 	recv func() (*agentv1.ProcessInput, error), refuse context.CancelCauseFunc) guestEvents {
-	ev := &commandEvents{cmd: a.commands.Start(ctx, start), client: a.client, exec: func() (guestEvents, error) {
-		s, err := a.client.Exec(ctx, connect.NewRequest(start))
-		if err != nil {
-			return nil, err
-		}
-		return serverEvents{s}, nil
-	}}
+	ev := a.command(ctx, start)
 	go func() {
 		for {
 			msg, err := recv()
