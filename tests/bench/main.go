@@ -12,7 +12,9 @@
 //     qemu-ga and a bare port hot-added on carrel's own virtio-serial
 //     controller (see qga.go): the round trip of `true` (carrel's Go
 //     client against guest-exec plus guest-exec-status polling; the CLI
-//     against it and against a minimal Go client process, minclient), and file
+//     against it and against a minimal Go client process, minclient; with
+//     the guest's vCPU time per run of each, which under emulation is most
+//     of the round trip and far steadier than its latency), and file
 //     write and read throughput (Upload/Download against
 //     guest-file-write/-read, and against the raw port), with what QEMU's
 //     main loop and vCPU threads did meanwhile (see threads.go);

@@ -333,6 +333,7 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 		part bool // a part of carrel's round trip, not a way to exec
 		run  func() error
 		lat  []time.Duration
+		vcpu time.Duration // the guest's vCPU time over all of lat
 	}
 	polls := 0
 	sides := []*side{
@@ -345,6 +346,14 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 		}},
 		{name: "carrel, Go client, Run (no stdin)", run: func() error {
 			code, err := carrelRun(ctx, b.c, b.vm, true, "true")
+			if err == nil && code != 0 {
+				err = fmt.Errorf("exit %d", code)
+			}
+			return err
+		}},
+		// A command with output: its start, output and exit status.
+		{name: "part: Run of `echo hi` (no stdin, output)", part: true, run: func() error {
+			code, err := carrelRun(ctx, b.c, b.vm, true, "echo", "hi")
 			if err == nil && code != 0 {
 				err = fmt.Errorf("exit %d", code)
 			}
@@ -408,11 +417,20 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 	for i := range n {
 		for j := range sides {
 			s := sides[(i+j)%len(sides)] // rotate who goes first
+			before, err := readQEMUThreads("/proc", b.qemuPid)
+			if err != nil {
+				return err
+			}
 			start := time.Now()
 			if err := s.run(); err != nil {
 				return fmt.Errorf("%s: %w", s.name, err)
 			}
 			s.lat = append(s.lat, time.Since(start))
+			after, err := readQEMUThreads("/proc", b.qemuPid)
+			if err != nil {
+				return err
+			}
+			s.vcpu += after.vcpus.run - before.vcpus.run
 		}
 	}
 	fmt.Printf("\nexec round trip of `true`, same VM, %d runs of each, interleaved:\n", n)
@@ -421,7 +439,8 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 		if strings.HasPrefix(s.name, "qemu-ga") {
 			extra = fmt.Sprintf("   (%.1f status polls per run, each sent as soon as the last said not exited)", float64(polls)/float64(n))
 		}
-		fmt.Printf("  %-42s p50 %9s   p99 %9s%s\n", s.name, fmtDur(median(s.lat)), fmtDur(percentile(s.lat, 99)), extra)
+		fmt.Printf("  %-42s p50 %9s   p99 %9s   guest vCPU %7s per run%s\n", s.name, fmtDur(median(s.lat)), fmtDur(percentile(s.lat, 99)),
+			fmtDur(s.vcpu/time.Duration(n)), extra)
 	}
 	qs := sides[len(sides)-1]
 	q := median(qs.lat)
