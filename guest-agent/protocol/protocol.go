@@ -28,6 +28,12 @@ import (
 // (carrel.agent.v1's files, processes and ports) is for.
 const VMHeader = "Carrel-Vm"
 
+// HoldEventsHeader, set to "1" on a Commands call, tells the agent that
+// the host reads CommandsOutput.held: the agent may then hold a young
+// command's events back (EventHold) and send them together. An agent
+// whose host does not send it sends each event as a message of its own.
+const HoldEventsHeader = "Carrel-Hold-Events"
+
 const (
 	// VsockPort is the AF_VSOCK port the agent listens on.
 	VsockPort = 1024
@@ -102,6 +108,17 @@ const (
 	// CommandEventOverhead is what each event costs in credit beyond its
 	// size: it bounds how many tiny events the host may have to hold.
 	CommandEventOverhead = 64
+
+	// EventHold is how long after its start a command's events may be held
+	// back on a Commands stream, to leave in one message with what follows
+	// them; at most EventHoldBytes of them are. Under emulation each write
+	// to a virtio-serial port costs the guest's CPU, and the HTTP/2 server
+	// writes each message on its own, so a short command's start, output
+	// and exit status cost one write instead of one each. A command that
+	// runs longer sends what it holds when the hold ends, and its later
+	// events at once.
+	EventHold      = 10 * time.Millisecond
+	EventHoldBytes = ExecChunkBytes
 
 	// MaxCommands caps the commands running at once on a Commands stream,
 	// as HTTP/2's MaxConcurrentStreams caps calls: carreld refuses the next

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"sync"
+	"time"
 
 	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
@@ -25,6 +26,9 @@ import (
 func (s *service) Commands(ctx context.Context, stream *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
 	m := newCommandServer(ctx, s.cfg.Runner.Run, stream.Send, s.cfg.Log)
 	m.signal = s.sessions.SignalCommand
+	if stream.RequestHeader().Get(protocol.HoldEventsHeader) == "1" {
+		m.hold = protocol.EventHold
+	}
 	return m.serve(stream.Receive)
 }
 
@@ -42,6 +46,10 @@ type commandServer struct {
 
 	sendMu sync.Mutex // the stream's Send is not safe for concurrent use
 	send   func(*agentv1.CommandsOutput) error
+	// hold is how long a command's first events may be held back to go
+	// out together (protocol.EventHold); 0 for a host that does not read
+	// CommandsOutput.held.
+	hold time.Duration
 
 	mu      sync.Mutex
 	running map[uint64]*runningCommand
@@ -58,6 +66,13 @@ type runningCommand struct {
 	more   chan struct{} // signalled when credit is added
 	execID string        // once started
 	early  unix.Signal   // the last signal sent before it started
+
+	// holdMu orders the command's messages while some of its events are
+	// held back (commandServer.hold).
+	holdMu    sync.Mutex
+	holding   bool                    // the hold has not ended
+	held      []*agentv1.ExecResponse // events not yet sent, in order
+	heldBytes int
 }
 
 func newCommandServer(ctx context.Context, run func(context.Context, *agentv1.ExecRequest, func(*agentv1.ExecResponse) error) error,
@@ -155,16 +170,22 @@ func (m *commandServer) handle(in *agentv1.CommandsInput) error {
 func (m *commandServer) exec(ctx context.Context, id uint64, c *runningCommand, req *agentv1.ExecRequest) {
 	defer m.wg.Done()
 	exited := false
+	if m.hold > 0 {
+		c.holding = true
+		t := time.AfterFunc(m.hold, func() { _ = m.endHold(id, c) })
+		defer t.Stop()
+	}
 	err := m.run(ctx, req, func(ev *agentv1.ExecResponse) error {
-		if err := c.take(ctx, int64(proto.Size(ev))+protocol.CommandEventOverhead); err != nil {
+		size := proto.Size(ev)
+		if err := c.take(ctx, int64(size)+protocol.CommandEventOverhead); err != nil {
 			return err
-		}
-		err := m.out(&agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_Event{Event: ev}})
-		if err == nil && ev.GetExit() != nil {
-			exited = true
 		}
 		if st := ev.GetStarted(); st != nil {
 			m.started(c, st.Id)
+		}
+		err := m.event(id, c, ev, size)
+		if err == nil && ev.GetExit() != nil {
+			exited = true
 		}
 		return err
 	})
@@ -189,7 +210,51 @@ func (m *commandServer) exec(ctx context.Context, id uint64, c *runningCommand, 
 		}
 	}
 	// The stream may be gone (the host ended it): nothing is left to tell.
-	_ = m.out(&agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_End{End: end}})
+	_ = m.outHeld(c, &agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_End{End: end}})
+}
+
+// event sends one of command id's events, or holds it back while the
+// command is young: until its exit status, EventHoldBytes of events, or
+// the end of the hold, whichever comes first.
+func (m *commandServer) event(id uint64, c *runningCommand, ev *agentv1.ExecResponse, size int) error {
+	c.holdMu.Lock()
+	if c.holding && ev.GetExit() == nil && c.heldBytes+size <= protocol.EventHoldBytes {
+		c.held = append(c.held, ev)
+		c.heldBytes += size
+		c.holdMu.Unlock()
+		return nil
+	}
+	c.holdMu.Unlock()
+	return m.outHeld(c, &agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_Event{Event: ev}})
+}
+
+// endHold ends command id's hold, sending what it holds: its last event
+// as the message's own, those before it as held.
+func (m *commandServer) endHold(id uint64, c *runningCommand) error {
+	c.holdMu.Lock()
+	defer c.holdMu.Unlock()
+	c.holding = false
+	if len(c.held) == 0 {
+		return nil
+	}
+	last := c.held[len(c.held)-1]
+	c.held = c.held[:len(c.held)-1]
+	return m.outLocked(c, &agentv1.CommandsOutput{Id: id, Msg: &agentv1.CommandsOutput_Event{Event: last}})
+}
+
+// outHeld sends msg, one of c's, with the events c holds, and ends its
+// hold.
+func (m *commandServer) outHeld(c *runningCommand, msg *agentv1.CommandsOutput) error {
+	c.holdMu.Lock()
+	defer c.holdMu.Unlock()
+	c.holding = false
+	return m.outLocked(c, msg)
+}
+
+// outLocked sends msg with the events c holds. c.holdMu is held.
+func (m *commandServer) outLocked(c *runningCommand, msg *agentv1.CommandsOutput) error {
+	msg.Held, c.held, c.heldBytes = c.held, nil, 0
+	return m.out(msg)
 }
 
 // signalCommand signals c's process group, or keeps sig for it until it

@@ -366,3 +366,102 @@ func TestCommandsCapRunning(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// names lists a message's held events, then its own event or end.
+func names(o *agentv1.CommandsOutput) string {
+	var s []string
+	for _, ev := range o.Held {
+		s = append(s, eventName(&agentv1.CommandsOutput{Msg: &agentv1.CommandsOutput_Event{Event: ev}}))
+	}
+	return strings.Join(append(s, eventName(o)), " ")
+}
+
+func stdoutOf(n int) *agentv1.ExecResponse {
+	return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: make([]byte, n)}}
+}
+
+// For a host that reads held events, a young command's start and output go
+// out with its exit status, or with its end, in one message.
+func TestCommandsHoldAYoungCommandsEvents(t *testing.T) {
+	h := newCommandsHarness(t, func(_ context.Context, req *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
+		for _, ev := range []*agentv1.ExecResponse{startedEvent("x-1"), stdoutOf(3),
+			{Event: &agentv1.ExecResponse_Stderr{Stderr: []byte("e")}}} {
+			if err := send(ev); err != nil {
+				return err
+			}
+		}
+		if req.Argv[0] == "fail" {
+			return connect.NewError(connect.CodeDeadlineExceeded, errors.New("exec: too slow"))
+		}
+		return send(exited(0))
+	})
+	h.m.hold = time.Hour // only the exit status, the end or size lets them go
+	h.send(startMsg(1, "ok"))
+	if o := h.next(); o.Id != 1 || names(o) != "started stdout ? exit" {
+		t.Fatalf("got %s (%v), want started, stdout and stderr held, with the exit", names(o), o)
+	}
+	h.send(startMsg(2, "fail"))
+	if o := h.next(); o.Id != 2 || names(o) != "started stdout ? end" || connect.Code(o.GetEnd().GetCode()) != connect.CodeDeadlineExceeded {
+		t.Fatalf("got %s (%v), want the held events with the end", names(o), o)
+	}
+	h.quiet()
+	close(h.in)
+	if err := <-h.done; err != nil {
+		t.Fatal(err)
+	}
+}
+
+// What is held goes out when the hold ends, or when it would pass
+// protocol.EventHoldBytes; after that, each event goes out at once.
+func TestCommandsHoldEnds(t *testing.T) {
+	next := make(chan *agentv1.ExecResponse)
+	h := newCommandsHarness(t, func(ctx context.Context, _ *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
+		for {
+			select {
+			case ev := <-next:
+				if err := send(ev); err != nil || ev.GetExit() != nil {
+					return err
+				}
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+	})
+	h.m.hold = 100 * time.Millisecond
+	start := time.Now()
+	h.send(startMsg(1, "x"))
+	next <- startedEvent("x-1")
+	next <- stdoutOf(1)
+	if o := h.next(); names(o) != "started stdout" {
+		t.Fatalf("got %s, want the start held with the output", names(o))
+	} else if d := time.Since(start); d < h.m.hold {
+		t.Errorf("sent after %v, before the hold of %v ended", d, h.m.hold)
+	}
+	next <- stdoutOf(2)
+	if o := h.next(); names(o) != "stdout" {
+		t.Fatalf("got %s, want the output alone once the hold has ended", names(o))
+	}
+	next <- exited(0)
+	if o := h.next(); names(o) != "exit" {
+		t.Fatalf("got %s, want the exit alone", names(o))
+	}
+
+	h.m.hold = time.Hour
+	h.send(startMsg(2, "y"))
+	next <- startedEvent("x-2")
+	next <- stdoutOf(protocol.EventHoldBytes / 2)
+	next <- stdoutOf(protocol.EventHoldBytes / 2) // past EventHoldBytes with what is held
+	if o := h.next(); names(o) != "started stdout stdout" {
+		t.Fatalf("got %s, want what was held sent with the output that would pass the cap", names(o))
+	}
+	next <- stdoutOf(1)
+	if o := h.next(); names(o) != "stdout" {
+		t.Fatalf("got %s, want later output at once", names(o))
+	}
+	next <- exited(0)
+	h.next()
+	close(h.in)
+	if err := <-h.done; err != nil {
+		t.Fatal(err)
+	}
+}

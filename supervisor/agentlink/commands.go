@@ -68,7 +68,13 @@ type Commands struct {
 }
 
 func newCommands(client agentv1connect.AgentServiceClient) *Commands {
-	return &Commands{open: client.Commands}
+	return &Commands{open: func(ctx context.Context) *connect.BidiStreamForClient[agentv1.CommandsInput, agentv1.CommandsOutput] {
+		st := client.Commands(ctx)
+		// This side reads CommandsOutput.held: the agent may hold a young
+		// command's events back to send them together.
+		st.RequestHeader().Set(protocol.HoldEventsHeader, "1")
+		return st
+	}}
 }
 
 // Supported reports whether commands may be started here: false once the
@@ -303,6 +309,11 @@ func (s *commandStream) deliver(out *agentv1.CommandsOutput) error {
 	default:
 		return errGuest("an unknown message for command %d", out.GetId())
 	}
+	for _, ev := range out.GetHeld() {
+		if ev.GetExit() != nil { // an exit status ends a command: it is never held
+			return errGuest("an exit status held back for command %d", out.GetId())
+		}
+	}
 	s.mu.Lock()
 	s.heard = true
 	cmd := s.running[out.GetId()]
@@ -313,14 +324,23 @@ func (s *commandStream) deliver(out *agentv1.CommandsOutput) error {
 		}
 		return nil // late output of a command that was cancelled
 	}
+	s.mu.Unlock()
+	// Events the agent held back come before what they came with.
+	for _, ev := range out.GetHeld() {
+		if err := cmd.push(ev); err != nil {
+			return err
+		}
+	}
 	ev := out.GetEvent()
 	if ev == nil {
-		delete(s.running, out.GetId())
+		s.mu.Lock()
+		if s.running[out.GetId()] == cmd {
+			delete(s.running, out.GetId())
+		}
 		s.mu.Unlock()
 		cmd.finish(endErr)
 		return nil
 	}
-	s.mu.Unlock()
 	// A refusal leaves the command running, for end to finish.
 	if err := cmd.push(ev); err != nil {
 		return err

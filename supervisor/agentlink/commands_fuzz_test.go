@@ -24,6 +24,9 @@ func FuzzCommandsOutput(f *testing.F) {
 	f.Add(append(append(msg(event(1, stdoutEvent([]byte("hi")))), msg(event(1, exitEvent(0)))...), msg(event(2, exitEvent(1)))...))
 	f.Add(msg(&agentv1.CommandsOutput{Id: 3, Msg: &agentv1.CommandsOutput_End{End: &agentv1.CommandEnd{Code: 5, Message: "nope"}}}))
 	f.Add(msg(event(9, exitEvent(0))))
+	held := event(2, exitEvent(0))
+	held.Held = []*agentv1.ExecResponse{stdoutEvent([]byte("a")), stdoutEvent([]byte("b"))}
+	f.Add(msg(held))
 	f.Add(msg(&agentv1.CommandsOutput{Id: 1, Msg: &agentv1.CommandsOutput_End{End: &agentv1.CommandEnd{Code: 77}}}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		c := &Commands{}

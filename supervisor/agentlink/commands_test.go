@@ -149,6 +149,19 @@ func TestCommandsRefuseAHostileGuest(t *testing.T) {
 		"no message": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
 			return s.Send(&agentv1.CommandsOutput{Id: id})
 		},
+		"held events and no message": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
+			return s.Send(&agentv1.CommandsOutput{Id: id, Held: []*agentv1.ExecResponse{stdoutEvent([]byte("x"))}})
+		},
+		"an exit status held back": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
+			out := event(id, stdoutEvent([]byte("x")))
+			out.Held = []*agentv1.ExecResponse{exitEvent(0)}
+			return s.Send(out)
+		},
+		"held events past its credit": func(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], id uint64) error {
+			out := event(id, exitEvent(0))
+			out.Held = []*agentv1.ExecResponse{stdoutEvent(make([]byte, protocol.CommandCredit/2)), stdoutEvent(make([]byte, protocol.CommandCredit/2))}
+			return s.Send(out)
+		},
 	} {
 		t.Run(name, func(t *testing.T) {
 			var hostile atomic.Bool
@@ -509,5 +522,50 @@ func TestCommandsQueueStaysBounded(t *testing.T) {
 	}
 	if _, err := cmd.Receive(); connect.CodeOf(err) != connect.CodeResourceExhausted || !IsHostError(err) {
 		t.Fatalf("got %v", err)
+	}
+}
+
+// Events the agent held back come before the message's own, in order, on
+// a stream whose request asked for them.
+func TestCommandsHeldEventsComeFirst(t *testing.T) {
+	header := make(chan string, 1)
+	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
+		header <- s.RequestHeader().Get(protocol.HoldEventsHeader)
+		for {
+			in, err := s.Receive()
+			if err != nil {
+				return nil
+			}
+			if in.GetStart() == nil {
+				continue
+			}
+			started := &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: 9, Id: "x-1"}}}
+			var out *agentv1.CommandsOutput
+			switch in.GetStart().Argv[0] {
+			case "exit":
+				out = event(in.Id, exitEvent(3))
+			case "end":
+				out = &agentv1.CommandsOutput{Id: in.Id, Msg: &agentv1.CommandsOutput_End{End: &agentv1.CommandEnd{Code: uint32(connect.CodeCanceled)}}}
+			}
+			out.Held = []*agentv1.ExecResponse{started, stdoutEvent([]byte("a")), stdoutEvent([]byte("b"))}
+			if err := s.Send(out); err != nil {
+				return err
+			}
+		}
+	}}
+	l := readyLink(t, f)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	evs, err := runCommand(ctx, l, "exit")
+	if err != nil || len(evs) != 4 || evs[0].GetStarted().GetId() != "x-1" || string(evs[1].GetStdout()) != "a" ||
+		string(evs[2].GetStdout()) != "b" || evs[3].GetExit().GetCode() != 3 {
+		t.Fatalf("got %v %v, want started, a, b, exit 3", evs, err)
+	}
+	if h := <-header; h != "1" {
+		t.Errorf("%s: %q, want 1", protocol.HoldEventsHeader, h)
+	}
+	evs, err = runCommand(ctx, l, "end")
+	if connect.CodeOf(err) != connect.CodeCanceled || len(evs) != 3 || evs[0].GetStarted() == nil {
+		t.Fatalf("got %v %v, want started, a, b, then canceled", evs, err)
 	}
 }

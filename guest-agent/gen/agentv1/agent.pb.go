@@ -661,7 +661,12 @@ type CommandsOutput struct {
 	//
 	//	*CommandsOutput_Event
 	//	*CommandsOutput_End
-	Msg           isCommandsOutput_Msg `protobuf_oneof:"msg"`
+	Msg isCommandsOutput_Msg `protobuf_oneof:"msg"`
+	// Events of this command that the agent held back, in order, to send
+	// them with this message; they come before its own event or end. A young
+	// command's start and first output go out so (protocol.EventHold), and
+	// only to a host that sent protocol.HoldEventsHeader.
+	Held          []*ExecResponse `protobuf:"bytes,4,rep,name=held,proto3" json:"held,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -724,6 +729,13 @@ func (x *CommandsOutput) GetEnd() *CommandEnd {
 		if x, ok := x.Msg.(*CommandsOutput_End); ok {
 			return x.End
 		}
+	}
+	return nil
+}
+
+func (x *CommandsOutput) GetHeld() []*ExecResponse {
+	if x != nil {
+		return x.Held
 	}
 	return nil
 }
@@ -2407,11 +2419,12 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x06cancel\x18\x04 \x01(\v2\x17.carrel.agent.v1.CancelH\x00R\x06cancel\x12\x18\n" +
 	"\x06signal\x18\x05 \x01(\x05H\x00R\x06signalB\x05\n" +
 	"\x03msg\"\b\n" +
-	"\x06Cancel\"\x8f\x01\n" +
+	"\x06Cancel\"\xc2\x01\n" +
 	"\x0eCommandsOutput\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\x04R\x02id\x125\n" +
 	"\x05event\x18\x02 \x01(\v2\x1d.carrel.agent.v1.ExecResponseH\x00R\x05event\x12/\n" +
-	"\x03end\x18\x03 \x01(\v2\x1b.carrel.agent.v1.CommandEndH\x00R\x03endB\x05\n" +
+	"\x03end\x18\x03 \x01(\v2\x1b.carrel.agent.v1.CommandEndH\x00R\x03end\x121\n" +
+	"\x04held\x18\x04 \x03(\v2\x1d.carrel.agent.v1.ExecResponseR\x04heldB\x05\n" +
 	"\x03msg\":\n" +
 	"\n" +
 	"CommandEnd\x12\x12\n" +
@@ -2595,44 +2608,45 @@ var file_carrel_agent_v1_agent_proto_depIdxs = []int32{
 	6,  // 5: carrel.agent.v1.CommandsInput.cancel:type_name -> carrel.agent.v1.Cancel
 	19, // 6: carrel.agent.v1.CommandsOutput.event:type_name -> carrel.agent.v1.ExecResponse
 	8,  // 7: carrel.agent.v1.CommandsOutput.end:type_name -> carrel.agent.v1.CommandEnd
-	14, // 8: carrel.agent.v1.ListProcessesResponse.processes:type_name -> carrel.agent.v1.ProcessInfo
-	10, // 9: carrel.agent.v1.InputRequest.close_stdin:type_name -> carrel.agent.v1.CloseStdin
-	11, // 10: carrel.agent.v1.InputRequest.resize:type_name -> carrel.agent.v1.Resize
-	20, // 11: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
-	21, // 12: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
-	0,  // 13: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
-	33, // 14: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
-	1,  // 15: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
-	3,  // 16: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
-	4,  // 17: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
-	5,  // 18: carrel.agent.v1.AgentService.Commands:input_type -> carrel.agent.v1.CommandsInput
-	12, // 19: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
-	15, // 20: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
-	17, // 21: carrel.agent.v1.AgentService.Input:input_type -> carrel.agent.v1.InputRequest
-	22, // 22: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
-	24, // 23: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
-	32, // 24: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
-	26, // 25: carrel.agent.v1.AgentService.Restored:input_type -> carrel.agent.v1.RestoredRequest
-	28, // 26: carrel.agent.v1.AgentService.GuestRequests:input_type -> carrel.agent.v1.GuestRequestsRequest
-	30, // 27: carrel.agent.v1.AgentService.AnswerGuestRequest:input_type -> carrel.agent.v1.GuestAnswer
-	2,  // 28: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
-	19, // 29: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
-	19, // 30: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
-	7,  // 31: carrel.agent.v1.AgentService.Commands:output_type -> carrel.agent.v1.CommandsOutput
-	13, // 32: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
-	16, // 33: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
-	18, // 34: carrel.agent.v1.AgentService.Input:output_type -> carrel.agent.v1.InputResponse
-	23, // 35: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
-	25, // 36: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
-	34, // 37: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
-	27, // 38: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
-	29, // 39: carrel.agent.v1.AgentService.GuestRequests:output_type -> carrel.agent.v1.GuestRequest
-	31, // 40: carrel.agent.v1.AgentService.AnswerGuestRequest:output_type -> carrel.agent.v1.GuestAnswerResponse
-	28, // [28:41] is the sub-list for method output_type
-	15, // [15:28] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	19, // 8: carrel.agent.v1.CommandsOutput.held:type_name -> carrel.agent.v1.ExecResponse
+	14, // 9: carrel.agent.v1.ListProcessesResponse.processes:type_name -> carrel.agent.v1.ProcessInfo
+	10, // 10: carrel.agent.v1.InputRequest.close_stdin:type_name -> carrel.agent.v1.CloseStdin
+	11, // 11: carrel.agent.v1.InputRequest.resize:type_name -> carrel.agent.v1.Resize
+	20, // 12: carrel.agent.v1.ExecResponse.started:type_name -> carrel.agent.v1.Started
+	21, // 13: carrel.agent.v1.ExecResponse.exit:type_name -> carrel.agent.v1.ExitStatus
+	0,  // 14: carrel.agent.v1.ActivityEvent.op:type_name -> carrel.agent.v1.ActivityOp
+	33, // 15: carrel.agent.v1.ActivityResponse.events:type_name -> carrel.agent.v1.ActivityEvent
+	1,  // 16: carrel.agent.v1.AgentService.Health:input_type -> carrel.agent.v1.HealthRequest
+	3,  // 17: carrel.agent.v1.AgentService.Exec:input_type -> carrel.agent.v1.ExecRequest
+	4,  // 18: carrel.agent.v1.AgentService.Process:input_type -> carrel.agent.v1.ProcessInput
+	5,  // 19: carrel.agent.v1.AgentService.Commands:input_type -> carrel.agent.v1.CommandsInput
+	12, // 20: carrel.agent.v1.AgentService.ListProcesses:input_type -> carrel.agent.v1.ListProcessesRequest
+	15, // 21: carrel.agent.v1.AgentService.Signal:input_type -> carrel.agent.v1.SignalRequest
+	17, // 22: carrel.agent.v1.AgentService.Input:input_type -> carrel.agent.v1.InputRequest
+	22, // 23: carrel.agent.v1.AgentService.Shutdown:input_type -> carrel.agent.v1.ShutdownRequest
+	24, // 24: carrel.agent.v1.AgentService.SetSandbox:input_type -> carrel.agent.v1.SetSandboxRequest
+	32, // 25: carrel.agent.v1.AgentService.Activity:input_type -> carrel.agent.v1.ActivityRequest
+	26, // 26: carrel.agent.v1.AgentService.Restored:input_type -> carrel.agent.v1.RestoredRequest
+	28, // 27: carrel.agent.v1.AgentService.GuestRequests:input_type -> carrel.agent.v1.GuestRequestsRequest
+	30, // 28: carrel.agent.v1.AgentService.AnswerGuestRequest:input_type -> carrel.agent.v1.GuestAnswer
+	2,  // 29: carrel.agent.v1.AgentService.Health:output_type -> carrel.agent.v1.HealthResponse
+	19, // 30: carrel.agent.v1.AgentService.Exec:output_type -> carrel.agent.v1.ExecResponse
+	19, // 31: carrel.agent.v1.AgentService.Process:output_type -> carrel.agent.v1.ExecResponse
+	7,  // 32: carrel.agent.v1.AgentService.Commands:output_type -> carrel.agent.v1.CommandsOutput
+	13, // 33: carrel.agent.v1.AgentService.ListProcesses:output_type -> carrel.agent.v1.ListProcessesResponse
+	16, // 34: carrel.agent.v1.AgentService.Signal:output_type -> carrel.agent.v1.SignalResponse
+	18, // 35: carrel.agent.v1.AgentService.Input:output_type -> carrel.agent.v1.InputResponse
+	23, // 36: carrel.agent.v1.AgentService.Shutdown:output_type -> carrel.agent.v1.ShutdownResponse
+	25, // 37: carrel.agent.v1.AgentService.SetSandbox:output_type -> carrel.agent.v1.SetSandboxResponse
+	34, // 38: carrel.agent.v1.AgentService.Activity:output_type -> carrel.agent.v1.ActivityResponse
+	27, // 39: carrel.agent.v1.AgentService.Restored:output_type -> carrel.agent.v1.RestoredResponse
+	29, // 40: carrel.agent.v1.AgentService.GuestRequests:output_type -> carrel.agent.v1.GuestRequest
+	31, // 41: carrel.agent.v1.AgentService.AnswerGuestRequest:output_type -> carrel.agent.v1.GuestAnswerResponse
+	29, // [29:42] is the sub-list for method output_type
+	16, // [16:29] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_carrel_agent_v1_agent_proto_init() }
