@@ -107,6 +107,12 @@ func TestVMEndToEnd(t *testing.T) {
 		if r.Code != 0 || r.Stdout != "read 0\n" {
 			t.Errorf("exec without -i: %+v, want an empty stdin", r)
 		}
+		// A young command's output is held a moment to go out with what
+		// follows it; each chunk keeps its own bytes.
+		r = d.CarrelTimeout(time.Minute, "exec", "demo", "--", "sh", "-c", "for i in 1 2 3 4 5 6 7 8; do printf $i$i$i$i; done; echo e >&2")
+		if r.Code != 0 || r.Stdout != "11112222333344445555666677778888" || r.Stderr != "e\n" {
+			t.Errorf("output in chunks: %+v, want 1111 to 8888, and e", r)
+		}
 		r = d.CarrelStdin("piped\n", "exec", "-i", "demo", "--", "cat")
 		if r.Code != 0 || r.Stdout != "piped\n" {
 			t.Errorf("exec -i: %+v", r)

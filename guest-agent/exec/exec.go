@@ -107,7 +107,8 @@ type Runner struct {
 // the terminal with tty, which nothing writes to). It sends, in order: one
 // Started, stdout and stderr chunks of at most protocol.ExecChunkBytes each
 // as they arrive, then one Exit once the command has exited and its output
-// is drained. send is never called concurrently.
+// is drained. send is never called concurrently, and an output event's
+// bytes are valid only until send returns (the buffer is reused).
 //
 // Errors are *connect.Error: CodeInvalidArgument for a malformed request
 // (detach included: only the Process call can detach) or an unknown user,

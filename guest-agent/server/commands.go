@@ -183,7 +183,7 @@ func (m *commandServer) exec(ctx context.Context, id uint64, c *runningCommand, 
 		if st := ev.GetStarted(); st != nil {
 			m.started(c, st.Id)
 		}
-		err := m.event(id, c, ev, size)
+		err := m.event(id, c, ev, size+protocol.CommandEventOverhead)
 		if err == nil && ev.GetExit() != nil {
 			exited = true
 		}
@@ -214,13 +214,15 @@ func (m *commandServer) exec(ctx context.Context, id uint64, c *runningCommand, 
 }
 
 // event sends one of command id's events, or holds it back while the
-// command is young: until its exit status, EventHoldBytes of events, or
-// the end of the hold, whichever comes first.
-func (m *commandServer) event(id uint64, c *runningCommand, ev *agentv1.ExecResponse, size int) error {
+// command is young: until its exit status, EventHoldBytes of events (in
+// credit units), or the end of the hold, whichever comes first.
+func (m *commandServer) event(id uint64, c *runningCommand, ev *agentv1.ExecResponse, units int) error {
 	c.holdMu.Lock()
-	if c.holding && ev.GetExit() == nil && c.heldBytes+size <= protocol.EventHoldBytes {
-		c.held = append(c.held, ev)
-		c.heldBytes += size
+	if c.holding && ev.GetExit() == nil && c.heldBytes+units <= protocol.EventHoldBytes {
+		// The runner reuses an output event's buffer once send returns:
+		// what is held is a copy.
+		c.held = append(c.held, proto.CloneOf(ev))
+		c.heldBytes += units
 		c.holdMu.Unlock()
 		return nil
 	}

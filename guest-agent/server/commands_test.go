@@ -384,11 +384,17 @@ func stdoutOf(n int) *agentv1.ExecResponse {
 // out with its exit status, or with its end, in one message.
 func TestCommandsHoldAYoungCommandsEvents(t *testing.T) {
 	h := newCommandsHarness(t, func(_ context.Context, req *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
-		for _, ev := range []*agentv1.ExecResponse{startedEvent("x-1"), stdoutOf(3),
-			{Event: &agentv1.ExecResponse_Stderr{Stderr: []byte("e")}}} {
-			if err := send(ev); err != nil {
-				return err
-			}
+		if err := send(startedEvent("x-1")); err != nil {
+			return err
+		}
+		// As the runner does, each chunk is read into the same buffer.
+		buf := []byte("aaa")
+		if err := send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: buf}}); err != nil {
+			return err
+		}
+		copy(buf, "bbb")
+		if err := send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stderr{Stderr: buf[:1]}}); err != nil {
+			return err
 		}
 		if req.Argv[0] == "fail" {
 			return connect.NewError(connect.CodeDeadlineExceeded, errors.New("exec: too slow"))
@@ -399,6 +405,8 @@ func TestCommandsHoldAYoungCommandsEvents(t *testing.T) {
 	h.send(startMsg(1, "ok"))
 	if o := h.next(); o.Id != 1 || names(o) != "started stdout ? exit" {
 		t.Fatalf("got %s (%v), want started, stdout and stderr held, with the exit", names(o), o)
+	} else if out, errOut := string(o.Held[1].GetStdout()), string(o.Held[2].GetStderr()); out != "aaa" || errOut != "b" {
+		t.Fatalf("held output %q and %q, want aaa and b: a held chunk must not share the runner's buffer", out, errOut)
 	}
 	h.send(startMsg(2, "fail"))
 	if o := h.next(); o.Id != 2 || names(o) != "started stdout ? end" || connect.Code(o.GetEnd().GetCode()) != connect.CodeDeadlineExceeded {

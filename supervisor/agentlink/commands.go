@@ -325,13 +325,17 @@ func (s *commandStream) deliver(out *agentv1.CommandsOutput) error {
 		return nil // late output of a command that was cancelled
 	}
 	s.mu.Unlock()
-	// Events the agent held back come before what they came with.
-	for _, ev := range out.GetHeld() {
-		if err := cmd.push(ev); err != nil {
-			return err
-		}
-	}
+	// Events the agent held back come before what they came with, and
+	// count against the credit the guest had when it sent them.
 	ev := out.GetEvent()
+	evs := out.GetHeld()
+	if ev != nil {
+		evs = append(evs, ev)
+	}
+	// A refusal leaves the command running, for end to finish.
+	if err := cmd.push(evs...); err != nil {
+		return err
+	}
 	if ev == nil {
 		s.mu.Lock()
 		if s.running[out.GetId()] == cmd {
@@ -340,10 +344,6 @@ func (s *commandStream) deliver(out *agentv1.CommandsOutput) error {
 		s.mu.Unlock()
 		cmd.finish(endErr)
 		return nil
-	}
-	// A refusal leaves the command running, for end to finish.
-	if err := cmd.push(ev); err != nil {
-		return err
 	}
 	if ev.GetExit() != nil { // an exit status ends the command
 		s.mu.Lock()
@@ -428,17 +428,20 @@ func units(ev *agentv1.ExecResponse) int64 {
 	return int64(proto.Size(ev)) + protocol.CommandEventOverhead
 }
 
-// push queues an event, within the command's credit.
-func (c *Command) push(ev *agentv1.ExecResponse) error {
-	n := units(ev)
+// push queues the events of one message, all within the command's credit.
+func (c *Command) push(evs ...*agentv1.ExecResponse) error {
+	var n int64
+	for _, ev := range evs {
+		n += units(ev)
+	}
 	c.mu.Lock()
 	c.received += n
-	if c.received > c.granted {
+	if received, granted := c.received, c.granted; received > granted {
 		c.mu.Unlock()
-		return errGuest("command %d sent %d units of output with %d granted", c.id, c.received, c.granted)
+		return errGuest("command %d sent %d units of output with %d granted", c.id, received, granted)
 	}
 	if !c.ended {
-		c.queue = append(c.queue, ev)
+		c.queue = append(c.queue, evs...)
 		c.held += n
 	}
 	c.mu.Unlock()

@@ -433,7 +433,7 @@ func (b *qgaBench) benchExec(ctx context.Context, n int) error {
 			s.vcpu += after.vcpus.run - before.vcpus.run
 		}
 	}
-	fmt.Printf("\nexec round trip of `true`, same VM, %d runs of each, interleaved:\n", n)
+	fmt.Printf("\nexec round trips (of `true` unless named), same VM, %d runs of each, interleaved:\n", n)
 	for _, s := range sides {
 		extra := ""
 		if strings.HasPrefix(s.name, "qemu-ga") {
