@@ -473,3 +473,35 @@ func TestCommandsHoldEnds(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// The hold's cap counts what the host counts: each event's size plus
+// protocol.CommandEventOverhead.
+func TestCommandsHoldCountsCreditUnits(t *testing.T) {
+	const chunk = 100
+	units := proto.Size(stdoutOf(chunk)) + protocol.CommandEventOverhead
+	n := protocol.EventHoldBytes/units + 10 // past the cap in units, well within it in bytes
+	h := newCommandsHarness(t, func(_ context.Context, _ *agentv1.ExecRequest, send func(*agentv1.ExecResponse) error) error {
+		if err := send(startedEvent("x-1")); err != nil {
+			return err
+		}
+		for range n {
+			if err := send(stdoutOf(chunk)); err != nil {
+				return err
+			}
+		}
+		return send(exited(0))
+	})
+	h.m.hold = time.Hour
+	h.send(startMsg(1, "x"))
+	o := h.next()
+	if o.GetEvent().GetExit() != nil {
+		t.Fatalf("all %d events held until the exit: the cap did not count %d units per event", n+1, units)
+	}
+	for o.GetEvent().GetExit() == nil {
+		o = h.next()
+	}
+	close(h.in)
+	if err := <-h.done; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -569,3 +569,22 @@ func TestCommandsHeldEventsComeFirst(t *testing.T) {
 		t.Fatalf("got %v %v, want started, a, b, then canceled", evs, err)
 	}
 }
+
+// A message's events are checked against the credit together: when they
+// pass it, none of them is queued, whatever a grant meanwhile would allow.
+func TestCommandsCheckAMessageAgainstTheCreditWhole(t *testing.T) {
+	s := &commandStream{owner: &Commands{}, cancel: func() {}, running: map[uint64]*Command{},
+		wake: make(chan struct{}, 1), stopped: make(chan struct{})}
+	cmd := s.start(context.Background(), &agentv1.ExecRequest{Argv: []string{"x"}})
+	half := stdoutEvent(make([]byte, protocol.CommandCredit/2))
+	out := event(cmd.id, exitEvent(0))
+	out.Held = []*agentv1.ExecResponse{half, half}
+	if err := s.deliver(out); connect.CodeOf(err) != connect.CodeDataLoss {
+		t.Fatalf("got %v, want data_loss", err)
+	}
+	cmd.mu.Lock()
+	defer cmd.mu.Unlock()
+	if len(cmd.queue) != 0 || cmd.held != 0 {
+		t.Errorf("%d events (%d units) queued from a message past the credit, want none", len(cmd.queue), cmd.held)
+	}
+}
