@@ -40,6 +40,23 @@ func stdoutEvent(b []byte) *agentv1.ExecResponse {
 	return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Stdout{Stdout: b}}
 }
 
+// eachStart calls f with every start the host sends on s until the stream
+// ends; f's error ends it.
+func eachStart(s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput], f func(in *agentv1.CommandsInput) error) error {
+	for {
+		in, err := s.Receive()
+		if err != nil {
+			return nil
+		}
+		if in.GetStart() == nil {
+			continue
+		}
+		if err := f(in); err != nil {
+			return err
+		}
+	}
+}
+
 // readyLink is a link to f, ready.
 func readyLink(t *testing.T, f *commandsAgent) *Link {
 	t.Helper()
@@ -73,21 +90,11 @@ func runCommand(ctx context.Context, l *Link, argv ...string) ([]*agentv1.ExecRe
 func TestCommandsShareOneStream(t *testing.T) {
 	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
 		var mu sync.Mutex
-		for {
-			in, err := s.Receive()
-			if err != nil {
-				return nil
-			}
-			if in.GetStart() == nil {
-				continue
-			}
+		return eachStart(s, func(in *agentv1.CommandsInput) error {
 			mu.Lock()
-			err = errors.Join(s.Send(event(in.Id, stdoutEvent([]byte(in.GetStart().Argv[0])))), s.Send(event(in.Id, exitEvent(int32(in.Id)))))
-			mu.Unlock()
-			if err != nil {
-				return err
-			}
-		}
+			defer mu.Unlock()
+			return errors.Join(s.Send(event(in.Id, stdoutEvent([]byte(in.GetStart().Argv[0])))), s.Send(event(in.Id, exitEvent(int32(in.Id)))))
+		})
 	}}
 	l := readyLink(t, f)
 	var wg sync.WaitGroup
@@ -438,17 +445,7 @@ func TestCommandsDeadlineWithOutputWaiting(t *testing.T) {
 // refused for that caller alone; the link and the other commands go on.
 func TestCommandsRefuseWhatTheLinkCannotCarry(t *testing.T) {
 	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
-		for {
-			in, err := s.Receive()
-			if err != nil {
-				return nil
-			}
-			if in.GetStart() != nil {
-				if err := s.Send(event(in.Id, exitEvent(0))); err != nil {
-					return err
-				}
-			}
-		}
+		return eachStart(s, func(in *agentv1.CommandsInput) error { return s.Send(event(in.Id, exitEvent(0))) })
 	}}
 	l := readyLink(t, f)
 	ctx := context.Background()
@@ -531,14 +528,7 @@ func TestCommandsHeldEventsComeFirst(t *testing.T) {
 	header := make(chan string, 1)
 	f := &commandsAgent{script: func(ctx context.Context, s *connect.BidiStream[agentv1.CommandsInput, agentv1.CommandsOutput]) error {
 		header <- s.RequestHeader().Get(protocol.HoldEventsHeader)
-		for {
-			in, err := s.Receive()
-			if err != nil {
-				return nil
-			}
-			if in.GetStart() == nil {
-				continue
-			}
+		return eachStart(s, func(in *agentv1.CommandsInput) error {
 			started := &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: 9, Id: "x-1"}}}
 			var out *agentv1.CommandsOutput
 			switch in.GetStart().Argv[0] {
@@ -548,10 +538,8 @@ func TestCommandsHeldEventsComeFirst(t *testing.T) {
 				out = &agentv1.CommandsOutput{Id: in.Id, Msg: &agentv1.CommandsOutput_End{End: &agentv1.CommandEnd{Code: uint32(connect.CodeCanceled)}}}
 			}
 			out.Held = []*agentv1.ExecResponse{started, stdoutEvent([]byte("a")), stdoutEvent([]byte("b"))}
-			if err := s.Send(out); err != nil {
-				return err
-			}
-		}
+			return s.Send(out)
+		})
 	}}
 	l := readyLink(t, f)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -15,7 +15,9 @@
 // Commands that take no stdin share one Commands stream per connection
 // (AgentCommands), each paced by the output credit carreld grants it; a
 // stream of their own would cost an emulated guest about as much again
-// as the command.
+// as the command. carreld asks the agent (protocol.HoldEventsHeader) to
+// send a young command's start and output with its exit status, in one
+// message; those held events count against the same credit.
 //
 // While carreld keeps a VM's vCPUs stopped, its link is held (Hold): no
 // probes, no new connections, and a call the pause outlasts fails with
