@@ -72,7 +72,7 @@ type runningCommand struct {
 	holdMu    sync.Mutex
 	holding   bool                    // the hold has not ended
 	held      []*agentv1.ExecResponse // events not yet sent, in order
-	heldBytes int
+	heldUnits int
 }
 
 func newCommandServer(ctx context.Context, run func(context.Context, *agentv1.ExecRequest, func(*agentv1.ExecResponse) error) error,
@@ -218,11 +218,11 @@ func (m *commandServer) exec(ctx context.Context, id uint64, c *runningCommand, 
 // credit units), or the end of the hold, whichever comes first.
 func (m *commandServer) event(id uint64, c *runningCommand, ev *agentv1.ExecResponse, units int) error {
 	c.holdMu.Lock()
-	if c.holding && ev.GetExit() == nil && c.heldBytes+units <= protocol.EventHoldBytes {
+	if c.holding && ev.GetExit() == nil && c.heldUnits+units <= protocol.EventHoldBytes {
 		// The runner reuses an output event's buffer once send returns:
 		// what is held is a copy.
 		c.held = append(c.held, proto.CloneOf(ev))
-		c.heldBytes += units
+		c.heldUnits += units
 		c.holdMu.Unlock()
 		return nil
 	}
@@ -255,7 +255,7 @@ func (m *commandServer) outHeld(c *runningCommand, msg *agentv1.CommandsOutput) 
 
 // outLocked sends msg with the events c holds. c.holdMu is held.
 func (m *commandServer) outLocked(c *runningCommand, msg *agentv1.CommandsOutput) error {
-	msg.Held, c.held, c.heldBytes = c.held, nil, 0
+	msg.Held, c.held, c.heldUnits = c.held, nil, 0
 	return m.out(msg)
 }
 
