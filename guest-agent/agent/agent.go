@@ -160,6 +160,12 @@ func Run(ctx context.Context, cfg Config) error {
 	guest := cfg.PID1 || cfg.System
 	reaper.Default()
 	log.Info("starting", "version", server.Version, "pid1", cfg.PID1, "system", cfg.System, "transport", cfg.Transport)
+	if guest {
+		// Here, past any exec of the image's own init (initsys.Setup).
+		if tid, err := slowSysmon(); err != nil {
+			log.Warn("cannot set the runtime's sysmon thread's timer slack", "tid", tid, "err", err)
+		}
+	}
 	if abi, err := sandbox.ABI(); err != nil {
 		log.Warn("no Landlock: commands will run with no_new_privs only", "err", err)
 	} else {

@@ -425,3 +425,43 @@ func taintedThreads(t *testing.T) []string {
 	}
 	return tainted
 }
+
+// TestSpawnGivesCommandsTheAgentsTimerSlack: the agent slows sysmon with a
+// timer slack, which threads the runtime clones from it inherit; a command
+// forked from such a thread still starts with the slack of the agent's
+// main thread.
+func TestSpawnGivesCommandsTheAgentsTimerSlack(t *testing.T) {
+	main, err := os.ReadFile("/proc/self/timerslack_ns")
+	if err != nil {
+		t.Skipf("no timer slack to read: %v", err)
+	}
+	want := strings.TrimSpace(string(main))
+	const other = "3000000" // 3 ms
+	// Every thread but the main one, as if each were cloned from sysmon:
+	// so is any thread the runtime makes from now on, which is where the
+	// spawners run.
+	setSlack := func(ns string) {
+		tasks, err := os.ReadDir("/proc/self/task")
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, task := range tasks {
+			if task.Name() == strconv.Itoa(os.Getpid()) {
+				continue
+			}
+			if err := os.WriteFile("/proc/"+task.Name()+"/timerslack_ns", []byte(ns), 0); err != nil {
+				t.Skipf("cannot set another thread's timer slack (needs CAP_SYS_NICE): %v", err)
+			}
+		}
+	}
+	setSlack(other)
+	t.Cleanup(func() { setSlack("0") })
+	g := &Guard{}
+	t.Cleanup(g.stopSpawner)
+	for _, g := range []*Guard{nil, g} {
+		code, out, _ := spawnSh(t, g, "cat /proc/self/timerslack_ns")
+		if got := strings.TrimSpace(out); code != 0 || got != want {
+			t.Errorf("a command's timer slack: exit %d, %q; want the agent's %s, not its threads' %s", code, got, want, other)
+		}
+	}
+}

@@ -5,7 +5,11 @@ package sandbox
 import (
 	"errors"
 	"fmt"
+	"os"
 	"runtime"
+	"strconv"
+	"strings"
+	"sync"
 
 	"golang.org/x/sys/unix"
 )
@@ -164,8 +168,12 @@ func (g *Guard) spawnOnce(start func() error, done chan<- spawnResult) {
 }
 
 // confineThread sets no_new_privs on the calling thread and, if sb has
-// Landlock, restricts the thread to it.
+// Landlock, restricts the thread to it. It also gives the thread the
+// agent's own timer slack, which its commands inherit.
 func confineThread(sb *Sandbox) (bool, error) {
+	if ns := commandSlack(); ns > 0 {
+		_ = unix.Prctl(unix.PR_SET_TIMERSLACK, uintptr(ns), 0, 0, 0)
+	}
 	if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {
 		return false, fmt.Errorf("%w: prctl(PR_SET_NO_NEW_PRIVS): %w", ErrConfine, err)
 	}
@@ -183,6 +191,23 @@ func confineThread(sb *Sandbox) (bool, error) {
 	}
 	return true, nil
 }
+
+// commandSlack is the timer slack, in ns, that commands start with: the
+// agent's own, as its main thread has it (/proc/self/timerslack_ns). The
+// agent slows the runtime's sysmon thread (agent.slowSysmon), and the
+// runtime may clone a thread from it, the spawner's among them, which then
+// inherits sysmon's slack; a command must not. 0 if it cannot be read.
+var commandSlack = sync.OnceValue(func() uint64 {
+	b, err := os.ReadFile("/proc/self/timerslack_ns")
+	if err != nil {
+		return 0
+	}
+	ns, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+	if err != nil {
+		return 0
+	}
+	return ns
+})
 
 // stopSpawner retires the spawner's thread, if any (tests: a Guard of
 // carrel-agent lives as long as the agent).
