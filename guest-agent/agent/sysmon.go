@@ -20,10 +20,11 @@ import (
 // look. Under emulation almost every call does, and every look costs the
 // guest a timer interrupt and two thread switches, and every hand-over a
 // third thread woken. Counted in the guest over 200 execs of `true`,
-// sysmon woke about 30 times per exec, and there were about 30 timer
-// interrupts and 85 context switches per exec. With this slack: about 12,
-// 13 and 56, and the guest's vCPU time per exec fell by 15-20% (a Files.Stat
-// round trip's by about 40%); see docs/architecture.md.
+// sysmon woke 27-33 times per exec, with 28-34 timer interrupts and 81-94
+// context switches in all. With this slack: 12, 13 and 56, and the
+// guest's vCPU time per exec fell by about an eighth against qemu-ga's in
+// the same runs (a Files.Stat round trip's by a third); see "The
+// runtime's sysmon thread" in docs/architecture.md.
 //
 // The cost is that sysmon's looks come up to this much later: a P held by
 // a goroutine in a long system call passes to waiting goroutines up to 1
@@ -40,8 +41,11 @@ const sysmonSlack = time.Millisecond
 //
 // The runtime starts sysmon as the process's first thread after the main
 // one, before any package is initialised (runtime.main), and thread ids
-// are handed out in increasing order, so sysmon is the lowest id in
-// /proc/self/task other than the process's own. Writing another thread's
+// are handed out in increasing order (until they wrap at pid_max, which a
+// booting guest is far from), so sysmon is the lowest id in
+// /proc/self/task other than the process's own. Were it another thread,
+// that thread would get the slack instead, and nothing but the gain would
+// be lost. Writing another thread's
 // slack (/proc/TID/timerslack_ns) needs CAP_SYS_NICE, which the agent has
 // as root; without it the agent goes on as before.
 func slowSysmon() (tid int, err error) {

@@ -4,9 +4,11 @@ package agent
 
 import (
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestSysmonTID(t *testing.T) {
@@ -57,4 +59,33 @@ func TestSlowSysmon(t *testing.T) {
 	if got := read(os.Getpid()); got != mainSlack {
 		t.Errorf("the main thread's timer slack changed from %s to %s", mainSlack, got)
 	}
+	// It is sysmon: while a goroutine runs, sysmon sleeps between its
+	// looks in usleep, which is nanosleep (35 on amd64), where no other
+	// thread of the runtime sleeps.
+	if runtime.GOARCH != "amd64" {
+		return
+	}
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+		}
+	}()
+	path := "/proc/self/task/" + strconv.Itoa(tid) + "/syscall"
+	var last string
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		b, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatalf("thread %d: %v", tid, err)
+		}
+		if last = string(b); strings.HasPrefix(last, "35 ") {
+			return
+		}
+	}
+	t.Errorf("thread %d was never seen in nanosleep, as sysmon is between its looks; last in %q", tid, last)
 }

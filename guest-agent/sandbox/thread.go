@@ -196,7 +196,9 @@ func confineThread(sb *Sandbox) (bool, error) {
 // agent's own, as its main thread has it (/proc/self/timerslack_ns). The
 // agent slows the runtime's sysmon thread (agent.slowSysmon), and the
 // runtime may clone a thread from it, the spawner's among them, which then
-// inherits sysmon's slack; a command must not. 0 if it cannot be read.
+// inherits sysmon's slack; a command must not. 0 if it cannot be read:
+// from any thread but the main one, reading it needs CAP_SYS_NICE, which
+// the agent has as root; a spawner then leaves its slack as it is.
 var commandSlack = sync.OnceValue(func() uint64 {
 	b, err := os.ReadFile("/proc/self/timerslack_ns")
 	if err != nil {
