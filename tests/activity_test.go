@@ -133,7 +133,7 @@ cat from-host.txt >/dev/null
 	// Each command runs in a cgroup of its own, which it cannot leave.
 	cg := d.Must("exec", "act", "--", "/bin/sh", "-c", "cat /proc/self/cgroup; echo $$ > /sys/fs/cgroup/cgroup.procs && echo escaped; true")
 	if !regexp.MustCompile(`(?m)^0::/carrel/[0-9a-f]{16}$`).MatchString(cg) || strings.Contains(cg, "escaped") {
-		t.Errorf("a command's cgroup: %q; want 0::/carrel/<its id>, and no way out", cg)
+		t.Errorf("a command's cgroup: %q; want 0::/carrel/<a group of its own>, and no way out", cg)
 	}
 
 	w := func(p string) string { return "/workspace/" + p }

@@ -1,14 +1,21 @@
 //go:build linux
 
 // Package cgroups gives each command carrel-agent starts a cgroup v2 group
-// of its own, named by the command's id, and tells which command a process
-// belongs to from the group it is in.
+// of its own, and tells which command a process belongs to from the group
+// it is in.
 //
 // A process is born into its command's group (clone3 with
 // CLONE_INTO_CGROUP, through syscall.SysProcAttr.CgroupFD), and so is
 // every process it starts, whatever becomes of its parent. The groups
 // belong to root: the unprivileged user commands run as cannot move a
-// process out of its group.
+// process out of its group, nor change the group.
+//
+// A group is made for a command and named by its id, or is one kept from
+// an earlier command (Release, Take): making and removing a cgroup costs
+// an emulated guest about a millisecond and a half of CPU per command,
+// most of it in the kernel's work after the removal. A group is kept only
+// when it is empty, not frozen, and its command ran as an unprivileged
+// user, which cannot write the group's files.
 package cgroups
 
 import (
@@ -19,6 +26,7 @@ import (
 	"os"
 	"path"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -35,6 +43,10 @@ const Mount = "/sys/fs/cgroup"
 // oldest are forgotten (left in place, empty or not).
 const maxLeftovers = 4096
 
+// maxFree caps the empty groups kept for later commands: enough for a
+// few commands at once; past it, a group is removed as before.
+const maxFree = 8
+
 // ErrNotCgroup2 is returned by Open when the mount is not a cgroup v2
 // hierarchy.
 var ErrNotCgroup2 = errors.New("not a cgroup v2 hierarchy")
@@ -46,7 +58,13 @@ type Dir struct {
 	rel string // in the hierarchy, as /proc/PID/cgroup shows it: /carrel
 
 	mu       sync.Mutex
-	leftover []string // ids of groups that were still busy when their command ended
+	leftover []string // names of groups that were still busy when their command ended
+	// free are the names of empty groups kept for later commands; holder
+	// maps the name of a group taken from free to the id of the command
+	// that holds it (a group made for a command is named by its id).
+	free     []string
+	holder   map[string]string
+	sweeping bool // a Sweep started by sweepLater is under way
 }
 
 // Open makes (or reuses) the cgroup named name directly below mount, the
@@ -132,35 +150,135 @@ func (d *Dir) Create(id string) (*os.File, error) {
 	return f, nil
 }
 
-// Remove removes the command's group once its last process is gone. A
-// group still busy (a daemon the command left running) is kept and
-// removed by a later Create or Sweep once it empties.
-func (d *Dir) Remove(id string) {
+// Take gives the command with the given id an empty group kept by
+// Release, and returns its name and the group open, for
+// SysProcAttr.CgroupFD; the caller closes it once the command has
+// started. ok is false when no group is kept.
+func (d *Dir) Take(id string) (name string, f *os.File, ok bool) {
 	if !validName(id) {
+		return "", nil, false
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for len(d.free) > 0 {
+		name = d.free[len(d.free)-1]
+		d.free = d.free[:len(d.free)-1]
+		f, err := os.OpenFile(filepath.Join(d.dir, name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			continue // removed meanwhile, by root in the guest
+		}
+		if d.holder == nil {
+			d.holder = map[string]string{}
+		}
+		d.holder[name] = id
+		return name, f, true
+	}
+	return "", nil, false
+}
+
+// Release is Remove for a command whose last process is gone, except
+// that the group, when keep is true (its command ran as an unprivileged
+// user) and it is empty, is kept for a later command (Take) instead. As
+// Create does, it then removes, in the background, the groups kept by
+// Remove that have emptied since.
+func (d *Dir) Release(name string, keep bool) {
+	if !validName(name) {
 		return
 	}
-	if err := unix.Rmdir(filepath.Join(d.dir, id)); errors.Is(err, unix.EBUSY) {
+	defer d.sweepLater()
+	if keep && d.empty(name) {
 		d.mu.Lock()
-		if len(d.leftover) >= maxLeftovers {
-			d.leftover = d.leftover[1:]
+		if len(d.free) < maxFree {
+			delete(d.holder, name)
+			d.free = append(d.free, name)
+			d.mu.Unlock()
+			return
 		}
-		d.leftover = append(d.leftover, id)
 		d.mu.Unlock()
+	}
+	d.Remove(name)
+}
+
+// sweepLater starts a Sweep unless one is under way, when there are
+// groups to sweep.
+func (d *Dir) sweepLater() {
+	d.mu.Lock()
+	start := len(d.leftover) > 0 && !d.sweeping
+	d.sweeping = d.sweeping || start
+	d.mu.Unlock()
+	if start {
+		go func() {
+			d.Sweep()
+			d.mu.Lock()
+			d.sweeping = false
+			d.mu.Unlock()
+		}()
 	}
 }
 
-// Sweep removes the groups kept by Remove that have emptied since.
-func (d *Dir) Sweep() {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	kept := d.leftover[:0]
-	for _, id := range d.leftover {
-		if err := unix.Rmdir(filepath.Join(d.dir, id)); errors.Is(err, unix.EBUSY) {
-			kept = append(kept, id)
+// empty reports whether the group named name holds no process, in it or
+// below it, and is not frozen (cgroup.events: "populated 0", "frozen 0").
+func (d *Dir) empty(name string) bool {
+	b, err := os.ReadFile(filepath.Join(d.dir, name, "cgroup.events"))
+	if err != nil {
+		return false
+	}
+	populated, frozen := true, true
+	for line := range strings.Lines(string(b)) {
+		switch strings.TrimSpace(line) {
+		case "populated 0":
+			populated = false
+		case "frozen 0":
+			frozen = false
 		}
 	}
-	clear(d.leftover[len(kept):])
-	d.leftover = kept
+	return !populated && !frozen
+}
+
+// Remove removes the command's group once its last process is gone. A
+// group still busy (a daemon the command left running) is kept and
+// removed by a later Sweep (after a Create or Release) once it empties.
+// Past maxLeftovers, the oldest kept group is forgotten: left in place,
+// and still its holder's for ExecID.
+func (d *Dir) Remove(name string) {
+	if !validName(name) {
+		return
+	}
+	err := unix.Rmdir(filepath.Join(d.dir, name))
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !errors.Is(err, unix.EBUSY) {
+		delete(d.holder, name)
+		return
+	}
+	if len(d.leftover) >= maxLeftovers {
+		d.leftover = d.leftover[1:]
+	}
+	d.leftover = append(d.leftover, name)
+}
+
+// Sweep removes the groups kept by Remove that have emptied since. It
+// does not hold the Dir's lock while it removes them, so Take and ExecID
+// do not wait for it.
+func (d *Dir) Sweep() {
+	d.mu.Lock()
+	names := slices.Clone(d.leftover)
+	d.mu.Unlock()
+	var gone []string
+	for _, name := range names {
+		if err := unix.Rmdir(filepath.Join(d.dir, name)); !errors.Is(err, unix.EBUSY) {
+			gone = append(gone, name)
+		}
+	}
+	if len(gone) == 0 {
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.leftover = slices.DeleteFunc(d.leftover, func(name string) bool { return slices.Contains(gone, name) })
+	for _, name := range gone {
+		delete(d.holder, name)
+	}
 }
 
 // ExecID returns the id of the command whose group process pid is in, from
@@ -176,8 +294,9 @@ func (d *Dir) ExecID(pid int) (string, bool) {
 	return d.execIDFrom(b)
 }
 
-// execIDFrom finds the unified hierarchy's line ("0::/carrel/<id>", or a
-// group below it) in the contents of /proc/PID/cgroup.
+// execIDFrom finds the unified hierarchy's line ("0::/carrel/<group>", or a
+// group below it) in the contents of /proc/PID/cgroup, and gives the id of
+// the command that holds the group.
 func (d *Dir) execIDFrom(b []byte) (string, bool) {
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	for sc.Scan() {
@@ -191,11 +310,19 @@ func (d *Dir) execIDFrom(b []byte) (string, bool) {
 		if !ok || path.Clean(p) != p {
 			return "", false
 		}
-		id, _, _ := strings.Cut(below, "/")
-		if !validName(id) {
+		name, _, _ := strings.Cut(below, "/")
+		if !validName(name) {
 			return "", false
 		}
-		return id, true
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		if id, ok := d.holder[name]; ok {
+			return id, true
+		}
+		if slices.Contains(d.free, name) {
+			return "", false // held by no command
+		}
+		return name, true
 	}
 	return "", false
 }

@@ -7,6 +7,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -77,14 +78,14 @@ func cgroup2Root(t *testing.T) string {
 	return ""
 }
 
-// TestGroups starts a process into a group, checks that it and its child
-// are told apart by their group, and that the group goes once they have.
-func TestGroups(t *testing.T) {
+// testDir makes a Dir of the test's own under the cgroup v2 hierarchy, or
+// skips, and removes it and its groups at the end.
+func testDir(t *testing.T) *Dir {
+	t.Helper()
 	mount := cgroup2Root(t)
 	var b [4]byte
 	rand.Read(b[:])
-	name := "carrel-test-" + hex.EncodeToString(b[:])
-	d, err := Open(mount, name)
+	d, err := Open(mount, "carrel-test-"+hex.EncodeToString(b[:]))
 	if err != nil {
 		t.Skipf("cannot make a cgroup under %s: %v", mount, err)
 	}
@@ -99,16 +100,13 @@ func TestGroups(t *testing.T) {
 			t.Errorf("remove the test's cgroup: %v", err)
 		}
 	})
+	return d
+}
 
-	const id = "0123456789abcdef"
-	g, err := d.Create(id)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := d.Create(id); !errors.Is(err, os.ErrExist) {
-		t.Errorf("a second Create of the same id: %v, want ErrExist", err)
-	}
-	// The child outlives the shell, as a daemon would.
+// startIn starts, in group g, a shell that leaves a child behind (as a
+// daemon would), and returns the child's pid.
+func startIn(t *testing.T, g *os.File) int {
+	t.Helper()
 	cmd := exec.Command("/bin/sh", "-c", "sleep 5 >/dev/null 2>&1 & echo $!")
 	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(g.Fd())}
 	out, err := cmd.Output()
@@ -120,6 +118,148 @@ func TestGroups(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return child
+}
+
+// TestKeptGroups: Release keeps an empty group for Take, which gives it to
+// another command: ExecID then names that command. A busy group, or one
+// not to keep, is removed as Remove does.
+func TestKeptGroups(t *testing.T) {
+	d := testDir(t)
+	const first, second, third = "0123456789abcdef", "1111111111111111", "2222222222222222"
+	if _, _, ok := d.Take(second); ok {
+		t.Fatal("Take gave a group when none was kept")
+	}
+	g, err := d.Create(first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Close()
+	d.Release(first, true)
+	if _, err := os.Stat(filepath.Join(d.Path(), first)); err != nil {
+		t.Fatalf("an empty group to keep was removed: %v", err)
+	}
+	name, g, ok := d.Take(second)
+	if !ok || name != first {
+		t.Fatalf("Take = %q, %v; want the kept group %q", name, ok, first)
+	}
+	if _, _, ok := d.Take(third); ok {
+		t.Fatal("Take gave the same group twice")
+	}
+	child := startIn(t, g)
+	killed := false
+	t.Cleanup(func() {
+		if !killed {
+			syscall.Kill(child, syscall.SIGKILL)
+		}
+	})
+	if got, ok := d.ExecID(child); !ok || got != second {
+		t.Errorf("ExecID of a process in the kept group = %q, %v; want its holder %q", got, ok, second)
+	}
+	// Busy (the child lives on): not kept, and still its holder's.
+	d.Release(name, true)
+	if _, _, ok := d.Take(third); ok {
+		t.Error("a busy group was kept")
+	}
+	if got, ok := d.ExecID(child); !ok || got != second {
+		t.Errorf("ExecID in a busy group after its command = %q, %v; want %q", got, ok, second)
+	}
+	syscall.Kill(child, syscall.SIGKILL)
+	killed = true
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		d.Sweep()
+		if _, err := os.Stat(filepath.Join(d.Path(), name)); errors.Is(err, os.ErrNotExist) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the busy group was not removed once empty")
+		}
+	}
+	d.mu.Lock()
+	_, held := d.holder[name]
+	d.mu.Unlock()
+	if held {
+		t.Errorf("the removed group %s still has a holder", name)
+	}
+	// Empty, but its command ran as root: removed.
+	g, err = d.Create(third)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Close()
+	d.Release(third, false)
+	if _, err := os.Stat(filepath.Join(d.Path(), third)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a group not to keep is still there: %v", err)
+	}
+	// At most maxFree are kept.
+	for i := range maxFree + 2 {
+		id := fmt.Sprintf("%016x", i+1)
+		g, err := d.Create(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		g.Close()
+		d.Release(id, true)
+	}
+	entries, _ := os.ReadDir(d.Path())
+	groups := 0
+	for _, e := range entries {
+		if e.IsDir() {
+			groups++
+		}
+	}
+	if groups != maxFree {
+		t.Errorf("%d groups kept, want %d", groups, maxFree)
+	}
+	// A process in a kept group belongs to no command (only root can put
+	// one there).
+	kept := fmt.Sprintf("%016x", 1)
+	if id, ok := d.execIDFrom([]byte("0::/" + filepath.Base(d.Path()) + "/" + kept + "\n")); ok {
+		t.Errorf("a process in the kept group %s is said to be command %q's", kept, id)
+	}
+	// A frozen group is not kept.
+	g, err = d.Create(first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.Close()
+	if err := os.WriteFile(filepath.Join(d.Path(), first, "cgroup.freeze"), []byte("1"), 0); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(readFile(t, filepath.Join(d.Path(), first, "cgroup.events")), "frozen 1"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the group did not freeze")
+		}
+	}
+	if d.empty(first) {
+		t.Error("a frozen group counts as one to keep")
+	}
+}
+
+func readFile(t *testing.T, p string) string {
+	t.Helper()
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// TestGroups starts a process into a group, checks that it and its child
+// are told apart by their group, and that the group goes once they have.
+func TestGroups(t *testing.T) {
+	d := testDir(t)
+
+	const id = "0123456789abcdef"
+	g, err := d.Create(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := d.Create(id); !errors.Is(err, os.ErrExist) {
+		t.Errorf("a second Create of the same id: %v, want ErrExist", err)
+	}
+	// The child outlives the shell, as a daemon would.
+	child := startIn(t, g)
 	if got, ok := d.ExecID(child); !ok || got != id {
 		t.Errorf("ExecID of the command's child = %q, %v; want %q", got, ok, id)
 	}

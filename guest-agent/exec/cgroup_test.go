@@ -125,3 +125,50 @@ func TestNextGroupIsMadeAhead(t *testing.T) {
 		t.Errorf("the next command is %s, in %q; want it in the group made ahead, %s", st.Id, res.stdout.String(), spare)
 	}
 }
+
+// TestGroupsAreKeptForUnprivilegedCommands: the group of a command run as
+// an unprivileged user is kept once it ends, and the next command runs in
+// it under an id of its own; a command run as root, which could have
+// changed its group, leaves none behind.
+func TestGroupsAreKeptForUnprivilegedCommands(t *testing.T) {
+	r := runner(t)
+	r.Cgroups = testGroups(t) // as root, or it skips
+	r.Dir = "/"
+	if _, err := r.users.Lookup(r.Users, "nobody"); err != nil {
+		t.Skipf("no user nobody to run a command as: %v", err)
+	}
+	group := func(user string) (id, cgroup string) {
+		t.Helper()
+		var res result
+		err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"cat", "/proc/self/cgroup"}, User: user}, res.send)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if code := res.exit(t).Code; code != 0 {
+			t.Fatalf("exit %d: %s", code, res.stderr.String())
+		}
+		prefix := "0::/" + filepath.Base(r.Cgroups.Path()) + "/"
+		for line := range strings.Lines(res.stdout.String()) {
+			if g, ok := strings.CutPrefix(strings.TrimSpace(line), prefix); ok {
+				return res.events[0].GetStarted().Id, g
+			}
+		}
+		t.Fatalf("the command is in no group of the runner's: %q", res.stdout.String())
+		return "", ""
+	}
+	id1, g1 := group("nobody")
+	if _, err := os.Stat(filepath.Join(r.Cgroups.Path(), g1)); err != nil {
+		t.Fatalf("the group of a command run as nobody was not kept: %v", err)
+	}
+	id2, g2 := group("nobody")
+	if g2 != g1 || id2 == id1 {
+		t.Errorf("the second command is %s in group %s; want a new id in the kept group %s (the first was %s)", id2, g2, g1, id1)
+	}
+	_, g3 := group("root")
+	if g3 != g1 {
+		t.Errorf("the root command ran in group %s, want the kept group %s", g3, g1)
+	}
+	if _, err := os.Stat(filepath.Join(r.Cgroups.Path(), g3)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the group of a command run as root is still there: %v", err)
+	}
+}

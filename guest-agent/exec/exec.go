@@ -84,9 +84,10 @@ type Runner struct {
 	// never dropped, however slowly the client reads it. Zero means
 	// DefaultWaitDelay.
 	WaitDelay time.Duration
-	// Cgroups, when set, starts every command in a cgroup of its own named
-	// by its id, which every process it starts inherits. A command whose
-	// group cannot be made starts without one.
+	// Cgroups, when set, starts every command in a cgroup of its own (one
+	// made for it and named by its id, or one an earlier command left
+	// empty), which every process it starts inherits. A command that can
+	// have no group starts without one.
 	Cgroups *cgroups.Dir
 	// Env is added to DefaultEnv for every command (carrel-agent puts the
 	// egress proxies' HTTP_PROXY and the like here); the request's

@@ -45,11 +45,15 @@ type Proc struct {
 	// Pid is the command's pid, and the id of its process group.
 	Pid int
 
-	r     *Runner
-	rp    *reaper.Process
-	argv0 string
-	tty   *os.File   // pty master; nil without a terminal
-	outs  []*os.File // what the pumps read: stdout and stderr, or the master
+	r  *Runner
+	rp *reaper.Process
+	// group names the command's cgroup ("" for none), which it may leave
+	// for a later command (keepGroup) once its processes are gone.
+	group     string
+	keepGroup bool
+	argv0     string
+	tty       *os.File   // pty master; nil without a terminal
+	outs      []*os.File // what the pumps read: stdout and stderr, or the master
 
 	stdinMu     sync.Mutex
 	stdin       *os.File // pipe write end, or the master; nil for none
@@ -82,17 +86,20 @@ func (r *Runner) Start(req *agentv1.ExecRequest, stdin bool) (*Proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	id, group := r.newGroup()
+	id, name, group := r.newGroup()
 	p, err := r.start(c, stdin, id, group)
 	if group != nil {
 		group.Close()
 	}
 	if err != nil {
 		if group != nil {
-			r.Cgroups.Remove(id)
+			r.Cgroups.Release(name, true) // nothing ran in it
 		}
 		return nil, err
 	}
+	// Only a command run as an unprivileged user leaves its group as it
+	// found it: the group's files belong to root.
+	p.group, p.keepGroup = name, c.cred != nil && c.cred.Uid != 0
 	r.register(p)
 	if r.OnStart != nil {
 		r.OnStart(p.Pid, p.ID)
@@ -101,14 +108,19 @@ func (r *Runner) Start(req *agentv1.ExecRequest, stdin bool) (*Proc, error) {
 }
 
 // newGroup picks the id of a command about to start and, with Cgroups,
-// its group: the one made ahead for it if there is one, else a new one.
-// Either way the next command's group is then made ahead, off this
-// command's path: making a cgroup costs an emulated guest over a
-// millisecond. Without Cgroups (or if the group cannot be made) the id
+// its group, by name and open: one an earlier command left empty
+// (Cgroups.Take), else the one made ahead for it, else a new one, named
+// by the id. When a group is made, the next command's group is made
+// ahead, off this command's path: making a cgroup costs an emulated guest
+// over a millisecond. Without Cgroups (or if no group can be had) the id
 // is "", for register to pick, and the group nil.
-func (r *Runner) newGroup() (string, *os.File) {
+func (r *Runner) newGroup() (id, name string, f *os.File) {
 	if r.Cgroups == nil {
-		return "", nil
+		return "", "", nil
+	}
+	id = r.freshID()
+	if name, f, ok := r.Cgroups.Take(id); ok {
+		return id, name, f
 	}
 	r.mu.Lock()
 	g := r.spare
@@ -116,11 +128,22 @@ func (r *Runner) newGroup() (string, *os.File) {
 	r.mu.Unlock()
 	if g == nil {
 		if g = r.makeGroup(); g == nil {
-			return "", nil
+			return "", "", nil
 		}
 	}
 	go r.makeSpare()
-	return g.id, g.f
+	return g.id, g.id, g.f
+}
+
+// freshID is a command id that no running command has.
+func (r *Runner) freshID() string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for {
+		if id := NewID(); r.running[id] == nil {
+			return id
+		}
+	}
 }
 
 // group is a command's cgroup, made and open.
@@ -349,8 +372,8 @@ func (p *Proc) supervise(pumps *sync.WaitGroup) {
 		ws, _ = p.rp.Wait(context.Background()) // SIGKILL cannot be ignored
 	}
 	p.r.unregister(p)
-	if p.r.Cgroups != nil {
-		p.r.Cgroups.Remove(p.ID)
+	if p.r.Cgroups != nil && p.group != "" {
+		p.r.Cgroups.Release(p.group, p.keepGroup)
 	}
 	p.exited.Store(true)
 	quiet := time.Now().Add(p.r.waitDelay())

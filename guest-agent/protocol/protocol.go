@@ -143,8 +143,8 @@ const (
 )
 
 // ValidExecID reports whether s can be a command id: 1 to MaxExecID of
-// [0-9A-Za-z_-]. The agent names each command's cgroup by it, and the host
-// checks the ids the guest reports with it.
+// [0-9A-Za-z_-]. The agent names the cgroups it makes for commands by
+// them, and the host checks the ids the guest reports with it.
 func ValidExecID(s string) bool {
 	if s == "" || len(s) > MaxExecID {
 		return false
