@@ -6,8 +6,9 @@
 // are prepared; Decide then evaluates one typed, normalised input without
 // compiling anything. What a decision reads that depends on the data and
 // the VM's settings alone is worked out at compile time, once per VM
-// (specialize.go), and put in place in that VM's query. An undefined or malformed result is a deny, never an
-// error that lets a call through. The default bundle lives in
+// (specialize.go), and each of that VM's evaluations starts with it. An
+// undefined or malformed result is a deny, never an error that lets a
+// call through. The default bundle lives in
 // policy/bundle and the examples in policy/examples; both are embedded.
 package policy
 
@@ -146,7 +147,9 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 		if err != nil {
 			return nil, err
 		}
-		p.decide[k] = p.specialize(ctx, k, q, vms, values)
+		if p.decide[k], err = p.specialize(ctx, k, q, vms, values); err != nil {
+			return nil, err
+		}
 	}
 	for _, ref := range []string{"data.carrel.fs.sandbox", "data.carrel.api.procedures"} {
 		if !hasRule(c, ref) {
@@ -250,14 +253,15 @@ func (p *Policy) decide1(ctx context.Context, in Input, cached bool) (Decision, 
 	if dl, ok := ctx.Deadline(); ok {
 		timeout = min(timeout, time.Until(dl))
 	}
-	q := queries.forVM(d.VM)
-	if p.asWritten {
-		q = queries.generic
-	}
 	halt := topdown.NewCancel()
-	timer := time.AfterFunc(timeout, halt.Cancel)
-	rs, err := q.Eval(ctx, rego.EvalParsedInput(in.value()), rego.EvalExternalCancel(halt),
+	opts := make([]rego.EvalOption, 0, 6)
+	opts = append(opts, rego.EvalParsedInput(in.value()), rego.EvalExternalCancel(halt),
 		rego.EvalMetrics(noMetrics), rego.EvalGenerateJSON(astResult), rego.EvalInterQueryBuiltinValueCache(p.patterns))
+	if w := queries.forVM(d.VM); w != nil && !p.asWritten {
+		opts = append(opts, rego.EvalVirtualCache(w.cache()))
+	}
+	timer := time.AfterFunc(timeout, halt.Cancel)
+	rs, err := queries.generic.Eval(ctx, opts...)
 	timer.Stop()
 	if err != nil {
 		d.Rule, d.Reason = "carrel.eval_error", "evaluation failed: "+err.Error()

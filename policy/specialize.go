@@ -7,50 +7,132 @@ package policy
 // from data.settings.vms merged over them) and tables derived from them.
 // OPA works such rules out again on every evaluation. Compile works them
 // out once instead: once for each VM that data.settings.vms names, and
-// once for every other VM, and prepares each kind's decision query with
-// those values in place (`with data.carrel.exec.settings as {...}`). An
-// evaluation then runs only the rules that read the rest of its input.
+// once for every other VM. An evaluation for that VM starts with those
+// values already in OPA's cache of rule values (its virtual cache), as if
+// the evaluation had just worked them out itself, so it runs only the
+// rules that read the rest of its input.
 //
-// A rule is worked out this way only when Compile can show that its value
-// cannot depend on anything else: the rules it reads, transitively, read
-// input only as input.vm, and use input.vm only as the key in
-// data.settings.vms[input.vm], so that every VM that data.settings.vms does
-// not name sees the same value. Any other rule is left to OPA, as written,
-// and so is a whole kind whose rules use `with` (see frontier).
+// A value in that cache is the rule's own value, not a replacement: a
+// rule is worked out only when Compile can show that its value cannot
+// depend on anything else: the rules it reads, transitively, read input
+// only as input.vm, and use input.vm only as the key in
+// data.settings.vms[input.vm], so that every VM that data.settings.vms
+// does not name sees the same value. Any other rule is left to OPA, as
+// written. Under `with`, OPA starts a fresh frame of the cache, in which
+// the worked-out values are not seen (vmCache), so a rule evaluated with
+// another input.vm, other settings or a function replaced is evaluated as
+// written.
 // The rules stay the source of truth: Rego tests that override
 // data.settings with `with` evaluate them as written, and a decision made
 // with the worked-out values is the decision the rules give (the engine's
 // tests check this on every bundle carrel ships).
+//
+// This replaced a query per VM with the values put in place by `with`:
+// OPA merges a query's `with` values into a new data tree on every
+// evaluation, which cost about a sixth of an exec decision.
 
 import (
 	"context"
-	"fmt"
 	"slices"
 
 	"github.com/open-policy-agent/opa/v1/ast"
 	"github.com/open-policy-agent/opa/v1/rego"
+	"github.com/open-policy-agent/opa/v1/topdown"
 )
 
-// kindQueries are one kind's prepared decision queries.
+// kindQueries are one kind's prepared decision query and the values
+// worked out for it per VM.
 type kindQueries struct {
 	// generic evaluates every rule as written.
 	generic rego.PreparedEvalQuery
-	// byVM holds the queries of the VMs that data.settings.vms names, with
-	// their worked-out values; other is every other VM's. other is nil
-	// when no rule of the kind could be worked out.
-	byVM  map[string]rego.PreparedEvalQuery
-	other *rego.PreparedEvalQuery
+	// byVM holds the worked-out values of the VMs that data.settings.vms
+	// names; other is every other VM's. other is nil when no rule of the
+	// kind could be worked out.
+	byVM  map[string]*workedOut
+	other *workedOut
 }
 
-// forVM returns the query that decides for vm.
-func (q *kindQueries) forVM(vm string) rego.PreparedEvalQuery {
-	if s, ok := q.byVM[vm]; ok {
-		return s
+// forVM returns the values worked out for vm, or nil.
+func (q *kindQueries) forVM(vm string) *workedOut {
+	if w, ok := q.byVM[vm]; ok {
+		return w
 	}
-	if q.other != nil {
-		return *q.other
+	return q.other
+}
+
+// workedOut is one VM's worked-out rule values, by the rule's path. It is
+// filled at compile time and only read after, by any number of
+// evaluations at once.
+type workedOut struct {
+	// byName holds the values by the last part of the rule's path: an
+	// evaluation asks for the value of every rule it reads, most of them
+	// not worked out, and a map lookup by one string answers that fast.
+	byName map[string][]workedValue
+}
+
+type workedValue struct {
+	path  ast.Ref
+	value *ast.Term
+}
+
+func (w *workedOut) put(path ast.Ref, v ast.Value) {
+	name := string(path[len(path)-1].Value.(ast.String))
+	w.byName[name] = append(w.byName[name], workedValue{path, ast.NewTerm(v)})
+}
+
+func (w *workedOut) get(ref ast.Ref) *ast.Term {
+	name, ok := ref[len(ref)-1].Value.(ast.String)
+	if !ok {
+		return nil
 	}
-	return q.generic
+	for _, v := range w.byName[string(name)] {
+		if v.path.Equal(ref) {
+			return v.value
+		}
+	}
+	return nil
+}
+
+// cache returns a virtual cache for one evaluation that starts with w's
+// values.
+func (w *workedOut) cache() topdown.VirtualCache {
+	return &vmCache{worked: w, own: topdown.NewVirtualCache()}
+}
+
+// vmCache is OPA's virtual cache for one evaluation, with a VM's
+// worked-out values seen beneath it in its first frame. OPA pushes a frame
+// for each `with`; there the worked-out values are hidden, since `with`
+// may change what a rule's value is.
+type vmCache struct {
+	worked *workedOut
+	own    topdown.VirtualCache
+	depth  int
+}
+
+func (c *vmCache) Push() { c.depth++; c.own.Push() }
+func (c *vmCache) Pop()  { c.depth--; c.own.Pop() }
+
+func (c *vmCache) Get(ref ast.Ref) (*ast.Term, bool) {
+	if c.depth == 0 {
+		if v := c.worked.get(ref); v != nil {
+			return v, false
+		}
+	}
+	return c.own.Get(ref)
+}
+
+func (c *vmCache) Put(ref ast.Ref, value *ast.Term) { c.own.Put(ref, value) }
+
+func (c *vmCache) Keys() []ast.Ref {
+	keys := c.own.Keys()
+	if c.depth == 0 {
+		for _, vs := range c.worked.byName {
+			for _, v := range vs {
+				keys = append(keys, v.path)
+			}
+		}
+	}
+	return keys
 }
 
 var (
@@ -58,61 +140,46 @@ var (
 	settingsVMsRef = ast.MustParseRef("data.settings.vms")
 )
 
-// specialize prepares kind k's per-VM queries, for the VMs named in
+// specialize works out kind k's values per VM, for the VMs named in
 // data.settings.vms (vms) and for all others. values holds the queries
 // that work out one rule, which kinds share.
-func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEvalQuery, vms []string, values map[string]rego.PreparedEvalQuery) *kindQueries {
+func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEvalQuery, vms []string, values map[string]rego.PreparedEvalQuery) (*kindQueries, error) {
 	q := &kindQueries{generic: generic}
-	decision := ast.MustParseRef("data.carrel." + string(k) + ".decision")
 	a := &vmAnalysis{c: p.compiler, memo: map[*ast.Rule]bool{}}
-	frontier := a.frontier(decision)
+	frontier := a.frontier(ast.MustParseRef("data.carrel." + string(k) + ".decision"))
 	if len(frontier) == 0 {
-		return q
+		return q, nil
 	}
-	// VMs whose values are the same share a query: preparing one costs
-	// about 2 ms, and most overrides leave most kinds alone.
-	prepared := map[string]rego.PreparedEvalQuery{}
-	prep := func(vm string) (rego.PreparedEvalQuery, error) {
-		expr := ast.NewExpr(ast.NewTerm(decision))
+	work := func(vm string) (*workedOut, error) {
 		in := ast.NewObject(
 			ast.Item(ast.StringTerm("version"), ast.IntNumberTerm(InputVersion)),
 			ast.Item(ast.StringTerm("vm"), ast.StringTerm(vm)),
 		)
+		w := &workedOut{byName: map[string][]workedValue{}}
 		for _, ref := range frontier {
 			v, ok, err := p.valueOf(ctx, values, ref, in)
 			if err != nil {
-				return rego.PreparedEvalQuery{}, err
+				return nil, err
 			}
-			// An undefined value cannot be put in place; OPA works it out.
+			// An undefined value is left to OPA, as is one that fails.
 			if ok {
-				expr = expr.IncludeWith(ast.NewTerm(ref), ast.NewTerm(v))
+				w.put(ref, v)
 			}
 		}
-		key := expr.String()
-		if pq, ok := prepared[key]; ok {
-			return pq, nil
-		}
-		pq, err := p.prepare(ctx, fmt.Sprintf("%s for VM %q", decision, vm), rego.ParsedQuery(ast.NewBody(expr)))
-		if err != nil {
-			return pq, err
-		}
-		prepared[key] = pq
-		return pq, nil
+		return w, nil
 	}
-	// The generic query prepared, so a specialised one that does not (a
-	// case the analysis missed) leaves the kind to the rules as written.
-	other, err := prep(unnamedVM(vms))
+	other, err := work(unnamedVM(vms))
 	if err != nil {
-		return q
+		return nil, err
 	}
-	q.other = &other
-	q.byVM = make(map[string]rego.PreparedEvalQuery, len(vms))
+	q.other = other
+	q.byVM = make(map[string]*workedOut, len(vms))
 	for _, vm := range vms {
-		if q.byVM[vm], err = prep(vm); err != nil {
-			return &kindQueries{generic: generic}
+		if q.byVM[vm], err = work(vm); err != nil {
+			return nil, err
 		}
 	}
-	return q
+	return q, nil
 }
 
 // valueOf evaluates the rule at ref for input in. ok is false when it is
@@ -128,7 +195,7 @@ func (p *Policy) valueOf(ctx context.Context, values map[string]rego.PreparedEva
 	}
 	// A rule that fails (a conflict, a type error) or runs past the
 	// decision timeout here would fail the same way in every decision:
-	// it is left in the query, to fail there, and deny, as written.
+	// it is left to OPA, to fail there, and deny, as written.
 	ctx, cancel := context.WithTimeout(ctx, EvalTimeout)
 	defer cancel()
 	rs, err := q.Eval(ctx, rego.EvalParsedInput(in), rego.EvalGenerateJSON(astResult))
@@ -170,14 +237,8 @@ type vmAnalysis struct {
 // frontier lists the rules, by path, that the rules at root read and that
 // can be worked out per VM, without looking inside them. root itself is
 // not one of them.
-//
-// It is empty when any rule root reads uses `with`: a rule evaluated under
-// `with` (input.vm, data.settings or a function replaced) may read a
-// worked-out rule, and the value put in place for the whole query would
-// hide the replacement.
 func (a *vmAnalysis) frontier(root ast.Ref) []ast.Ref {
 	var out []ast.Ref
-	with := false
 	seen := map[*ast.Rule]bool{}
 	var visit func(rules []*ast.Rule)
 	visit = func(rules []*ast.Rule) {
@@ -186,10 +247,6 @@ func (a *vmAnalysis) frontier(root ast.Ref) []ast.Ref {
 				continue
 			}
 			seen[r] = true
-			ast.WalkExprs(r, func(e *ast.Expr) bool {
-				with = with || len(e.With) > 0
-				return with
-			})
 			ast.WalkRefs(r, func(ref ast.Ref) bool {
 				if !ref[0].Equal(ast.DefaultRootDocument) {
 					return false
@@ -209,25 +266,25 @@ func (a *vmAnalysis) frontier(root ast.Ref) []ast.Ref {
 		}
 	}
 	visit(a.c.GetRulesExact(root))
-	if with {
-		return nil
-	}
 	return out
 }
 
-// constantPath reports whether the rule at path can be put in place by
-// `with` where ref reads it: path is ground, names a rule without
+// constantPath reports whether the value of the rule at path can be
+// worked out once where ref reads it: path is ground, names a rule without
 // arguments, and ref reads it or something inside it.
 //
-// The rules at path must be all that make the document there: `with` can
-// replace a virtual document only whole, so no rule may define part of it,
-// or one that holds it.
+// The rules at path must be all that make the document there: OPA keeps a
+// virtual document's value in its cache by path, whole, so no rule may
+// define part of it, or one that holds it, or one whose key, a variable,
+// may be its name (`t[k] := v` beside `t.mode := 1`: OPA evaluates both
+// for t.mode, and the two may conflict).
 func (a *vmAnalysis) constantPath(path, ref ast.Ref) bool {
 	if !path.IsGround() || !ref.HasPrefix(path) {
 		return false
 	}
 	exact := a.c.GetRulesExact(path)
-	if len(a.c.GetRulesWithPrefix(path)) != len(exact) || len(a.c.GetRulesForVirtualDocument(path)) != len(exact) {
+	if len(a.c.GetRulesWithPrefix(path)) != len(exact) || len(a.c.GetRulesForVirtualDocument(path)) != len(exact) ||
+		len(a.rulesAt(path)) != len(exact) {
 		return false
 	}
 	for _, r := range exact {

@@ -53,7 +53,7 @@ decision := {
 	"reason": sprintf("egress to %v:%v/%v: allowed by %v in settings.net.egress_allow%v", [input.host, input.port, input.protocol, concat(", ", egress_allowed), addresses_note]),
 } if {
 	input.direction == "egress"
-	settings.egress_allow != [] # a quick test: egress is denied by default
+	egress_allow != [] # a quick test: egress is denied by default
 	count(egress_allowed) > 0
 	count(refused_addresses) == 0
 } else := {
@@ -78,7 +78,7 @@ decision := {
 	# A quick test for the last egress deny: with no entries, no address
 	# can be refused.
 	input.direction == "egress"
-	settings.egress_allow == []
+	egress_allow == []
 } else := {
 	"allow": false,
 	"rule": "carrel.net.address_refused",
@@ -98,6 +98,10 @@ decision := {
 	"rule": "carrel.net.default_deny",
 	"reason": sprintf("unknown direction %v", [input.direction]),
 }
+
+# egress_allow is settings.egress_allow, which the decision's quick tests
+# read.
+egress_allow := settings.egress_allow
 
 # allowing_entries are the entries of settings.net.egress_allow that allow
 # this connection's host, port and protocol. An entry is {"host", "port"},
