@@ -63,6 +63,9 @@ type Policy struct {
 	// asWritten makes every decision evaluate the rules as written, with
 	// nothing worked out at compile time; tests compare the two.
 	asWritten bool
+	// workedHits, when set, is told after each evaluation how many reads
+	// the worked-out values answered; tests check they are used.
+	workedHits func(int)
 }
 
 // Decision is the outcome of one evaluation, as it is recorded.
@@ -257,12 +260,17 @@ func (p *Policy) decide1(ctx context.Context, in Input, cached bool) (Decision, 
 	opts := make([]rego.EvalOption, 0, 6)
 	opts = append(opts, rego.EvalParsedInput(in.value()), rego.EvalExternalCancel(halt),
 		rego.EvalMetrics(noMetrics), rego.EvalGenerateJSON(astResult), rego.EvalInterQueryBuiltinValueCache(p.patterns))
+	var vc *vmCache
 	if w := queries.forVM(d.VM); w != nil && !p.asWritten {
-		opts = append(opts, rego.EvalVirtualCache(w.cache()))
+		vc = w.cache()
+		opts = append(opts, rego.EvalVirtualCache(vc))
 	}
 	timer := time.AfterFunc(timeout, halt.Cancel)
 	rs, err := queries.generic.Eval(ctx, opts...)
 	timer.Stop()
+	if p.workedHits != nil && vc != nil {
+		p.workedHits(vc.hits)
+	}
 	if err != nil {
 		d.Rule, d.Reason = "carrel.eval_error", "evaluation failed: "+err.Error()
 		return d, fmt.Errorf("evaluate %s policy %s: %w", in.Kind(), p.Name, err)

@@ -64,10 +64,11 @@ func (q *kindQueries) forVM(vm string) *workedOut {
 // filled at compile time and only read after, by any number of
 // evaluations at once.
 type workedOut struct {
-	// byName holds the values by the last part of the rule's path: an
-	// evaluation asks for the value of every rule it reads, most of them
-	// not worked out, and a map lookup by one string answers that fast.
-	byName map[string][]workedValue
+	// byLast holds the values by the hash of the last term of the rule's
+	// path (a name, mostly, but any ground term): an evaluation asks for
+	// the value of every rule it reads, most of them not worked out, and
+	// one map lookup answers that.
+	byLast map[int][]workedValue
 }
 
 type workedValue struct {
@@ -76,16 +77,15 @@ type workedValue struct {
 }
 
 func (w *workedOut) put(path ast.Ref, v ast.Value) {
-	name := string(path[len(path)-1].Value.(ast.String))
-	w.byName[name] = append(w.byName[name], workedValue{path, ast.NewTerm(v)})
+	h := path[len(path)-1].Value.Hash()
+	w.byLast[h] = append(w.byLast[h], workedValue{path, ast.NewTerm(v)})
 }
 
 func (w *workedOut) get(ref ast.Ref) *ast.Term {
-	name, ok := ref[len(ref)-1].Value.(ast.String)
-	if !ok {
+	if len(ref) == 0 {
 		return nil
 	}
-	for _, v := range w.byName[string(name)] {
+	for _, v := range w.byLast[ref[len(ref)-1].Value.Hash()] {
 		if v.path.Equal(ref) {
 			return v.value
 		}
@@ -95,7 +95,7 @@ func (w *workedOut) get(ref ast.Ref) *ast.Term {
 
 // cache returns a virtual cache for one evaluation that starts with w's
 // values.
-func (w *workedOut) cache() topdown.VirtualCache {
+func (w *workedOut) cache() *vmCache {
 	return &vmCache{worked: w, own: topdown.NewVirtualCache()}
 }
 
@@ -107,6 +107,8 @@ type vmCache struct {
 	worked *workedOut
 	own    topdown.VirtualCache
 	depth  int
+	// hits counts the reads that worked-out values answered.
+	hits int
 }
 
 func (c *vmCache) Push() { c.depth++; c.own.Push() }
@@ -115,6 +117,7 @@ func (c *vmCache) Pop()  { c.depth--; c.own.Pop() }
 func (c *vmCache) Get(ref ast.Ref) (*ast.Term, bool) {
 	if c.depth == 0 {
 		if v := c.worked.get(ref); v != nil {
+			c.hits++
 			return v, false
 		}
 	}
@@ -126,7 +129,7 @@ func (c *vmCache) Put(ref ast.Ref, value *ast.Term) { c.own.Put(ref, value) }
 func (c *vmCache) Keys() []ast.Ref {
 	keys := c.own.Keys()
 	if c.depth == 0 {
-		for _, vs := range c.worked.byName {
+		for _, vs := range c.worked.byLast {
 			for _, v := range vs {
 				keys = append(keys, v.path)
 			}
@@ -155,7 +158,7 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 			ast.Item(ast.StringTerm("version"), ast.IntNumberTerm(InputVersion)),
 			ast.Item(ast.StringTerm("vm"), ast.StringTerm(vm)),
 		)
-		w := &workedOut{byName: map[string][]workedValue{}}
+		w := &workedOut{byLast: map[int][]workedValue{}}
 		for _, ref := range frontier {
 			v, ok, err := p.valueOf(ctx, values, ref, in)
 			if err != nil {

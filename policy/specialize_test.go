@@ -110,7 +110,12 @@ func TestSpecializedDecisionsMatchTheRules(t *testing.T) {
 				}
 			}
 			if name == "overrides" && len(p.decide[KindExec].byVM) != 2 {
-				t.Errorf("exec queries by VM: %d, want 2", len(p.decide[KindExec].byVM))
+				t.Errorf("exec values by VM: %d, want 2", len(p.decide[KindExec].byVM))
+			}
+			for _, k := range []Kind{KindExec, KindFS, KindNet} {
+				if n := workedReads(t, p, benchInputs[k]()); n == 0 {
+					t.Errorf("kind %s: no worked-out value was read in a common decision", k)
+				}
 			}
 			// The inputs reach many rules, not one.
 			if len(seen) < 10 {
@@ -118,6 +123,22 @@ func TestSpecializedDecisionsMatchTheRules(t *testing.T) {
 			}
 		})
 	}
+}
+
+// workedReads evaluates in with p and returns how many reads the
+// worked-out values answered.
+func workedReads(t *testing.T, p *Policy, in Input) int {
+	t.Helper()
+	n := -1
+	q := *p
+	q.workedHits = func(hits int) { n = hits }
+	if _, err := q.Evaluate(context.Background(), in); err != nil {
+		t.Fatalf("%s: %v", in.Kind(), err)
+	}
+	if n < 0 {
+		return 0
+	}
+	return n
 }
 
 // specializable bundles a rule p into package carrel.exec, which its
@@ -188,7 +209,7 @@ func TestPatternsOfManyVMsStayCompiled(t *testing.T) {
 	files[DataFile] = []byte(strings.Replace(string(files[DataFile]), `"vms": {}`, `"vms": {`+strings.Join(vms, ", ")+`}`, 1))
 	p := compileFiles(t, files)
 	if len(p.decide[KindFS].byVM) != n {
-		t.Fatalf("fs queries for %d VMs, want %d", len(p.decide[KindFS].byVM), n)
+		t.Fatalf("fs values for %d VMs, want %d", len(p.decide[KindFS].byVM), n)
 	}
 	for round := range 2 {
 		for i := range n {
@@ -302,13 +323,22 @@ func TestWithSeesTheRulesAsWritten(t *testing.T) {
 			if p.decide[KindExec].other == nil || p.decide[KindExec].forVM("demo").get(ast.MustParseRef("data.carrel.exec.settings")) == nil {
 				t.Error("exec's settings were not worked out at compile time")
 			}
+			// User agent is not bob: the branch under `with` fails, and the
+			// decision goes on to the worked-out values, which are seen
+			// again once the `with` is over.
+			agent := &ExecInput{Caller: peer(1000), VM: "demo", Argv: []string{"ls"}, Cwd: "/workspace", User: "agent"}
+			decideAlike(t, files, agent)
+			if name == "data.settings" && workedReads(t, p, agent) == 0 {
+				t.Error("after the branch under `with`, no worked-out value was read")
+			}
 		})
 	}
 }
 
-// TestPartlyDefinedDocumentsAreNotReplaced: `with` replaces a virtual
-// document only whole; a rule beside one that defines part of the same
-// document is left to OPA, and the bundle still compiles.
+// TestPartlyDefinedDocumentsAreNotReplaced: OPA keeps a virtual
+// document's value by its path, whole; a rule beside one that defines part
+// of the same document, or may by a variable key, is left to OPA, and the
+// bundle still compiles.
 func TestPartlyDefinedDocumentsAreNotReplaced(t *testing.T) {
 	b, err := tinyBundle(t, func(m map[string]string) {
 		m["exec.rego"] = "package carrel.exec\n\n" +
@@ -324,6 +354,27 @@ func TestPartlyDefinedDocumentsAreNotReplaced(t *testing.T) {
 		&ExecInput{Caller: peer(1000), VM: "demo", Argv: []string{"ls"}, Env: map[string]string{"mode": "open"}},
 		&ExecInput{Caller: peer(1000), VM: "demo", Argv: []string{"ls"}, Env: map[string]string{"x": "open"}},
 	)
+}
+
+// TestRulesNamedByAnyTermAreWorkedOut: a rule's path may end in a number
+// or another ground term, not only a name.
+func TestRulesNamedByAnyTermAreWorkedOut(t *testing.T) {
+	b, err := tinyBundle(t, func(m map[string]string) {
+		m["exec.rego"] = "package carrel.exec\n\n" +
+			`default decision := {"allow": false, "rule": "carrel.exec.default_deny", "reason": "tiny"}` + "\n\n" +
+			`decision := {"allow": true, "rule": "carrel.exec.port", "reason": r} if r := ports[443]` + "\n\n" +
+			"ports[443] := concat(\" \", data.settings.exec.users)\n\n" +
+			"ports[true] := \"t\"\n"
+		m[DataFile] = `{"settings": {"exec": {"users": ["agent", "bob"]}}}`
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	in := &ExecInput{Caller: peer(1000), VM: "demo", Argv: []string{"ls"}}
+	p, _ := decideAlike(t, b.Files, in)
+	if workedReads(t, p, in) == 0 {
+		t.Error("ports[443] was not read from the worked-out values")
+	}
 }
 
 // TestClockBuiltinsAreRefused: builtins that check certificates or tokens
