@@ -150,9 +150,7 @@ func Compile(ctx context.Context, name string, b *Bundle) (*Policy, error) {
 		if err != nil {
 			return nil, err
 		}
-		if p.decide[k], err = p.specialize(ctx, k, q, vms, values); err != nil {
-			return nil, err
-		}
+		p.decide[k] = p.specialize(ctx, k, q, vms, values)
 	}
 	for _, ref := range []string{"data.carrel.fs.sandbox", "data.carrel.api.procedures"} {
 		if !hasRule(c, ref) {

@@ -52,7 +52,7 @@ type kindQueries struct {
 	other *workedOut
 }
 
-// forVM returns the values worked out for vm, or nil.
+// forVM returns the values worked out for vm, or nil if none are.
 func (q *kindQueries) forVM(vm string) *workedOut {
 	if w, ok := q.byVM[vm]; ok {
 		return w
@@ -145,14 +145,17 @@ var (
 
 // specialize works out kind k's values per VM, for the VMs named in
 // data.settings.vms (vms) and for all others. values holds the queries
-// that work out one rule, which kinds share.
-func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEvalQuery, vms []string, values map[string]rego.PreparedEvalQuery) (*kindQueries, error) {
+// that work out one rule, which kinds share. A query that does not
+// prepare (a case the analysis missed) leaves the kind to the rules as
+// written.
+func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEvalQuery, vms []string, values map[string]rego.PreparedEvalQuery) *kindQueries {
 	q := &kindQueries{generic: generic}
 	a := &vmAnalysis{c: p.compiler, memo: map[*ast.Rule]bool{}}
 	frontier := a.frontier(ast.MustParseRef("data.carrel." + string(k) + ".decision"))
 	if len(frontier) == 0 {
-		return q, nil
+		return q
 	}
+	// work returns nil when none of vm's values is defined.
 	work := func(vm string) (*workedOut, error) {
 		in := ast.NewObject(
 			ast.Item(ast.StringTerm("version"), ast.IntNumberTerm(InputVersion)),
@@ -169,20 +172,23 @@ func (p *Policy) specialize(ctx context.Context, k Kind, generic rego.PreparedEv
 				w.put(ref, v)
 			}
 		}
+		if len(w.byLast) == 0 {
+			return nil, nil
+		}
 		return w, nil
 	}
 	other, err := work(unnamedVM(vms))
 	if err != nil {
-		return nil, err
+		return q
 	}
-	q.other = other
-	q.byVM = make(map[string]*workedOut, len(vms))
+	byVM := make(map[string]*workedOut, len(vms))
 	for _, vm := range vms {
-		if q.byVM[vm], err = work(vm); err != nil {
-			return nil, err
+		if byVM[vm], err = work(vm); err != nil {
+			return q
 		}
 	}
-	return q, nil
+	q.other, q.byVM = other, byVM
+	return q
 }
 
 // valueOf evaluates the rule at ref for input in. ok is false when it is
