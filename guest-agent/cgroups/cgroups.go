@@ -16,6 +16,11 @@
 // most of it in the kernel's work after the removal. A group is kept only
 // when it is empty, not frozen, and its command ran as an unprivileged
 // user, which cannot write the group's files.
+//
+// The Dir holds each group's directory and cgroup.events open from its
+// making to its removal (Group), and reads the events with pread: opening
+// a cgroup file costs an emulated guest several times what reading it
+// does.
 package cgroups
 
 import (
@@ -59,12 +64,76 @@ type Dir struct {
 
 	mu       sync.Mutex
 	leftover []string // names of groups that were still busy when their command ended
-	// free are the names of empty groups kept for later commands; holder
-	// maps the name of a group taken from free to the id of the command
-	// that holds it (a group made for a command is named by its id).
-	free     []string
+	// open are the groups made or taken and not yet removed, by name;
+	// free are those of them kept empty for later commands. holder maps
+	// the name of a group taken from free to the id of the command that
+	// holds it (a group made for a command is named by its id).
+	open     map[string]*Group
+	free     []*Group
 	holder   map[string]string
 	sweeping bool // a Sweep started by sweepLater is under way
+}
+
+// A Group is a command's group, made by Create or kept from an earlier
+// command and given by Take, with its directory and cgroup.events open.
+// The Dir owns both descriptors: they stay open while the group is kept,
+// and are closed when it is removed.
+type Group struct {
+	// Name names the group: the id of the command it was made for.
+	Name   string
+	dir    int
+	events int
+}
+
+// FD is the group's directory, open, for SysProcAttr.CgroupFD. It is
+// valid until the group is released or removed.
+func (g *Group) FD() int { return g.dir }
+
+// state reads the group's cgroup.events. ok is false when it cannot be
+// read: the group was removed (by root in the guest), or its file is not
+// as the kernel writes it.
+func (g *Group) state() (populated, frozen, ok bool) {
+	var buf [128]byte
+	n, err := unix.Pread(g.events, buf[:], 0)
+	if err != nil || n <= 0 || n == len(buf) {
+		return true, true, false
+	}
+	populated, frozen = true, true
+	for line := range strings.Lines(string(buf[:n])) {
+		switch strings.TrimSpace(line) {
+		case "populated 0":
+			populated = false
+		case "frozen 0":
+			frozen = false
+		}
+	}
+	return populated, frozen, true
+}
+
+// empty reports whether the group holds no process, in it or below it,
+// and is not frozen (cgroup.events: "populated 0", "frozen 0").
+func (g *Group) empty() bool {
+	populated, frozen, ok := g.state()
+	return ok && !populated && !frozen
+}
+
+func (g *Group) close() {
+	unix.Close(g.events)
+	unix.Close(g.dir)
+}
+
+// openGroup opens the group at p.
+func openGroup(name, p string) (*Group, error) {
+	dir, err := unix.Open(p, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: p, Err: err}
+	}
+	events, err := unix.Openat(dir, "cgroup.events", unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		unix.Close(dir)
+		return nil, &os.PathError{Op: "open", Path: filepath.Join(p, "cgroup.events"), Err: err}
+	}
+	return &Group{Name: name, dir: dir, events: events}, nil
 }
 
 // Open makes (or reuses) the cgroup named name directly below mount, the
@@ -129,11 +198,9 @@ func OpenDelegated(mount string) (*Dir, error) {
 func (d *Dir) Path() string { return d.dir }
 
 // Create makes the group for the command with the given id and returns it
-// open, for SysProcAttr.CgroupFD; the caller closes it once the command has
-// started. An error wrapping os.ErrExist means the id is taken. Groups
-// left behind by earlier commands are removed first, where they have
-// emptied.
-func (d *Dir) Create(id string) (*os.File, error) {
+// open. An error wrapping os.ErrExist means the id is taken. Groups left
+// behind by earlier commands are removed first, where they have emptied.
+func (d *Dir) Create(id string) (*Group, error) {
 	if !validName(id) {
 		return nil, fmt.Errorf("cgroups: invalid group name %q", id)
 	}
@@ -142,38 +209,49 @@ func (d *Dir) Create(id string) (*os.File, error) {
 	if err := os.Mkdir(p, 0o755); err != nil {
 		return nil, fmt.Errorf("cgroups: %w", err)
 	}
-	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	g, err := openGroup(id, p)
 	if err != nil {
 		_ = unix.Rmdir(p)
 		return nil, fmt.Errorf("cgroups: %w", err)
 	}
-	return f, nil
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.open == nil {
+		d.open = map[string]*Group{}
+	}
+	d.open[id] = g
+	return g, nil
 }
 
 // Take gives the command with the given id an empty group kept by
-// Release, and returns its name and the group open, for
-// SysProcAttr.CgroupFD; the caller closes it once the command has
-// started. ok is false when no group is kept.
-func (d *Dir) Take(id string) (name string, f *os.File, ok bool) {
+// Release; ok is false when no group is kept. A kept group that root in
+// the guest has removed, frozen or put a process in meanwhile is not
+// given, and is removed (or left to Sweep) as Remove does.
+func (d *Dir) Take(id string) (g *Group, ok bool) {
 	if !validName(id) {
-		return "", nil, false
+		return nil, false
 	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	for len(d.free) > 0 {
-		name = d.free[len(d.free)-1]
-		d.free = d.free[:len(d.free)-1]
-		f, err := os.OpenFile(filepath.Join(d.dir, name), os.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			continue // removed meanwhile, by root in the guest
+	for {
+		d.mu.Lock()
+		if len(d.free) == 0 {
+			d.mu.Unlock()
+			return nil, false
 		}
+		g = d.free[len(d.free)-1]
+		d.free = d.free[:len(d.free)-1]
+		d.mu.Unlock()
+		if !g.empty() {
+			d.Remove(g.Name)
+			continue
+		}
+		d.mu.Lock()
 		if d.holder == nil {
 			d.holder = map[string]string{}
 		}
-		d.holder[name] = id
-		return name, f, true
+		d.holder[g.Name] = id
+		d.mu.Unlock()
+		return g, true
 	}
-	return "", nil, false
 }
 
 // Release is Remove for a command whose last process is gone, except
@@ -186,11 +264,14 @@ func (d *Dir) Release(name string, keep bool) {
 		return
 	}
 	defer d.sweepLater()
-	if keep && d.empty(name) {
+	d.mu.Lock()
+	g := d.open[name]
+	d.mu.Unlock()
+	if keep && g != nil && g.empty() {
 		d.mu.Lock()
 		if len(d.free) < maxFree {
 			delete(d.holder, name)
-			d.free = append(d.free, name)
+			d.free = append(d.free, g)
 			d.mu.Unlock()
 			return
 		}
@@ -216,25 +297,6 @@ func (d *Dir) sweepLater() {
 	}
 }
 
-// empty reports whether the group named name holds no process, in it or
-// below it, and is not frozen (cgroup.events: "populated 0", "frozen 0").
-func (d *Dir) empty(name string) bool {
-	b, err := os.ReadFile(filepath.Join(d.dir, name, "cgroup.events"))
-	if err != nil {
-		return false
-	}
-	populated, frozen := true, true
-	for line := range strings.Lines(string(b)) {
-		switch strings.TrimSpace(line) {
-		case "populated 0":
-			populated = false
-		case "frozen 0":
-			frozen = false
-		}
-	}
-	return !populated && !frozen
-}
-
 // Remove removes the command's group once its last process is gone. A
 // group still busy (a daemon the command left running) is kept and
 // removed by a later Sweep (after a Create or Release) once it empties.
@@ -243,6 +305,13 @@ func (d *Dir) empty(name string) bool {
 func (d *Dir) Remove(name string) {
 	if !validName(name) {
 		return
+	}
+	d.mu.Lock()
+	g := d.open[name]
+	delete(d.open, name)
+	d.mu.Unlock()
+	if g != nil {
+		g.close()
 	}
 	err := unix.Rmdir(filepath.Join(d.dir, name))
 	d.mu.Lock()
@@ -319,7 +388,7 @@ func (d *Dir) execIDFrom(b []byte) (string, bool) {
 		if id, ok := d.holder[name]; ok {
 			return id, true
 		}
-		if slices.Contains(d.free, name) {
+		if slices.ContainsFunc(d.free, func(g *Group) bool { return g.Name == name }) {
 			return "", false // held by no command
 		}
 		return name, true

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -105,12 +106,11 @@ func testDir(t *testing.T) *Dir {
 
 // startIn starts, in group g, a shell that leaves a child behind (as a
 // daemon would), and returns the child's pid.
-func startIn(t *testing.T, g *os.File) int {
+func startIn(t *testing.T, g *Group) int {
 	t.Helper()
 	cmd := exec.Command("/bin/sh", "-c", "sleep 5 >/dev/null 2>&1 & echo $!")
-	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: int(g.Fd())}
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: g.FD()}
 	out, err := cmd.Output()
-	g.Close()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,23 +127,22 @@ func startIn(t *testing.T, g *os.File) int {
 func TestKeptGroups(t *testing.T) {
 	d := testDir(t)
 	const first, second, third = "0123456789abcdef", "1111111111111111", "2222222222222222"
-	if _, _, ok := d.Take(second); ok {
+	if _, ok := d.Take(second); ok {
 		t.Fatal("Take gave a group when none was kept")
 	}
-	g, err := d.Create(first)
-	if err != nil {
+	if _, err := d.Create(first); err != nil {
 		t.Fatal(err)
 	}
-	g.Close()
 	d.Release(first, true)
 	if _, err := os.Stat(filepath.Join(d.Path(), first)); err != nil {
 		t.Fatalf("an empty group to keep was removed: %v", err)
 	}
-	name, g, ok := d.Take(second)
-	if !ok || name != first {
-		t.Fatalf("Take = %q, %v; want the kept group %q", name, ok, first)
+	g, ok := d.Take(second)
+	if !ok || g.Name != first {
+		t.Fatalf("Take = %v, %v; want the kept group %q", g, ok, first)
 	}
-	if _, _, ok := d.Take(third); ok {
+	name := g.Name
+	if _, ok := d.Take(third); ok {
 		t.Fatal("Take gave the same group twice")
 	}
 	child := startIn(t, g)
@@ -158,7 +157,7 @@ func TestKeptGroups(t *testing.T) {
 	}
 	// Busy (the child lives on): not kept, and still its holder's.
 	d.Release(name, true)
-	if _, _, ok := d.Take(third); ok {
+	if _, ok := d.Take(third); ok {
 		t.Error("a busy group was kept")
 	}
 	if got, ok := d.ExecID(child); !ok || got != second {
@@ -182,11 +181,9 @@ func TestKeptGroups(t *testing.T) {
 		t.Errorf("the removed group %s still has a holder", name)
 	}
 	// Empty, but its command ran as root: removed.
-	g, err = d.Create(third)
-	if err != nil {
+	if _, err := d.Create(third); err != nil {
 		t.Fatal(err)
 	}
-	g.Close()
 	d.Release(third, false)
 	if _, err := os.Stat(filepath.Join(d.Path(), third)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a group not to keep is still there: %v", err)
@@ -194,11 +191,9 @@ func TestKeptGroups(t *testing.T) {
 	// At most maxFree are kept.
 	for i := range maxFree + 2 {
 		id := fmt.Sprintf("%016x", i+1)
-		g, err := d.Create(id)
-		if err != nil {
+		if _, err := d.Create(id); err != nil {
 			t.Fatal(err)
 		}
-		g.Close()
 		d.Release(id, true)
 	}
 	entries, _ := os.ReadDir(d.Path())
@@ -218,11 +213,10 @@ func TestKeptGroups(t *testing.T) {
 		t.Errorf("a process in the kept group %s is said to be command %q's", kept, id)
 	}
 	// A frozen group is not kept.
-	g, err = d.Create(first)
+	g, err := d.Create(first)
 	if err != nil {
 		t.Fatal(err)
 	}
-	g.Close()
 	if err := os.WriteFile(filepath.Join(d.Path(), first, "cgroup.freeze"), []byte("1"), 0); err != nil {
 		t.Fatal(err)
 	}
@@ -231,7 +225,7 @@ func TestKeptGroups(t *testing.T) {
 			t.Fatal("the group did not freeze")
 		}
 	}
-	if d.empty(first) {
+	if g.empty() {
 		t.Error("a frozen group counts as one to keep")
 	}
 }
@@ -281,5 +275,88 @@ func TestGroups(t *testing.T) {
 			t.Fatal("the group was not removed once empty")
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestTakePassesOverChangedGroups: a kept group that root in the guest
+// removed, or put a process in, since it was kept is not given to a
+// command; Take gives the next kept group instead.
+func TestTakePassesOverChangedGroups(t *testing.T) {
+	d := testDir(t)
+	const a, b, c, holder = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc", "dddddddddddddddd"
+	for _, id := range []string{a, b, c} {
+		if _, err := d.Create(id); err != nil {
+			t.Fatal(err)
+		}
+		d.Release(id, true)
+	}
+	// Taken last in, first out: c, then b. Root removes c and fills b.
+	if err := os.Remove(filepath.Join(d.Path(), c)); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command("/bin/sh", "-c", "sleep 5 >/dev/null 2>&1 & echo $!")
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: d.open[b].FD()}
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	child, _ := strconv.Atoi(strings.TrimSpace(string(out)))
+	t.Cleanup(func() { // before testDir's: the group must be empty to go
+		syscall.Kill(child, syscall.SIGKILL)
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			if err := os.Remove(filepath.Join(d.Path(), b)); err == nil || errors.Is(err, os.ErrNotExist) {
+				return
+			}
+		}
+	})
+
+	g, ok := d.Take(holder)
+	if !ok || g.Name != a {
+		t.Fatalf("Take = %v, %v; want the unchanged group %s", g, ok, a)
+	}
+	if _, ok := d.Take(holder); ok {
+		t.Error("Take gave a second group; the changed ones should be gone from the kept list")
+	}
+	d.mu.Lock()
+	_, bOpen := d.open[b]
+	_, cOpen := d.open[c]
+	leftover := slices.Contains(d.leftover, b)
+	d.mu.Unlock()
+	if bOpen || cOpen {
+		t.Errorf("changed groups still held open: %s %v, %s %v", b, bOpen, c, cOpen)
+	}
+	if !leftover {
+		t.Errorf("the busy group %s is not left for Sweep", b)
+	}
+}
+
+// TestGroupsCloseWhatTheyOpen: a group made and removed leaves no
+// descriptor open, and a kept one holds its two until it is removed.
+func TestGroupsCloseWhatTheyOpen(t *testing.T) {
+	d := testDir(t)
+	fds := func() int {
+		entries, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(entries)
+	}
+	before := fds()
+	for i := range 20 {
+		id := fmt.Sprintf("%016x", i+1)
+		if _, err := d.Create(id); err != nil {
+			t.Fatal(err)
+		}
+		d.Release(id, false)
+	}
+	if n := fds(); n != before {
+		t.Errorf("%d descriptors open after 20 groups made and removed, %d before", n, before)
+	}
+	if _, err := d.Create(fmt.Sprintf("%016x", 99)); err != nil {
+		t.Fatal(err)
+	}
+	d.Release(fmt.Sprintf("%016x", 99), true)
+	if n := fds(); n != before+2 {
+		t.Errorf("a kept group holds %d descriptors, want 2", n-before)
 	}
 }

@@ -105,7 +105,7 @@ func TestNextGroupIsMadeAhead(t *testing.T) {
 	for deadline := time.Now().Add(5 * time.Second); spare == "" && time.Now().Before(deadline); time.Sleep(time.Millisecond) {
 		r.mu.Lock()
 		if r.spare != nil {
-			spare = r.spare.id
+			spare = r.spare.Name
 		}
 		r.mu.Unlock()
 	}

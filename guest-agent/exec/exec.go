@@ -101,7 +101,8 @@ type Runner struct {
 	users   user.Cache // lookups in Users
 	mu      sync.Mutex
 	running map[string]*Proc // by id
-	spare   *group           // the next command's cgroup, made ahead
+	spare   *cgroups.Group   // the next command's cgroup, made ahead
+	null    *os.File         // see devNull
 }
 
 // Run runs req for the Exec call, with no input (stdin is /dev/null, or

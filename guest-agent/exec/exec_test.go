@@ -347,3 +347,45 @@ func TestExitStatus(t *testing.T) {
 		t.Errorf("SIGTERM: %v", got)
 	}
 }
+
+// TestCommandsGetBlockingStdio: a command's stdin, stdout and stderr are
+// blocking (the agent's own ends of the pipes are not), with stdin a pipe
+// or /dev/null; and /dev/null, which every command without stdin shares,
+// stays open for the next one.
+func TestCommandsGetBlockingStdio(t *testing.T) {
+	const script = `for f in 0 1 2; do sed -n 's/^flags:[[:space:]]*//p' /proc/self/fdinfo/$f; done; readlink /proc/self/fd/0`
+	r := runner(t)
+	for _, withStdin := range []bool{false, true, false} {
+		p, err := r.Start(sh(script), withStdin)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var res result
+		p.Stream(res.send)
+		if withStdin {
+			if err := p.CloseStdin(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		st, err := p.Wait(context.Background())
+		if err != nil || st.Code != 0 {
+			t.Fatalf("stdin %v: exit %v, %v: %s", withStdin, st, err, res.stderr.String())
+		}
+		lines := strings.Fields(res.stdout.String())
+		if len(lines) != 4 {
+			t.Fatalf("stdin %v: output %q", withStdin, res.stdout.String())
+		}
+		for i, l := range lines[:3] {
+			flags, err := strconv.ParseUint(l, 8, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if flags&unix.O_NONBLOCK != 0 {
+				t.Errorf("stdin %v: fd %d of the command is nonblocking (flags %o)", withStdin, i, flags)
+			}
+		}
+		if wantNull := !withStdin; (lines[3] == os.DevNull) != wantNull {
+			t.Errorf("stdin %v: stdin is %s", withStdin, lines[3])
+		}
+	}
+}

@@ -17,6 +17,7 @@ import (
 	"connectrpc.com/connect"
 	"golang.org/x/sys/unix"
 
+	"github.com/carrel-os/carrel/guest-agent/cgroups"
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/guest-agent/pty"
@@ -86,20 +87,19 @@ func (r *Runner) Start(req *agentv1.ExecRequest, stdin bool) (*Proc, error) {
 	if err != nil {
 		return nil, err
 	}
-	id, name, group := r.newGroup()
+	id, group := r.newGroup()
 	p, err := r.start(c, stdin, id, group)
-	if group != nil {
-		group.Close()
-	}
 	if err != nil {
 		if group != nil {
-			r.Cgroups.Release(name, true) // nothing ran in it
+			r.Cgroups.Release(group.Name, true) // nothing ran in it
 		}
 		return nil, err
 	}
 	// Only a command run as an unprivileged user leaves its group as it
 	// found it: the group's files belong to root.
-	p.group, p.keepGroup = name, c.cred != nil && c.cred.Uid != 0
+	if group != nil {
+		p.group, p.keepGroup = group.Name, c.cred != nil && c.cred.Uid != 0
+	}
 	r.register(p)
 	if r.OnStart != nil {
 		r.OnStart(p.Pid, p.ID)
@@ -108,31 +108,31 @@ func (r *Runner) Start(req *agentv1.ExecRequest, stdin bool) (*Proc, error) {
 }
 
 // newGroup picks the id of a command about to start and, with Cgroups,
-// its group, by name and open: one an earlier command left empty
-// (Cgroups.Take), else the one made ahead for it, else a new one, named
-// by the id. When a group is made, the next command's group is made
-// ahead, off this command's path: making a cgroup costs an emulated guest
-// over a millisecond. Without Cgroups (or if no group can be had) the id
-// is "", for register to pick, and the group nil.
-func (r *Runner) newGroup() (id, name string, f *os.File) {
+// its group: one an earlier command left empty (Cgroups.Take), else the
+// one made ahead for it, else a new one, named by the id. When a group is
+// made, the next command's group is made ahead, off this command's path:
+// making a cgroup costs an emulated guest over a millisecond. Without
+// Cgroups (or if no group can be had) the id is "", for register to
+// pick, and the group nil.
+func (r *Runner) newGroup() (id string, g *cgroups.Group) {
 	if r.Cgroups == nil {
-		return "", "", nil
+		return "", nil
 	}
 	id = r.freshID()
-	if name, f, ok := r.Cgroups.Take(id); ok {
-		return id, name, f
+	if g, ok := r.Cgroups.Take(id); ok {
+		return id, g
 	}
 	r.mu.Lock()
-	g := r.spare
+	g = r.spare
 	r.spare = nil
 	r.mu.Unlock()
 	if g == nil {
 		if g = r.makeGroup(); g == nil {
-			return "", "", nil
+			return "", nil
 		}
 	}
 	go r.makeSpare()
-	return g.id, g.id, g.f
+	return g.Name, g
 }
 
 // freshID is a command id that no running command has.
@@ -146,18 +146,11 @@ func (r *Runner) freshID() string {
 	}
 }
 
-// group is a command's cgroup, made and open.
-type group struct {
-	id string
-	f  *os.File
-}
-
-func (r *Runner) makeGroup() *group {
+func (r *Runner) makeGroup() *cgroups.Group {
 	for range 4 { // a taken id (os.ErrExist) is all but impossible
-		id := NewID()
-		f, err := r.Cgroups.Create(id)
+		g, err := r.Cgroups.Create(NewID())
 		if err == nil {
-			return &group{id, f}
+			return g
 		}
 		if !errors.Is(err, os.ErrExist) {
 			break
@@ -184,14 +177,13 @@ func (r *Runner) makeSpare() {
 	}
 	r.mu.Unlock()
 	if g != nil { // another was made meanwhile
-		g.f.Close()
-		r.Cgroups.Remove(g.id)
+		r.Cgroups.Remove(g.Name)
 	}
 }
 
 // start starts the command with the given id ("" for register to pick),
 // in group when that is not nil.
-func (r *Runner) start(c *command, withStdin bool, id string, group *os.File) (_ *Proc, err error) {
+func (r *Runner) start(c *command, withStdin bool, id string, group *cgroups.Group) (_ *Proc, err error) {
 	p := &Proc{ID: id, r: r, argv0: c.argv[0], done: make(chan struct{})}
 	var childFiles []*os.File // the child's ends, closed here once it has them
 	defer func() {
@@ -211,7 +203,7 @@ func (r *Runner) start(c *command, withStdin bool, id string, group *os.File) (_
 	}
 	sys := &syscall.SysProcAttr{Credential: c.cred}
 	if group != nil {
-		sys.UseCgroupFD, sys.CgroupFD = true, int(group.Fd())
+		sys.UseCgroupFD, sys.CgroupFD = true, group.FD()
 	}
 	var files []*os.File
 	if c.tty {
@@ -235,22 +227,22 @@ func (r *Runner) start(c *command, withStdin bool, id string, group *os.File) (_
 	} else {
 		var in *os.File
 		if withStdin {
-			inR, inW, err := os.Pipe()
+			inW, inR, err := pipe(true)
 			if err != nil {
 				return nil, internal("stdin pipe", err)
 			}
 			p.stdin, in = inW, inR
-		} else if in, err = os.Open(os.DevNull); err != nil {
+			childFiles = append(childFiles, in)
+		} else if in, err = r.devNull(); err != nil {
 			return nil, internal("open stdin", err)
 		}
-		childFiles = append(childFiles, in)
-		outR, outW, err := os.Pipe()
+		outR, outW, err := pipe(false)
 		if err != nil {
 			return nil, internal("stdout pipe", err)
 		}
 		p.outs = append(p.outs, outR)
 		childFiles = append(childFiles, outW)
-		errR, errW, err := os.Pipe()
+		errR, errW, err := pipe(false)
 		if err != nil {
 			return nil, internal("stderr pipe", err)
 		}
@@ -288,6 +280,43 @@ func (r *Runner) start(c *command, withStdin bool, id string, group *os.File) (_
 	p.rp, p.Pid = rp, rp.Pid
 	p.ctx, p.abort = context.WithCancelCause(context.Background())
 	return p, nil
+}
+
+// pipe makes a pipe for a command's stdin (in: the agent writes) or its
+// stdout or stderr, and returns the agent's end, nonblocking and in the
+// runtime's poller, then the command's, blocking. os.Pipe would put both
+// ends in the poller, and StartProcess take the command's out again: a
+// dozen system calls more per command.
+func pipe(in bool) (ours, theirs *os.File, err error) {
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		return nil, nil, os.NewSyscallError("pipe2", err)
+	}
+	o, t := p[0], p[1]
+	if in {
+		o, t = t, o
+	}
+	if err := unix.SetNonblock(o, true); err != nil {
+		unix.Close(o)
+		unix.Close(t)
+		return nil, nil, os.NewSyscallError("fcntl", err)
+	}
+	return os.NewFile(uintptr(o), "|agent"), os.NewFile(uintptr(t), "|command"), nil
+}
+
+// devNull is /dev/null, open for reading, for every command started
+// without stdin; it stays open for the Runner's life.
+func (r *Runner) devNull() (*os.File, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.null == nil {
+		f, err := os.Open(os.DevNull)
+		if err != nil {
+			return nil, err
+		}
+		r.null = f
+	}
+	return r.null, nil
 }
 
 // NewID returns a fresh command id: 16 random hex digits.
