@@ -430,12 +430,20 @@ func (p *Proc) supervise(pumps *sync.WaitGroup) {
 	close(p.done)
 }
 
+// chunkPool holds the pumps' read buffers: two per command, which would
+// otherwise be 64 KiB for the allocator to clear and the collector to
+// find for each command, whatever its output. send keeps no reference to
+// a chunk once it returns (see Stream).
+var chunkPool = sync.Pool{New: func() any { return new([protocol.ExecChunkBytes]byte) }}
+
 // pump sends what it reads from f until EOF (EIO for a hung-up terminal), a
 // failed send, or an abort. Once the command has exited, each read may wait
 // at most WaitDelay for data. Each chunk is sent before the buffer is
 // reused.
 func (p *Proc) pump(f *os.File, event func([]byte) *agentv1.ExecResponse) {
-	buf := make([]byte, protocol.ExecChunkBytes)
+	bp := chunkPool.Get().(*[protocol.ExecChunkBytes]byte)
+	defer chunkPool.Put(bp)
+	buf := bp[:]
 	for {
 		n, err := f.Read(buf)
 		if n > 0 {
