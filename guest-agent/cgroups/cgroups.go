@@ -110,8 +110,11 @@ func (g *Group) state() (populated, frozen, ok bool) {
 	return populated, frozen, true
 }
 
-// empty reports whether the group holds no process, in it or below it,
-// and is not frozen (cgroup.events: "populated 0", "frozen 0").
+// Empty reports whether the group holds no process, in it or below it,
+// and is not frozen (cgroup.events: "populated 0", "frozen 0"); false if
+// it was removed.
+func (g *Group) Empty() bool { return g.empty() }
+
 func (g *Group) empty() bool {
 	populated, frozen, ok := g.state()
 	return ok && !populated && !frozen
@@ -226,7 +229,8 @@ func (d *Dir) Create(id string) (*Group, error) {
 // Take gives the command with the given id an empty group kept by
 // Release; ok is false when no group is kept. A kept group that root in
 // the guest has removed, frozen or put a process in meanwhile is not
-// given, and is removed (or left to Sweep) as Remove does.
+// given: it is removed (or left to Sweep, held by no command) as Remove
+// does.
 func (d *Dir) Take(id string) (g *Group, ok bool) {
 	if !validName(id) {
 		return nil, false
@@ -239,18 +243,17 @@ func (d *Dir) Take(id string) (g *Group, ok bool) {
 		}
 		g = d.free[len(d.free)-1]
 		d.free = d.free[:len(d.free)-1]
-		d.mu.Unlock()
-		if !g.empty() {
-			d.Remove(g.Name)
-			continue
-		}
-		d.mu.Lock()
 		if d.holder == nil {
 			d.holder = map[string]string{}
 		}
-		d.holder[g.Name] = id
+		if g.empty() {
+			d.holder[g.Name] = id
+			d.mu.Unlock()
+			return g, true
+		}
+		d.holder[g.Name] = "" // whatever root put there is no command's
 		d.mu.Unlock()
-		return g, true
+		d.Remove(g.Name)
 	}
 }
 
@@ -258,18 +261,17 @@ func (d *Dir) Take(id string) (g *Group, ok bool) {
 // that the group, when keep is true (its command ran as an unprivileged
 // user) and it is empty, is kept for a later command (Take) instead. As
 // Create does, it then removes, in the background, the groups kept by
-// Remove that have emptied since.
+// Remove that have emptied since. A group is released once, by the
+// command holding it, and its FD is not used after.
 func (d *Dir) Release(name string, keep bool) {
 	if !validName(name) {
 		return
 	}
 	defer d.sweepLater()
-	d.mu.Lock()
-	g := d.open[name]
-	d.mu.Unlock()
-	if keep && g != nil && g.empty() {
+	if keep {
 		d.mu.Lock()
-		if len(d.free) < maxFree {
+		g := d.open[name]
+		if g != nil && len(d.free) < maxFree && !slices.Contains(d.free, g) && g.empty() {
 			delete(d.holder, name)
 			d.free = append(d.free, g)
 			d.mu.Unlock()
@@ -386,7 +388,7 @@ func (d *Dir) execIDFrom(b []byte) (string, bool) {
 		d.mu.Lock()
 		defer d.mu.Unlock()
 		if id, ok := d.holder[name]; ok {
-			return id, true
+			return id, id != "" // "": held by no command
 		}
 		if slices.ContainsFunc(d.free, func(g *Group) bool { return g.Name == name }) {
 			return "", false // held by no command

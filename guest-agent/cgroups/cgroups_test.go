@@ -279,20 +279,31 @@ func TestGroups(t *testing.T) {
 }
 
 // TestTakePassesOverChangedGroups: a kept group that root in the guest
-// removed, or put a process in, since it was kept is not given to a
-// command; Take gives the next kept group instead.
+// removed, froze, or put a process in, since it was kept is not given to
+// a command; Take gives the next kept group instead. The process root put
+// there is no command's.
 func TestTakePassesOverChangedGroups(t *testing.T) {
 	d := testDir(t)
-	const a, b, c, holder = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc", "dddddddddddddddd"
-	for _, id := range []string{a, b, c} {
+	const a, b, c, f, holder = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc", "ffffffffffffffff", "dddddddddddddddd"
+	for _, id := range []string{a, f, b, c} {
 		if _, err := d.Create(id); err != nil {
 			t.Fatal(err)
 		}
 		d.Release(id, true)
 	}
-	// Taken last in, first out: c, then b. Root removes c and fills b.
+	// Taken last in, first out: c, b, then f. Root removes c, fills b
+	// and freezes f.
 	if err := os.Remove(filepath.Join(d.Path(), c)); err != nil {
 		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(d.Path(), f, "cgroup.freeze"), []byte("1"), 0); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.WriteFile(filepath.Join(d.Path(), f, "cgroup.freeze"), []byte("0"), 0) })
+	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(readFile(t, filepath.Join(d.Path(), f, "cgroup.events")), "frozen 1"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the group did not freeze")
+		}
 	}
 	cmd := exec.Command("/bin/sh", "-c", "sleep 5 >/dev/null 2>&1 & echo $!")
 	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: d.open[b].FD()}
@@ -320,13 +331,17 @@ func TestTakePassesOverChangedGroups(t *testing.T) {
 	d.mu.Lock()
 	_, bOpen := d.open[b]
 	_, cOpen := d.open[c]
+	_, fOpen := d.open[f]
 	leftover := slices.Contains(d.leftover, b)
 	d.mu.Unlock()
-	if bOpen || cOpen {
-		t.Errorf("changed groups still held open: %s %v, %s %v", b, bOpen, c, cOpen)
+	if bOpen || cOpen || fOpen {
+		t.Errorf("changed groups still held open: %s %v, %s %v, %s %v", b, bOpen, c, cOpen, f, fOpen)
 	}
 	if !leftover {
 		t.Errorf("the busy group %s is not left for Sweep", b)
+	}
+	if id, ok := d.ExecID(child); ok {
+		t.Errorf("the process root put in the kept group %s is said to be command %q's", b, id)
 	}
 }
 
@@ -358,5 +373,9 @@ func TestGroupsCloseWhatTheyOpen(t *testing.T) {
 	d.Release(fmt.Sprintf("%016x", 99), true)
 	if n := fds(); n != before+2 {
 		t.Errorf("a kept group holds %d descriptors, want 2", n-before)
+	}
+	d.Remove(fmt.Sprintf("%016x", 99))
+	if n := fds(); n != before {
+		t.Errorf("%d descriptors open once the kept group is removed, %d before", n, before)
 	}
 }

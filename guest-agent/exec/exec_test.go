@@ -349,20 +349,38 @@ func TestExitStatus(t *testing.T) {
 }
 
 // TestCommandsGetBlockingStdio: a command's stdin, stdout and stderr are
-// blocking (the agent's own ends of the pipes are not), with stdin a pipe
-// or /dev/null; and /dev/null, which every command without stdin shares,
-// stays open for the next one.
+// blocking and the agent's ends of the pipes nonblocking (in the
+// runtime's poller), with stdin a pipe, which carries what the agent
+// writes, or /dev/null; and /dev/null, which every command without stdin
+// shares, stays open for the next one.
 func TestCommandsGetBlockingStdio(t *testing.T) {
-	const script = `for f in 0 1 2; do sed -n 's/^flags:[[:space:]]*//p' /proc/self/fdinfo/$f; done; readlink /proc/self/fd/0`
+	const script = `for f in 0 1 2; do sed -n 's/^flags:[[:space:]]*//p' /proc/self/fdinfo/$f; done; readlink /proc/self/fd/0; read -r line; echo "$line"`
+	nonblocking := func(f *os.File) bool {
+		c, err := f.SyscallConn() // not Fd, which makes the file blocking
+		if err != nil {
+			t.Fatal(err)
+		}
+		var flags int
+		c.Control(func(fd uintptr) { flags, _ = unix.FcntlInt(fd, unix.F_GETFL, 0) })
+		return flags&unix.O_NONBLOCK != 0
+	}
 	r := runner(t)
 	for _, withStdin := range []bool{false, true, false} {
 		p, err := r.Start(sh(script), withStdin)
 		if err != nil {
 			t.Fatal(err)
 		}
+		for i, f := range append(p.outs, p.stdin) {
+			if f != nil && !nonblocking(f) {
+				t.Errorf("stdin %v: the agent's end %d is blocking", withStdin, i)
+			}
+		}
 		var res result
 		p.Stream(res.send)
 		if withStdin {
+			if err := p.WriteStdin([]byte("typed\n")); err != nil {
+				t.Fatal(err)
+			}
 			if err := p.CloseStdin(); err != nil {
 				t.Fatal(err)
 			}
@@ -372,7 +390,7 @@ func TestCommandsGetBlockingStdio(t *testing.T) {
 			t.Fatalf("stdin %v: exit %v, %v: %s", withStdin, st, err, res.stderr.String())
 		}
 		lines := strings.Fields(res.stdout.String())
-		if len(lines) != 4 {
+		if want := map[bool]int{false: 4, true: 5}[withStdin]; len(lines) != want || withStdin && lines[4] != "typed" {
 			t.Fatalf("stdin %v: output %q", withStdin, res.stdout.String())
 		}
 		for i, l := range lines[:3] {

@@ -126,6 +126,10 @@ func (r *Runner) newGroup() (id string, g *cgroups.Group) {
 	g = r.spare
 	r.spare = nil
 	r.mu.Unlock()
+	if g != nil && !g.Empty() { // changed by root in the guest meanwhile
+		r.Cgroups.Remove(g.Name)
+		g = nil
+	}
 	if g == nil {
 		if g = r.makeGroup(); g == nil {
 			return "", nil
@@ -284,9 +288,10 @@ func (r *Runner) start(c *command, withStdin bool, id string, group *cgroups.Gro
 
 // pipe makes a pipe for a command's stdin (in: the agent writes) or its
 // stdout or stderr, and returns the agent's end, nonblocking and in the
-// runtime's poller, then the command's, blocking. os.Pipe would put both
-// ends in the poller, and StartProcess take the command's out again: a
-// dozen system calls more per command.
+// runtime's poller, then the command's, blocking and not in the poller.
+// os.Pipe would make both ends nonblocking and put both in the poller,
+// and StartProcess then make the command's blocking again: a dozen
+// system calls more per command.
 func pipe(in bool) (ours, theirs *os.File, err error) {
 	var p [2]int
 	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
