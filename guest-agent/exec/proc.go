@@ -301,7 +301,9 @@ func pipe(in bool) (ours, theirs *os.File, err error) {
 	if in {
 		o, t = t, o
 	}
-	if err := unix.SetNonblock(o, true); err != nil {
+	// A new pipe's end has no status flag to keep: set O_NONBLOCK alone,
+	// without reading them first.
+	if _, err := unix.FcntlInt(uintptr(o), unix.F_SETFL, unix.O_NONBLOCK); err != nil {
 		unix.Close(o)
 		unix.Close(t)
 		return nil, nil, os.NewSyscallError("fcntl", err)
