@@ -243,18 +243,32 @@ func (d *Dir) Take(id string) (g *Group, ok bool) {
 		}
 		g = d.free[len(d.free)-1]
 		d.free = d.free[:len(d.free)-1]
-		if d.holder == nil {
-			d.holder = map[string]string{}
-		}
 		if g.empty() {
+			if d.holder == nil {
+				d.holder = map[string]string{}
+			}
 			d.holder[g.Name] = id
 			d.mu.Unlock()
 			return g, true
 		}
-		d.holder[g.Name] = "" // whatever root put there is no command's
 		d.mu.Unlock()
-		d.Remove(g.Name)
+		d.Discard(g.Name)
 	}
+}
+
+// Discard removes a group that no command holds, as Remove does: a
+// process found in it (root in the guest put it there) is no command's.
+func (d *Dir) Discard(name string) {
+	if !validName(name) {
+		return
+	}
+	d.mu.Lock()
+	if d.holder == nil {
+		d.holder = map[string]string{}
+	}
+	d.holder[name] = ""
+	d.mu.Unlock()
+	d.Remove(name)
 }
 
 // Release is Remove for a command whose last process is gone, except
@@ -268,17 +282,19 @@ func (d *Dir) Release(name string, keep bool) {
 		return
 	}
 	defer d.sweepLater()
-	if keep {
-		d.mu.Lock()
-		g := d.open[name]
-		if g != nil && len(d.free) < maxFree && !slices.Contains(d.free, g) && g.empty() {
-			delete(d.holder, name)
-			d.free = append(d.free, g)
-			d.mu.Unlock()
-			return
-		}
+	d.mu.Lock()
+	g := d.open[name]
+	if g != nil && slices.Contains(d.free, g) {
 		d.mu.Unlock()
+		return // kept already
 	}
+	if keep && g != nil && len(d.free) < maxFree && g.empty() {
+		delete(d.holder, name)
+		d.free = append(d.free, g)
+		d.mu.Unlock()
+		return
+	}
+	d.mu.Unlock()
 	d.Remove(name)
 }
 
@@ -299,9 +315,10 @@ func (d *Dir) sweepLater() {
 	}
 }
 
-// Remove removes the command's group once its last process is gone. A
-// group still busy (a daemon the command left running) is kept and
-// removed by a later Sweep (after a Create or Release) once it empties.
+// Remove removes the command's group once its last process is gone, and
+// takes it off the list of kept groups if it is there. A group still busy
+// (a daemon the command left running) is kept and removed by a later
+// Sweep (after a Create or Release) once it empties.
 // Past maxLeftovers, the oldest kept group is forgotten: left in place,
 // and still its holder's for ExecID.
 func (d *Dir) Remove(name string) {
@@ -311,6 +328,7 @@ func (d *Dir) Remove(name string) {
 	d.mu.Lock()
 	g := d.open[name]
 	delete(d.open, name)
+	d.free = slices.DeleteFunc(d.free, func(f *Group) bool { return f == g })
 	d.mu.Unlock()
 	if g != nil {
 		g.close()

@@ -379,3 +379,38 @@ func TestGroupsCloseWhatTheyOpen(t *testing.T) {
 		t.Errorf("%d descriptors open once the kept group is removed, %d before", n, before)
 	}
 }
+
+// TestReleaseTwiceAndRemoveKept: releasing a kept group again keeps it
+// once, and a kept group that is removed is no longer given by Take.
+func TestReleaseTwiceAndRemoveKept(t *testing.T) {
+	d := testDir(t)
+	const a, b, holder = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "dddddddddddddddd"
+	for _, id := range []string{a, b} {
+		if _, err := d.Create(id); err != nil {
+			t.Fatal(err)
+		}
+		d.Release(id, true)
+	}
+	d.Release(b, true)
+	d.Release(b, false) // kept already: not removed either
+	d.mu.Lock()
+	kept := len(d.free)
+	d.mu.Unlock()
+	if kept != 2 {
+		t.Fatalf("%d groups kept after releasing one again, want 2", kept)
+	}
+	d.Remove(b)
+	d.mu.Lock()
+	kept = len(d.free)
+	d.mu.Unlock()
+	if kept != 1 {
+		t.Errorf("%d groups kept after one of two was removed, want 1", kept)
+	}
+	g, ok := d.Take(holder)
+	if !ok || g.Name != a {
+		t.Fatalf("Take = %v, %v; want %s, the group still kept", g, ok, a)
+	}
+	if g, ok := d.Take(holder); ok {
+		t.Errorf("Take gave the removed group %s", g.Name)
+	}
+}

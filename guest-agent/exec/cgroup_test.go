@@ -9,8 +9,10 @@ import (
 	"encoding/hex"
 	"errors"
 	"os"
+	osexec "os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -123,6 +125,51 @@ func TestNextGroupIsMadeAhead(t *testing.T) {
 	want := "0::/" + filepath.Base(r.Cgroups.Path()) + "/" + spare + "\n"
 	if st.Id != spare || !strings.Contains(res.stdout.String(), want) {
 		t.Errorf("the next command is %s, in %q; want it in the group made ahead, %s", st.Id, res.stdout.String(), spare)
+	}
+}
+
+// TestSpareGroupChangedByRootIsNotUsed: a group made ahead that root in
+// the guest has put a process in is not the next command's, and the
+// process is no command's.
+func TestSpareGroupChangedByRootIsNotUsed(t *testing.T) {
+	r := runner(t)
+	r.Cgroups = testGroups(t)
+	var res result
+	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"true"}}, res.send); err != nil {
+		t.Fatal(err)
+	}
+	var spare *cgroups.Group
+	for deadline := time.Now().Add(5 * time.Second); spare == nil && time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		r.mu.Lock()
+		spare = r.spare
+		r.mu.Unlock()
+	}
+	if spare == nil {
+		t.Fatal("no group was made ahead after a command started")
+	}
+	sleeper := osexec.Command("sleep", "30")
+	sleeper.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: spare.FD()}
+	if err := sleeper.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { // before testGroups': the group must be empty to go
+		sleeper.Process.Kill()
+		sleeper.Wait()
+		for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			if err := os.Remove(filepath.Join(r.Cgroups.Path(), spare.Name)); err == nil || errors.Is(err, os.ErrNotExist) {
+				return
+			}
+		}
+	})
+	res = result{}
+	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"cat", "/proc/self/cgroup"}}, res.send); err != nil {
+		t.Fatal(err)
+	}
+	if st := res.events[0].GetStarted(); st.Id == spare.Name || strings.Contains(res.stdout.String(), "/"+spare.Name+"\n") {
+		t.Errorf("the next command, %s, ran in the group root filled: %q", st.Id, res.stdout.String())
+	}
+	if id, ok := r.Cgroups.ExecID(sleeper.Process.Pid); ok {
+		t.Errorf("the process root put in the group made ahead is said to be command %q's", id)
 	}
 }
 

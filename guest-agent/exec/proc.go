@@ -127,7 +127,7 @@ func (r *Runner) newGroup() (id string, g *cgroups.Group) {
 	r.spare = nil
 	r.mu.Unlock()
 	if g != nil && !g.Empty() { // changed by root in the guest meanwhile
-		r.Cgroups.Remove(g.Name)
+		r.Cgroups.Discard(g.Name)
 		g = nil
 	}
 	if g == nil {
