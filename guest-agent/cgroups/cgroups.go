@@ -113,9 +113,7 @@ func (g *Group) state() (populated, frozen, ok bool) {
 // Empty reports whether the group holds no process, in it or below it,
 // and is not frozen (cgroup.events: "populated 0", "frozen 0"); false if
 // it was removed.
-func (g *Group) Empty() bool { return g.empty() }
-
-func (g *Group) empty() bool {
+func (g *Group) Empty() bool {
 	populated, frozen, ok := g.state()
 	return ok && !populated && !frozen
 }
@@ -243,7 +241,7 @@ func (d *Dir) Take(id string) (g *Group, ok bool) {
 		}
 		g = d.free[len(d.free)-1]
 		d.free = d.free[:len(d.free)-1]
-		if g.empty() {
+		if g.Empty() {
 			if d.holder == nil {
 				d.holder = map[string]string{}
 			}
@@ -288,7 +286,7 @@ func (d *Dir) Release(name string, keep bool) {
 		d.mu.Unlock()
 		return // kept already
 	}
-	if keep && g != nil && len(d.free) < maxFree && g.empty() {
+	if keep && g != nil && len(d.free) < maxFree && g.Empty() {
 		delete(d.holder, name)
 		d.free = append(d.free, g)
 		d.mu.Unlock()

@@ -225,7 +225,7 @@ func TestKeptGroups(t *testing.T) {
 			t.Fatal("the group did not freeze")
 		}
 	}
-	if g.empty() {
+	if g.Empty() {
 		t.Error("a frozen group counts as one to keep")
 	}
 }

@@ -93,31 +93,37 @@ func TestCommandsRunInTheirOwnGroup(t *testing.T) {
 	}
 }
 
+// runAndWaitForSpare runs a command, then waits for the group made ahead
+// for the next one.
+func runAndWaitForSpare(t *testing.T, r *Runner) *cgroups.Group {
+	t.Helper()
+	var res result
+	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"true"}}, res.send); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		r.mu.Lock()
+		spare := r.spare
+		r.mu.Unlock()
+		if spare != nil {
+			return spare
+		}
+	}
+	t.Fatal("no group was made ahead after a command started")
+	return nil
+}
+
 // TestNextGroupIsMadeAhead checks that once a command has started, the
 // next command's group is made in the background, and that the next
 // command runs in it.
 func TestNextGroupIsMadeAhead(t *testing.T) {
 	r := runner(t)
 	r.Cgroups = testGroups(t)
-	var res result
-	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"true"}}, res.send); err != nil {
-		t.Fatal(err)
-	}
-	var spare string
-	for deadline := time.Now().Add(5 * time.Second); spare == "" && time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		r.mu.Lock()
-		if r.spare != nil {
-			spare = r.spare.Name
-		}
-		r.mu.Unlock()
-	}
-	if spare == "" {
-		t.Fatal("no group was made ahead after a command started")
-	}
+	spare := runAndWaitForSpare(t, r).Name
 	if fi, err := os.Stat(filepath.Join(r.Cgroups.Path(), spare)); err != nil || !fi.IsDir() {
 		t.Fatalf("the group made ahead is not there: %v", err)
 	}
-	res = result{}
+	var res result
 	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"cat", "/proc/self/cgroup"}}, res.send); err != nil {
 		t.Fatal(err)
 	}
@@ -134,19 +140,7 @@ func TestNextGroupIsMadeAhead(t *testing.T) {
 func TestSpareGroupChangedByRootIsNotUsed(t *testing.T) {
 	r := runner(t)
 	r.Cgroups = testGroups(t)
-	var res result
-	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"true"}}, res.send); err != nil {
-		t.Fatal(err)
-	}
-	var spare *cgroups.Group
-	for deadline := time.Now().Add(5 * time.Second); spare == nil && time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		r.mu.Lock()
-		spare = r.spare
-		r.mu.Unlock()
-	}
-	if spare == nil {
-		t.Fatal("no group was made ahead after a command started")
-	}
+	spare := runAndWaitForSpare(t, r)
 	sleeper := osexec.Command("sleep", "30")
 	sleeper.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: spare.FD()}
 	if err := sleeper.Start(); err != nil {
@@ -161,7 +155,7 @@ func TestSpareGroupChangedByRootIsNotUsed(t *testing.T) {
 			}
 		}
 	})
-	res = result{}
+	var res result
 	if err := r.Run(context.Background(), &agentv1.ExecRequest{Argv: []string{"cat", "/proc/self/cgroup"}}, res.send); err != nil {
 		t.Fatal(err)
 	}
