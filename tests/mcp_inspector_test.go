@@ -66,7 +66,12 @@ func (in *inspector) run(t *testing.T, code int, out any, target []string, args 
 	cmd.Env = []string{"HOME=" + in.home, "PATH=" + filepath.Dir(in.node) + ":/usr/bin:/bin"}
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	start := time.Now()
 	err := cmd.Run()
+	if took := time.Since(start); took > 10*time.Second {
+		// Each call takes about a second; say which one was slow.
+		t.Logf("inspector %s took %s", strings.Join(args, " "), took.Round(time.Millisecond))
+	}
 	got := 0
 	var ee *exec.ExitError
 	if errors.As(err, &ee) {

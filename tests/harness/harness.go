@@ -181,10 +181,31 @@ func New(t TB, extra ...string) *Daemon {
 		d.Stop()
 		if t.Failed() {
 			t.Logf("carreld log:\n%s", d.Logs())
+			d.logConsoles()
 		}
 		os.RemoveAll(dir)
 	})
 	return d
+}
+
+// consoleTail is how much of each VM's console a failed test logs: enough
+// for a guest's panic or the agent's last words.
+const consoleTail = 16 << 10
+
+// logConsoles logs the end of each VM's console log, which says what the
+// guest did when carreld's log only says the link went quiet.
+func (d *Daemon) logConsoles() {
+	logs, _ := filepath.Glob(filepath.Join(d.State, "vms", "*", "console.log"))
+	for _, p := range logs {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		if len(b) > consoleTail {
+			b = b[len(b)-consoleTail:]
+		}
+		d.t.Logf("console of vm %s (its last %d bytes):\n%s", filepath.Base(filepath.Dir(p)), len(b), b)
+	}
 }
 
 func (d *Daemon) Logs() string {
