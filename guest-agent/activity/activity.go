@@ -41,6 +41,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -204,8 +205,8 @@ type Monitor struct {
 	q    *queue
 	co   *coalescer
 
-	wake int // eventfd: Close
-	done chan struct{}
+	closing atomic.Bool // Close has begun: the reader's failed read is no fault
+	done    chan struct{}
 
 	// The reader's own state.
 	pending []Event // read, not yet attributed
@@ -239,19 +240,11 @@ func Start(opts Options) (*Monitor, error) {
 		}
 		o.Log.Warn("activity: no process events; only processes still running when their events are read are attributed", "err", cerr)
 	}
-	wake, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
-	if err != nil {
-		g.close()
-		if conn != nil {
-			conn.close()
-		}
-		return nil, fmt.Errorf("activity: eventfd: %w", err)
-	}
 	m := &Monitor{
 		opts: o, log: o.Log.With("subsystem", "activity"), g: g, conn: conn,
 		lin: newLineage(o.Self, o.Cgroup, o.MaxProcs, o.ExitGrace),
 		q:   newQueue(o), co: newCoalescer(o.Coalesce),
-		wake: wake, done: make(chan struct{}), buf: make([]byte, 64<<10),
+		done: make(chan struct{}), buf: make([]byte, 64<<10),
 	}
 	go m.run()
 	m.log.Info("watching the workspace", "root", root, "process_events", conn != nil, "cgroups", o.Cgroup != nil)
@@ -271,12 +264,13 @@ func (m *Monitor) Started(pid int, id string) {
 func (m *Monitor) Close() error {
 	var err error
 	m.closeOnce.Do(func() {
-		var one [8]byte
-		one[0] = 1
-		_, _ = unix.Write(m.wake, one[:])
+		// Closing the group ends the reader's wait; the rest it uses is
+		// closed once it has returned.
+		m.closing.Store(true)
+		errs := []error{m.g.closeGroup()}
 		<-m.done
 		m.q.close()
-		errs := []error{m.g.close(), unix.Close(m.wake)}
+		errs = append(errs, m.g.close())
 		if m.conn != nil {
 			errs = append(errs, m.conn.close())
 		}
@@ -330,25 +324,28 @@ func Response(b Batch, now time.Time) *agentv1.ActivityResponse {
 // fork, exec and exit cost the guest one wake-up every FlushInterval, not
 // three each (the socket's buffer holds far more than an interval's
 // worth).
+//
+// It waits in the Go runtime's poller, with the flush as the read's
+// deadline, not in a poll(2) of its own: a goroutine in a blocking system
+// call holds the agent's one P (a one-vCPU guest) until the runtime's
+// sysmon takes it back, up to a millisecond later (agent.slowSysmon), and
+// every other goroutine waits meanwhile. That happened at every flush.
 func (m *Monitor) run() {
 	defer close(m.done)
-	fds := []unix.PollFd{
-		{Fd: int32(m.wake), Events: unix.POLLIN},
-		{Fd: int32(m.g.fd), Events: unix.POLLIN},
+	rc, err := m.g.f.SyscallConn()
+	if err != nil {
+		m.log.Error("activity: the watch has stopped", "err", err)
+		return
 	}
 	next := time.Now().Add(m.opts.FlushInterval)
 	for {
-		wait := max(time.Until(next), 0)
-		_, err := unix.Poll(fds, int((wait+time.Millisecond-1)/time.Millisecond))
-		if err != nil && !errors.Is(err, unix.EINTR) {
-			m.log.Error("activity: poll; the watch has stopped", "err", err)
+		_ = m.g.f.SetReadDeadline(next) // fails only once closed, as the read then does
+		err := rc.Read(func(fd uintptr) bool { return m.read(int(fd), time.Now()) })
+		if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+			if !m.closing.Load() {
+				m.log.Error("activity: read; the watch has stopped", "err", err)
+			}
 			return
-		}
-		if fds[0].Revents != 0 {
-			return
-		}
-		if fds[1].Revents != 0 {
-			m.read(time.Now())
 		}
 		if now := time.Now(); !now.Before(next) {
 			m.drainConnector()
@@ -384,17 +381,20 @@ type attribution struct {
 	v  verdict
 }
 
-// read reads the events queued in the fanotify group and keeps, pending,
-// those of the commands' processes in the workspace.
-func (m *Monitor) read(now time.Time) {
+// read reads the events queued in the fanotify group fd and keeps,
+// pending, those of the commands' processes in the workspace. It reports
+// whether it read any: false means the group had none (or could not be
+// read), and the caller waits until it is readable.
+func (m *Monitor) read(fd int, now time.Time) (got bool) {
 	for range maxReads {
-		n, err := unix.Read(m.g.fd, m.buf)
+		n, err := unix.Read(fd, m.buf)
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
 		if err != nil || n <= 0 {
-			return // EAGAIN: all read
+			return got // EAGAIN: all read
 		}
+		got = true
 		// The fork of every process in these events is queued by now:
 		// read it before telling whose they are.
 		m.drainConnector()
@@ -405,6 +405,7 @@ func (m *Monitor) read(now time.Time) {
 			m.log.Warn("activity: skipped a malformed fanotify read", "bytes", n)
 		}
 	}
+	return got
 }
 
 // take turns one raw event into Events, pending. The events of processes

@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
 
 	"golang.org/x/sys/unix"
@@ -186,7 +187,9 @@ func opsOf(mask uint64) []Op {
 
 // group is a fanotify group watching the file system that holds root.
 type group struct {
-	fd    int // the group
+	// f is the group, nonblocking and in the Go runtime's poller, so the
+	// reader waits for it without holding a thread in a system call.
+	f     *os.File
 	mount int // root, open: the file system's handles resolve against it
 	root  string
 	dirs  *dirCache
@@ -214,11 +217,22 @@ func openGroup(root string, cacheSize int) (*group, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("activity: open %s: %w", root, err)
 	}
-	return &group{fd: fd, mount: mount, root: root, dirs: newDirCache(cacheSize)}, nil
+	// FAN_NONBLOCK: NewFile puts the group in the poller.
+	f := os.NewFile(uintptr(fd), "fanotify")
+	return &group{f: f, mount: mount, root: root, dirs: newDirCache(cacheSize)}, nil
 }
 
 func (g *group) close() error {
-	return errors.Join(unix.Close(g.fd), unix.Close(g.mount))
+	return errors.Join(g.closeGroup(), unix.Close(g.mount))
+}
+
+// closeGroup closes the group alone: a read waiting for it ends at once,
+// with an error, and the descriptor is closed once no read is under way.
+func (g *group) closeGroup() error {
+	if err := g.f.Close(); err != nil && !errors.Is(err, os.ErrClosed) {
+		return err
+	}
+	return nil
 }
 
 // dirPath returns the path a directory handle leads to now. A directory

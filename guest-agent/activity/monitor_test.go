@@ -5,9 +5,11 @@ package activity
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -260,4 +262,78 @@ func TestServeKeepsEventsForTheNextStream(t *testing.T) {
 	if slices.Contains(second.lines(), "create "+filepath.Join(ws, "early")+" early") {
 		t.Error("an event already sent was sent again")
 	}
+}
+
+// TestReaderWaitsInThePoller checks that the reader waits for the group
+// parked in the Go runtime's poller, never in a system call that would
+// hold the agent's one P, and that Close ends that wait without the
+// reader calling it a fault.
+func TestReaderWaitsInThePoller(t *testing.T) {
+	ws := workspace(t)
+	var logged strings.Builder
+	log := slog.New(slog.NewTextHandler(&lockedWriter{w: &logged}, nil))
+	m, err := Start(Options{Root: ws, FlushInterval: 20 * time.Millisecond, Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	parked := 0
+	for range 20 {
+		time.Sleep(7 * time.Millisecond) // samples across flushes
+		state := readerState(t)
+		if strings.HasPrefix(state, "syscall") {
+			m.Close()
+			t.Fatalf("the reader waits in a system call (goroutine state %q)", state)
+		}
+		if strings.HasPrefix(state, "IO wait") {
+			parked++
+		}
+	}
+	if parked == 0 {
+		t.Error("the reader was never seen parked in the poller")
+	}
+	done := make(chan error, 1)
+	go func() { done <- m.Close() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close did not end the reader's wait")
+	}
+	if strings.Contains(logged.String(), "level=ERROR") {
+		t.Errorf("Close made the reader log a fault:\n%s", logged.String())
+	}
+}
+
+// readerState is the scheduling state of the monitor's reader goroutine,
+// as runtime.Stack prints it: "IO wait", "syscall", "runnable"...
+func readerState(t *testing.T) string {
+	t.Helper()
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		if !strings.Contains(g, "activity.(*Monitor).run(") {
+			continue
+		}
+		header, _, _ := strings.Cut(g, "\n") // goroutine 7 [IO wait]:
+		_, state, ok := strings.Cut(header, "[")
+		if !ok {
+			t.Fatalf("unexpected goroutine header %q", header)
+		}
+		return strings.TrimSuffix(state, "]:")
+	}
+	t.Fatal("no goroutine runs the monitor's reader")
+	return ""
+}
+
+type lockedWriter struct {
+	mu sync.Mutex
+	w  *strings.Builder
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
 }
