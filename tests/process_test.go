@@ -45,14 +45,14 @@ func TestInteractiveProcesses(t *testing.T) {
 		}
 	})
 
-	// The agent slows the runtime's sysmon thread with a timer slack of 1
+	// The agent slows the runtime's sysmon thread with a timer slack of 4
 	// ms (agent.slowSysmon); its main thread, and every command, keep the
 	// kernel's 50 µs.
 	t.Run("timer slack", func(t *testing.T) {
 		out := d.Must("exec", "--user", "root", "procs", "--", "sh", "-c",
 			`cat /proc/1/timerslack_ns; ls /proc/1/task | sort -n | sed -n 2p | xargs -I{} cat /proc/{}/timerslack_ns; cat /proc/self/timerslack_ns`)
-		if out != "50000\n1000000\n50000\n" {
-			t.Errorf("timer slack of the agent's main thread, of its sysmon thread, and of a root command: %q, want 50000, 1000000, 50000", out)
+		if out != "50000\n4000000\n50000\n" {
+			t.Errorf("timer slack of the agent's main thread, of its sysmon thread, and of a root command: %q, want 50000, 4000000, 50000", out)
 		}
 		if out := d.Must("exec", "procs", "--", "cat", "/proc/self/timerslack_ns"); out != "50000\n" {
 			t.Errorf("a command's timer slack: %q, want 50000", out)

@@ -21,19 +21,24 @@ import (
 // guest a timer interrupt and two thread switches, and every hand-over a
 // third thread woken. Counted in the guest over 200 execs of `true`,
 // sysmon woke 27-33 times per exec, with 28-34 timer interrupts and 81-94
-// context switches in all. With this slack: 12, 13 and 56, and the
+// context switches in all. With a slack of 1 ms: 12, 13 and 56, and the
 // guest's vCPU time per exec fell by about an eighth against qemu-ga's in
-// the same runs (a Files.Stat round trip's by a third); see "The
-// runtime's sysmon thread" in docs/architecture.md.
+// the same runs (a Files.Stat round trip's by a third). With 4 ms, once
+// the activity monitor no longer waited in a blocking poll(2) that
+// sysmon had to take the P back from at every flush, it fell by about
+// another 5% (a Files.Stat's by about 10%); see "The runtime's sysmon
+// thread" in docs/architecture.md.
 //
 // The cost is that sysmon's looks come up to this much later: a P held by
-// a goroutine in a long system call passes to waiting goroutines up to 1
-// ms later, and a goroutine that runs past its 10 ms slice is preempted up
-// to 1 ms later. The runtime may clone new threads from sysmon, which
-// then inherit the slack, so some of the agent's timers may fire up to 1
-// ms late too; none of them needs finer. Commands never inherit it: the
-// thread that forks them resets its own slack first (sandbox.Spawn).
-const sysmonSlack = time.Millisecond
+// a goroutine in a long system call (a file's fdatasync) passes to waiting
+// goroutines up to 4 ms later, and a goroutine that runs past its 10 ms
+// slice is preempted up to 4 ms later. The runtime may clone new threads
+// from sysmon, which then inherit the slack, so some of the agent's timers
+// may fire up to 4 ms late too; none of them needs finer (the shortest,
+// protocol.EventHold, only holds a young command's first events back).
+// Commands never inherit it: the thread that forks them resets its own
+// slack first (sandbox.Spawn).
+const sysmonSlack = 4 * time.Millisecond
 
 // slowSysmon gives the runtime's sysmon thread sysmonSlack. It must run
 // where the agent serves, never before an exec of another init: the slack
