@@ -328,8 +328,12 @@ func Response(b Batch, now time.Time) *agentv1.ActivityResponse {
 // It waits in the Go runtime's poller, with the flush as the read's
 // deadline, not in a poll(2) of its own: a goroutine in a blocking system
 // call holds the agent's one P (a one-vCPU guest) until the runtime's
-// sysmon takes it back, up to a millisecond later (agent.slowSysmon), and
-// every other goroutine waits meanwhile. That happened at every flush.
+// sysmon takes it back, up to a few milliseconds later (agent.slowSysmon),
+// and every other goroutine waits meanwhile. That happened at every flush.
+//
+// The read returns to this loop only at the deadline, or when a wake-up
+// read maxReads times and the group may hold more, so that flushing keeps
+// its pace under a flood.
 func (m *Monitor) run() {
 	defer close(m.done)
 	rc, err := m.g.f.SyscallConn()
@@ -338,8 +342,8 @@ func (m *Monitor) run() {
 		return
 	}
 	next := time.Now().Add(m.opts.FlushInterval)
+	_ = m.g.f.SetReadDeadline(next) // fails only once closed, as the read then does
 	for {
-		_ = m.g.f.SetReadDeadline(next) // fails only once closed, as the read then does
 		err := rc.Read(func(fd uintptr) bool { return m.read(int(fd), time.Now()) })
 		if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
 			if !m.closing.Load() {
@@ -351,6 +355,7 @@ func (m *Monitor) run() {
 			m.drainConnector()
 			m.flush(now)
 			next = now.Add(m.opts.FlushInterval)
+			_ = m.g.f.SetReadDeadline(next)
 		}
 	}
 }
@@ -383,18 +388,18 @@ type attribution struct {
 
 // read reads the events queued in the fanotify group fd and keeps,
 // pending, those of the commands' processes in the workspace. It reports
-// whether it read any: false means the group had none (or could not be
-// read), and the caller waits until it is readable.
-func (m *Monitor) read(fd int, now time.Time) (got bool) {
+// whether the group may hold more: true when it read maxReads times
+// without finding the group empty; false once a read found nothing (or
+// failed), and the caller waits until the group is readable again.
+func (m *Monitor) read(fd int, now time.Time) (more bool) {
 	for range maxReads {
 		n, err := unix.Read(fd, m.buf)
 		if errors.Is(err, unix.EINTR) {
 			continue
 		}
 		if err != nil || n <= 0 {
-			return got // EAGAIN: all read
+			return false // EAGAIN: all read
 		}
-		got = true
 		// The fork of every process in these events is queued by now:
 		// read it before telling whose they are.
 		m.drainConnector()
@@ -405,7 +410,7 @@ func (m *Monitor) read(fd int, now time.Time) (got bool) {
 			m.log.Warn("activity: skipped a malformed fanotify read", "bytes", n)
 		}
 	}
-	return got
+	return true
 }
 
 // take turns one raw event into Events, pending. The events of processes

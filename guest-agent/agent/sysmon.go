@@ -30,7 +30,7 @@ import (
 // thread" in docs/architecture.md.
 //
 // The cost is that sysmon's looks come up to this much later: a P held by
-// a goroutine in a long system call (a file's fdatasync) passes to waiting
+// a goroutine in a long system call (a file's fsync) passes to waiting
 // goroutines up to 4 ms later, and a goroutine that runs past its 10 ms
 // slice is preempted up to 4 ms later. The runtime may clone new threads
 // from sysmon, which then inherit the slack, so some of the agent's timers
