@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/carrel-os/carrel/policy"
+	"github.com/carrel-os/carrel/supervisor/console"
 )
 
 // TB is the part of testing.TB the harness uses, so that the benchmark
@@ -195,14 +196,11 @@ const consoleTail = 16 << 10
 // logConsoles logs the end of each VM's console log, which says what the
 // guest did when carreld's log only says the link went quiet.
 func (d *Daemon) logConsoles() {
-	logs, _ := filepath.Glob(filepath.Join(d.State, "vms", "*", "console.log"))
+	logs, _ := filepath.Glob(filepath.Join(d.State, "vms", "*", console.LogName))
 	for _, p := range logs {
-		b, err := os.ReadFile(p)
+		b, _, err := console.ReadTail(p, consoleTail)
 		if err != nil {
 			continue
-		}
-		if len(b) > consoleTail {
-			b = b[len(b)-consoleTail:]
 		}
 		d.t.Logf("console of vm %s (its last %d bytes):\n%s", filepath.Base(filepath.Dir(p)), len(b), b)
 	}
