@@ -30,6 +30,14 @@ const (
 	// maxStaleBytes bounds what a receive passes over from transfers that
 	// ended early before its own first frame.
 	maxStaleBytes = 64 << 20
+	// SendBufferBytes is the socket send buffer carreld asks for on its end
+	// of the data port. The default (net.core.wmem_default, 208 KiB on
+	// Debian) holds about a millisecond of a transfer: QEMU drains it
+	// faster than a busy host wakes carreld to fill it again (the kernel
+	// wakes a writer only once three quarters have gone), and the guest
+	// waits. Linux caps the request at net.core.wmem_max; see
+	// docs/operator-guide.md. Only bytes queued count against it.
+	SendBufferBytes = 4 << 20
 )
 
 // closeDrainLimit bounds, in all, Close's reading of what is left of a
@@ -111,6 +119,10 @@ func (p *dataPort) connect(ctx context.Context, out bool) (net.Conn, *protocol.F
 		c, err := p.dial(ctx)
 		if err != nil {
 			return nil, nil, false, fmt.Errorf("data port: %w", err)
+		}
+		if b, ok := c.(interface{ SetWriteBuffer(int) error }); ok {
+			// Best effort: a smaller buffer is slower, not wrong.
+			b.SetWriteBuffer(SendBufferBytes)
 		}
 		p.conn = c
 		fr := protocol.NewFrameReader(c)

@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -286,4 +287,55 @@ func TestDataPortResyncAfterRestart(t *testing.T) {
 		t.Fatalf("after the last frame: %v", err)
 	}
 	in.Close()
+}
+
+// carreld's end of the data port asks for SendBufferBytes of send buffer,
+// which Linux caps at net.core.wmem_max and then doubles.
+func TestDataPortSendBuffer(t *testing.T) {
+	hc, gf := socketPair(t)
+	sndbuf := func() int {
+		raw, err := hc.(syscall.Conn).SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var n int
+		var serr error
+		if err := raw.Control(func(fd uintptr) { n, serr = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUF) }); err != nil {
+			t.Fatal(err)
+		}
+		if serr != nil {
+			t.Fatal(serr)
+		}
+		return n
+	}
+	before := sndbuf()
+	maxb, err := os.ReadFile("/proc/sys/net/core/wmem_max")
+	if err != nil {
+		t.Skipf("no net.core.wmem_max to check against: %v", err)
+	}
+	wmemMax, err := strconv.Atoi(strings.TrimSpace(string(maxb)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := New(func(context.Context) (net.Conn, error) { return nil, net.ErrClosed }, nil)
+	defer l.Close()
+	l.UseDataPort(func(context.Context) (net.Conn, error) { return hc, nil })
+	l.markReady(&agentv1.HealthResponse{DataPort: true})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out := l.SendData(ctx)
+	if out == nil {
+		t.Fatal("no data port to send on")
+	}
+	received := make(chan error, 1)
+	go func() {
+		_, err := transport.NewDataPort(gf).Receive(ctx, out.ID, io.Discard)
+		received <- err
+	}()
+	if err := errors.Join(out.Write([]byte("x")), out.End(), <-received); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := sndbuf(), 2*min(SendBufferBytes, wmemMax); got != want {
+		t.Fatalf("send buffer %d bytes (%d before the port was used), want %d (net.core.wmem_max %d)", got, before, want, wmemMax)
+	}
 }

@@ -42,6 +42,7 @@ import (
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/image/devimage"
 	"github.com/carrel-os/carrel/image/store"
+	"github.com/carrel-os/carrel/supervisor/agentlink"
 	"github.com/carrel-os/carrel/supervisor/client"
 	apiv1 "github.com/carrel-os/carrel/supervisor/gen/apiv1"
 	"github.com/carrel-os/carrel/tests/harness"
@@ -659,6 +660,11 @@ func (b *qgaBench) rawToGuest(ctx context.Context, data []byte, dst string) (flo
 	}
 	defer conn.Close()
 	conn.SetDeadline(time.Now().Add(10 * time.Minute))
+	// The same send buffer as carreld's end of the data port: the floor is
+	// the port as carreld drives it, so the ratio is carrel's own cost.
+	if err := conn.(*net.UnixConn).SetWriteBuffer(agentlink.SendBufferBytes); err != nil {
+		return 0, err
+	}
 	// Each read of a port returns at most one 4 KiB buffer, so the reader's
 	// syscalls per buffer set the pace: dd gathers full 1 MiB blocks before
 	// each write to /dev/null, one syscall per buffer as carrel-agent does
