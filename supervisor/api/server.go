@@ -16,6 +16,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"time"
 
 	"connectrpc.com/connect"
@@ -115,7 +116,8 @@ func Handler(cfg Config) http.Handler {
 	mux.Handle(apiv1connect.NewPolicyServiceHandler(&policyService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewTokenServiceHandler(&tokenService{cfg: cfg}, opts...))
 	mux.Handle(apiv1connect.NewGPUServiceHandler(&gpuService{cfg: cfg}, opts...))
-	mux.Handle(agentv1connect.NewFileServiceHandler(relays.Files(), opts...))
+	// The file relay's codec reads uploads into buffers it reuses.
+	mux.Handle(agentv1connect.NewFileServiceHandler(relays.Files(), append(slices.Clip(opts), connect.WithCodec(relay.Codec{}))...))
 	mux.Handle(agentv1connect.NewAgentServiceHandler(relays.Agent(), opts...))
 	mux.Handle(agentv1connect.NewPortServiceHandler(relays.Ports(), opts...))
 	return mux

@@ -383,7 +383,16 @@ func writeBulk(ctx context.Context, link *agentlink.Link, s *connect.ClientStrea
 	sum := sha256.New() // of what went to the guest: the digest clients get
 	committed := false
 	var early *reply
-	for !committed && in.Receive() {
+	// The messages are read into m, whose data buffer each data message
+	// reuses (codec.go): everything below is done with it before the next.
+	conn := in.Conn()
+	var m writeMessage
+	var rerr error
+	for !committed {
+		m.reset()
+		if rerr = conn.Receive(&m); rerr != nil {
+			break
+		}
 		select {
 		case r := <-replied:
 			early = &r
@@ -392,27 +401,28 @@ func writeBulk(ctx context.Context, link *agentlink.Link, s *connect.ClientStrea
 		if early != nil {
 			break
 		}
-		switch m := in.Msg().GetMsg().(type) {
-		case *agentv1.WriteRequest_Header:
-			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: a second header"))
-		case *agentv1.WriteRequest_Data:
-			if err := t.Write(m.Data); err != nil {
+		data, isData := m.chunk()
+		switch {
+		case isData:
+			if err := t.Write(data); err != nil {
 				if errors.Is(err, agentlink.ErrInterrupted) {
 					// Only the guest's refusal interrupts: its reason.
 					return nil, relayErr(ctx, done, (<-replied).err)
 				}
 				return nil, dataErr(link, err)
 			}
-			sent += int64(len(m.Data))
-			sum.Write(m.Data)
-			content.Write(m.Data)
-		case *agentv1.WriteRequest_Commit:
+			sent += int64(len(data))
+			sum.Write(data)
+			content.Write(data)
+		case m.msg.GetHeader() != nil:
+			return nil, connect.NewError(connect.CodeInvalidArgument, errors.New("write: a second header"))
+		case m.msg.GetCommit() != nil:
 			committed = true
 		}
 	}
 	if early == nil {
-		if err := in.Err(); err != nil {
-			return nil, err
+		if rerr != nil && !errors.Is(rerr, io.EOF) {
+			return nil, rerr
 		}
 		if !committed {
 			// The client gave up: the guest drops what it has.
