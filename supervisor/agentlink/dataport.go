@@ -10,6 +10,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/carrel-os/carrel/guest-agent/protocol"
@@ -25,7 +26,8 @@ import (
 // Bounds on the data port.
 const (
 	// dataStallLimit is how long one frame may take to cross in either
-	// direction before the transfer fails and the connection is dropped.
+	// direction before the transfer fails and the connection is dropped;
+	// a write to a larger send buffer may take longer (sendStall).
 	dataStallLimit = 10 * time.Second
 	// maxStaleBytes bounds what a receive passes over from transfers that
 	// ended early before its own first frame.
@@ -35,10 +37,48 @@ const (
 	// Debian) holds about a millisecond of a transfer: QEMU drains it
 	// faster than a busy host wakes carreld to fill it again (the kernel
 	// wakes a writer only once three quarters have gone), and the guest
-	// waits. Linux caps the request at net.core.wmem_max; see
-	// docs/operator-guide.md. Only bytes queued count against it.
+	// waits. Linux caps the request at net.core.wmem_max, then doubles it
+	// for its own accounting (see docs/operator-guide.md). Only bytes
+	// queued count against it.
 	SendBufferBytes = 4 << 20
+	// minGuestRate is the slowest a guest may take a transfer's bytes
+	// before a frame write fails (sendStall).
+	minGuestRate = 256 << 10 // bytes a second
 )
+
+// sendStall is how long one frame write may take on a connection with
+// sndbuf bytes of send buffer. A blocked write resumes only once three
+// quarters of the buffer have drained, so it may wait for that and its
+// own frame to reach the guest: the limit allows minGuestRate for that,
+// and is never under dataStallLimit. At Debian's default buffer it is
+// dataStallLimit; at 4 MiB (8 MiB in the kernel's count), 28 s.
+func sendStall(sndbuf int) time.Duration {
+	return max(dataStallLimit, time.Duration(sndbuf*3/4+protocol.MaxDataFrameBytes)*time.Second/minGuestRate)
+}
+
+// sendBuffer asks for SendBufferBytes on c's send buffer and returns the
+// frame write limit for what it got: dataStallLimit where c has no
+// socket to ask (a pipe, in tests).
+func sendBuffer(c net.Conn) time.Duration {
+	sc, ok := c.(interface {
+		SetWriteBuffer(int) error
+		syscall.Conn
+	})
+	if !ok {
+		return dataStallLimit
+	}
+	// Best effort: a smaller buffer is slower, not wrong.
+	sc.SetWriteBuffer(SendBufferBytes)
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return dataStallLimit
+	}
+	n, gerr := 0, error(nil)
+	if err := rc.Control(func(fd uintptr) { n, gerr = syscall.GetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_SNDBUF) }); err != nil || gerr != nil {
+		return dataStallLimit
+	}
+	return sendStall(n)
+}
 
 // closeDrainLimit bounds, in all, Close's reading of what is left of a
 // transfer: a guest that never ends it cannot hold the port.
@@ -75,6 +115,8 @@ type dataPort struct {
 	mu   sync.Mutex
 	conn net.Conn
 	fr   *protocol.FrameReader
+	// stall bounds one frame write on conn (sendStall).
+	stall time.Duration
 	// resyncOut and resyncIn are set when a connection is dropped, maybe
 	// mid-frame. The guest's reader may be inside a frame, so the next
 	// sender first writes a frame's worth of bytes that cannot start one;
@@ -120,10 +162,7 @@ func (p *dataPort) connect(ctx context.Context, out bool) (net.Conn, *protocol.F
 		if err != nil {
 			return nil, nil, false, fmt.Errorf("data port: %w", err)
 		}
-		if b, ok := c.(interface{ SetWriteBuffer(int) error }); ok {
-			// Best effort: a smaller buffer is slower, not wrong.
-			b.SetWriteBuffer(SendBufferBytes)
-		}
+		p.stall = sendBuffer(c)
 		p.conn = c
 		fr := protocol.NewFrameReader(c)
 		fr.MaxSkip = 0
@@ -190,13 +229,14 @@ func newTransferID() uint64 {
 
 // Outbound is a transfer of file content to the guest.
 type Outbound struct {
-	ID   uint64
-	p    *dataPort
-	conn net.Conn
-	seq  uint32
-	hdr  []byte
-	err  error // the first failure; the transfer is over
-	done bool
+	ID    uint64
+	p     *dataPort
+	conn  net.Conn
+	stall time.Duration // bounds each frame write
+	seq   uint32
+	hdr   []byte
+	err   error // the first failure; the transfer is over
+	done  bool
 	// resync: the connection is new after one was dropped (dataPort).
 	resync bool
 	// interrupted is set by Interrupt, from another goroutine.
@@ -239,7 +279,10 @@ func (l *Link) SendData(ctx context.Context) *Outbound {
 		<-p.send
 		return nil
 	}
-	return &Outbound{ID: newTransferID(), p: p, conn: c, hdr: make([]byte, 0, protocol.FrameHeaderSize), resync: resync}
+	p.mu.Lock()
+	stall := p.stall
+	p.mu.Unlock()
+	return &Outbound{ID: newTransferID(), p: p, conn: c, stall: stall, hdr: make([]byte, 0, protocol.FrameHeaderSize), resync: resync}
 }
 
 // Write sends b as the transfer's next frames.
@@ -298,7 +341,7 @@ func (t *Outbound) write(b []byte) error {
 // send runs one write under the stall limit. The deadline is set before
 // the interruption is looked at, so an Interrupt meanwhile cuts it short.
 func (t *Outbound) send(write func() error) {
-	t.conn.SetWriteDeadline(time.Now().Add(dataStallLimit))
+	t.conn.SetWriteDeadline(time.Now().Add(t.stall))
 	err := ErrInterrupted
 	if !t.interrupted.Load() {
 		err = write()

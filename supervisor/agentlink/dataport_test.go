@@ -335,7 +335,28 @@ func TestDataPortSendBuffer(t *testing.T) {
 	if err := errors.Join(out.Write([]byte("x")), out.End(), <-received); err != nil {
 		t.Fatal(err)
 	}
-	if got, want := sndbuf(), 2*min(SendBufferBytes, wmemMax); got != want {
+	got, want := sndbuf(), 2*min(SendBufferBytes, wmemMax)
+	if got != want {
 		t.Fatalf("send buffer %d bytes (%d before the port was used), want %d (net.core.wmem_max %d)", got, before, want, wmemMax)
+	}
+	if out.stall != sendStall(got) {
+		t.Fatalf("frame write limit %v, want %v for a %d-byte buffer", out.stall, sendStall(got), got)
+	}
+}
+
+// A frame write may wait for three quarters of the send buffer to drain,
+// and its own frame: its limit allows the guest 256 KiB/s for that.
+func TestSendStall(t *testing.T) {
+	for _, c := range []struct {
+		sndbuf int
+		want   time.Duration
+	}{
+		{212992, dataStallLimit},                // Debian's default: 1.2 MiB at 256 KiB/s is under 10 s
+		{2 * 212992, dataStallLimit},            // the request, capped at Debian's wmem_max
+		{2 * SendBufferBytes, 28 * time.Second}, // wmem_max raised: 6 MiB and a frame
+	} {
+		if got := sendStall(c.sndbuf); got != c.want {
+			t.Errorf("sendStall(%d) = %v, want %v", c.sndbuf, got, c.want)
+		}
 	}
 }
