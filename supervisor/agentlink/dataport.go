@@ -236,7 +236,8 @@ type Outbound struct {
 	seq   uint32
 	hdr   []byte
 	err   error // the first failure; the transfer is over
-	done  bool
+	last  bool  // End or Abort has sent the last frame
+	done  bool  // the port is given back
 	// resync: the connection is new after one was dropped (dataPort).
 	resync bool
 	// interrupted is set by Interrupt, from another goroutine.
@@ -298,22 +299,28 @@ func (t *Outbound) Write(b []byte) error {
 	return nil
 }
 
-// End sends the transfer's last frame and ends it.
+// End sends the transfer's last frame. The port stays the transfer's
+// until Abort gives it back, which the caller does once the guest has
+// answered the call that names the transfer: until the guest's receiver
+// has started, the frames may all be sitting in the send buffer, and a
+// receiver for the next transfer that started first would pass them over
+// as left from an ended one.
 func (t *Outbound) End() error {
-	if !t.done {
+	if !t.last && !t.done {
 		t.frame(protocol.FrameEnd, nil)
-		t.release()
+		t.last = true
 	}
 	return t.err
 }
 
-// Abort tells the guest to drop the transfer, and ends it. After End it
-// does nothing.
+// Abort tells the guest to drop the transfer, unless End was sent, and
+// gives the port back. Every transfer ends with it.
 func (t *Outbound) Abort() {
-	if !t.done {
+	if !t.last && !t.done {
 		t.frame(protocol.FrameAbort, nil)
-		t.release()
+		t.last = true
 	}
+	t.release()
 }
 
 func (t *Outbound) frame(flags uint32, b []byte) {

@@ -82,6 +82,7 @@ func TestDataPortBothWays(t *testing.T) {
 		if err := <-recvd; err != nil {
 			t.Fatalf("%d bytes to the guest: %v", size, err)
 		}
+		out.Abort() // the guest has it all: the port goes back
 		if !bytes.Equal(got.Bytes(), data) {
 			t.Fatalf("%d bytes to the guest: got %d different bytes", size, got.Len())
 		}
@@ -234,6 +235,44 @@ func TestGuestReceiveAbortAndFailedWrite(t *testing.T) {
 	if err := <-got; err == nil || !strings.Contains(err.Error(), "disk full") {
 		t.Fatalf("got %v, want the write's error", err)
 	}
+	out.Abort()
+}
+
+// A transfer whose frames all fit in the send buffer has sent its last
+// one before the guest's receiver has started. It keeps the port until it
+// is given back: a second transfer's receiver starting first would pass
+// its frames over as stale.
+func TestDataPortHeldUntilGivenBack(t *testing.T) {
+	l, guest := dataPair(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	first := []byte("the first transfer")
+	out := l.SendData(ctx)
+	if err := errors.Join(out.Write(first), out.End()); err != nil {
+		t.Fatal(err)
+	}
+	if l.SendData(ctx) != nil {
+		t.Fatal("a second transfer got the port while the first, ended, was not given back")
+	}
+	var got bytes.Buffer
+	if _, err := guest.Receive(ctx, out.ID, &got); err != nil || got.String() != string(first) {
+		t.Fatalf("first transfer: %q, %v", got.String(), err)
+	}
+	out.Abort() // after End: gives the port back, and sends nothing
+	out = l.SendData(ctx)
+	if out == nil {
+		t.Fatal("the port was not given back")
+	}
+	received := make(chan error, 1)
+	got.Reset()
+	go func() {
+		_, err := guest.Receive(ctx, out.ID, &got)
+		received <- err
+	}()
+	if err := errors.Join(out.Write([]byte("second")), out.End(), <-received); err != nil || got.String() != "second" {
+		t.Fatalf("second transfer: %q, %v", got.String(), err)
+	}
+	out.Abort()
 }
 
 type failingWriter struct{}
@@ -335,6 +374,7 @@ func TestDataPortSendBuffer(t *testing.T) {
 	if err := errors.Join(out.Write([]byte("x")), out.End(), <-received); err != nil {
 		t.Fatal(err)
 	}
+	out.Abort()
 	got, want := sndbuf(), 2*min(SendBufferBytes, wmemMax)
 	if got != want {
 		t.Fatalf("send buffer %d bytes (%d before the port was used), want %d (net.core.wmem_max %d)", got, before, want, wmemMax)
