@@ -251,7 +251,7 @@ var ErrInterrupted = errors.New("data port: the transfer was interrupted")
 
 // Interrupt stops the transfer from another goroutine: a frame write under
 // way fails at once (the connection is dropped, as the guest may be inside
-// the frame), and so do later ones. The caller still Ends or Aborts it.
+// the frame), and so do later ones. The caller still Aborts it.
 func (t *Outbound) Interrupt() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -264,7 +264,8 @@ func (t *Outbound) Interrupt() {
 
 // SendData starts a transfer to the guest on the data port, or returns nil
 // when there is none to use now (no port, turned off, or busy): the caller
-// sends the content in the stream. The caller must End or Abort it.
+// sends the content in the stream. The caller must Abort it in the end,
+// after End when the content was all sent, which gives the port back.
 func (l *Link) SendData(ctx context.Context) *Outbound {
 	p := l.dataPort()
 	if p == nil {
