@@ -56,6 +56,17 @@ func putBlob(dir string, r io.Reader) (string, error) {
 	return digest, nil
 }
 
+// CreateBlob starts a blob whose writer hashes the content itself and
+// names it on Commit (cas.Writer): the content is hashed once. The blob is
+// durable once Commit returns nil; until then nothing may reference it.
+func (l *Log) CreateBlob() (*cas.Writer, error) {
+	w, err := blobs(l.dir).Create()
+	if err != nil {
+		return nil, fmt.Errorf("create blob: %w", err)
+	}
+	return w, nil
+}
+
 // OpenBlob opens a stored blob for reading.
 func (l *Log) OpenBlob(digest string) (*os.File, error) {
 	p, err := BlobPath(l.dir, digest)

@@ -3,10 +3,11 @@
 // image store each keep one, with layouts of their own; this package writes,
 // names and checks the blobs for both.
 //
-// A blob is written to a temp file in the store, hashed as it is copied,
-// synced, and renamed into place, and the directory that received it is
-// synced; so a blob in the store is always complete and durable, and a
-// crash leaves at worst a temp file behind.
+// A blob is written to a temp file in the store, hashed as it is copied
+// (or, through a Writer, by the caller that wrote it), synced, and renamed
+// into place, and the directory that received it is synced; so a blob in
+// the store is always complete and durable, and a crash leaves at worst a
+// temp file behind.
 package cas
 
 import (
@@ -86,8 +87,8 @@ func (s *Store) Put(r io.Reader) (digest string, size int64, err error) {
 	if err != nil {
 		return "", 0, err
 	}
-	if err := st.Commit(); err != nil {
-		return "", 0, errors.Join(err, st.Discard())
+	if err := st.commitOrDiscard(); err != nil {
+		return "", 0, err
 	}
 	return st.Digest, st.Size, nil
 }
@@ -105,27 +106,88 @@ type Staged struct {
 // Stage copies what r yields to a temp file in the store, hashing it as it
 // goes, and syncs it. On error the temp file is removed.
 func (s *Store) Stage(r io.Reader) (*Staged, error) {
+	w, err := s.Create()
+	if err != nil {
+		return nil, err
+	}
+	h := sha256.New()
+	if _, err := io.Copy(io.MultiWriter(w, h), r); err != nil {
+		return nil, errors.Join(err, w.Discard())
+	}
+	return w.Stage(Prefix + hex.EncodeToString(h.Sum(nil)))
+}
+
+// Writer is a blob written piece by piece by a caller that hashes the
+// content itself, as carreld's file relay does with every byte it
+// forwards: the caller names the blob when it is done, and the store does
+// not hash the content a second time. Check, which the audit log's verify
+// runs, finds a blob whose content does not match its name.
+type Writer struct {
+	f     *os.File
+	size  int64
+	store *Store
+}
+
+// Create starts a blob in a temp file of the store. The caller writes the
+// content, then Stages or Commits it under its digest, or Discards it.
+func (s *Store) Create() (*Writer, error) {
 	f, err := os.CreateTemp(s.TempDir, s.TempPattern)
 	if err != nil {
 		return nil, fmt.Errorf("create temp file: %w", err)
 	}
-	h := sha256.New()
-	n, err := io.Copy(io.MultiWriter(f, h), r)
-	if err == nil {
-		err = f.Chmod(s.Perm)
+	return &Writer{f: f, store: s}, nil
+}
+
+// Write adds p to the content.
+func (w *Writer) Write(p []byte) (int, error) {
+	n, err := w.f.Write(p)
+	w.size += int64(n)
+	return n, err
+}
+
+// Stage syncs what was written and names it digest, which must be the
+// Valid sha256 of exactly that content; the blob is not yet in place. On
+// error the temp file is removed.
+func (w *Writer) Stage(digest string) (*Staged, error) {
+	var err error
+	if !Valid(digest) {
+		err = fmt.Errorf("blob name %q: want %s<64 hex>", digest, Prefix)
 	}
 	if err == nil {
-		if err = f.Sync(); err != nil {
-			err = fmt.Errorf("sync %s: %w", f.Name(), err)
+		err = w.f.Chmod(w.store.Perm)
+	}
+	if err == nil {
+		if err = w.f.Sync(); err != nil {
+			err = fmt.Errorf("sync %s: %w", w.f.Name(), err)
 		}
 	}
-	if cerr := f.Close(); err == nil {
+	if cerr := w.f.Close(); err == nil {
 		err = cerr
 	}
 	if err != nil {
-		return nil, errors.Join(err, os.Remove(f.Name()))
+		return nil, errors.Join(err, os.Remove(w.f.Name()))
 	}
-	return &Staged{Digest: Prefix + hex.EncodeToString(h.Sum(nil)), Size: n, Temp: f.Name(), store: s}, nil
+	return &Staged{Digest: digest, Size: w.size, Temp: w.f.Name(), store: w.store}, nil
+}
+
+// Commit stages what was written as digest (see Stage) and commits it:
+// the blob is durable when Commit returns nil, and on error no temp file
+// is left behind.
+func (w *Writer) Commit(digest string) error {
+	st, err := w.Stage(digest)
+	if err != nil {
+		return err
+	}
+	return st.commitOrDiscard()
+}
+
+// Discard drops what was written and removes the temp file.
+func (w *Writer) Discard() error {
+	w.f.Close()
+	if err := os.Remove(w.f.Name()); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return err
+	}
+	return nil
 }
 
 // Commit renames the staged file into place and syncs the directory that
@@ -156,6 +218,14 @@ func (st *Staged) Commit() error {
 	st.Temp = ""
 	if err := atomicfile.SyncDir(dir); err != nil {
 		return fmt.Errorf("sync %s: %w", dir, err)
+	}
+	return nil
+}
+
+// commitOrDiscard commits st, and removes the staged file if that fails.
+func (st *Staged) commitOrDiscard() error {
+	if err := st.Commit(); err != nil {
+		return errors.Join(err, st.Discard())
 	}
 	return nil
 }

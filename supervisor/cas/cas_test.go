@@ -188,3 +188,63 @@ func TestStageDiscard(t *testing.T) {
 		t.Errorf("files left behind: %q", got)
 	}
 }
+
+// TestWriter: a blob written piece by piece lands under the digest its
+// writer names, once; a bad name, or a Discard, leaves nothing behind.
+func TestWriter(t *testing.T) {
+	s := newStore(t, Fanout, false)
+	write := func(parts ...string) *Writer {
+		t.Helper()
+		w, err := s.Create()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range parts {
+			if _, err := w.Write([]byte(p)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return w
+	}
+	d := digestOf("hello, world")
+	if err := write("hello", ", ", "world").Commit(d); err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(s.Path(d))
+	if err != nil || string(got) != "hello, world" {
+		t.Fatalf("blob %s = %q, %v", d, got, err)
+	}
+	if fi, err := os.Stat(s.Path(d)); err != nil || fi.Mode().Perm() != s.Perm {
+		t.Errorf("blob mode %v, %v; want %v", fi.Mode().Perm(), err, s.Perm)
+	}
+	// The same content again is stored once.
+	if err := write("hello, world").Commit(d); err != nil {
+		t.Fatal(err)
+	}
+	if got := files(t, s.TempDir); len(got) != 1 {
+		t.Errorf("files after a second commit: %q", got)
+	}
+
+	for _, bad := range []string{"", "sha256:" + strings.Repeat("A", 64), "md5:0"} {
+		if err := write("x").Commit(bad); err == nil {
+			t.Errorf("Commit(%q) succeeded", bad)
+		}
+	}
+	if err := write("dropped").Discard(); err != nil {
+		t.Fatal(err)
+	}
+	if got := files(t, s.TempDir); len(got) != 1 {
+		t.Errorf("files left behind: %q", got)
+	}
+
+	// The store takes the writer's word for the name; Check, which the
+	// audit log's verify runs, is what finds a wrong one.
+	wrong := digestOf("something else")
+	if err := write("not that").Commit(wrong); err != nil {
+		t.Fatal(err)
+	}
+	var mismatch *MismatchError
+	if err := s.Check(wrong); !errors.As(err, &mismatch) || mismatch.Got != digestOf("not that") {
+		t.Errorf("Check of a misnamed blob = %v", err)
+	}
+}

@@ -6,12 +6,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
+	"log/slog"
 	"strings"
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
 
 // maxRecordedWrite is the largest file write whose content the audit log
@@ -154,15 +155,16 @@ func (a *Action) EndInput(ctx context.Context, err error) {
 	a.end(ctx, a.c.record(audit.KindOutcome, audit.Host, data), "input")
 }
 
-// Content copies what a write sends into a blob as it is relayed, up to
-// maxRecordedWrite bytes. A nil *Content keeps nothing.
+// Content keeps what a write sends as a blob, up to maxRecordedWrite
+// bytes, written to the blob store as the write is relayed. The relay
+// hashes every byte it forwards for the digest its client gets, and that
+// digest names the blob (Finish), so the content is hashed once. A nil
+// *Content keeps nothing.
 type Content struct {
-	w    *io.PipeWriter
-	n    int64
-	over bool
-	done chan struct{}
-	dig  string
-	err  error
+	w   *cas.Writer // nil once the content is dropped
+	n   int64
+	why error // why the content is not kept, once w is nil
+	log *slog.Logger
 }
 
 var errTooLargeToKeep = errors.New("larger than the content the audit log keeps")
@@ -172,53 +174,61 @@ func (c *Call) Content() *Content {
 	if c == nil {
 		return nil
 	}
-	r, w := io.Pipe()
-	b := &Content{w: w, done: make(chan struct{})}
-	go func() {
-		defer close(b.done)
-		b.dig, b.err = c.r.log.PutBlob(r)
-		r.CloseWithError(b.err) // unblocks a writer if PutBlob failed early
-	}()
-	return b
+	w, err := c.r.log.CreateBlob()
+	return &Content{w: w, why: err, log: c.r.logger}
 }
 
-// Write keeps p, unless the content is already over the cap.
+// Write keeps p, unless the content is already over the cap or could not
+// be kept.
 func (b *Content) Write(p []byte) {
-	if b == nil || b.over || len(p) == 0 {
+	if b == nil || b.w == nil || len(p) == 0 {
 		return
 	}
 	b.n += int64(len(p))
 	if b.n > maxRecordedWrite {
-		b.over = true
-		b.w.CloseWithError(errTooLargeToKeep)
+		b.drop(errTooLargeToKeep)
 		return
 	}
 	if _, err := b.w.Write(p); err != nil {
-		b.over = true
+		b.drop(err)
 	}
 }
 
-// Finish returns the blob's digest, or "" and why the content is not
-// kept. abort drops the content (the write did not happen).
-func (b *Content) Finish(abort bool) (blob, why string) {
+// drop stops keeping the content, for reason why.
+func (b *Content) drop(why error) {
+	if err := b.w.Discard(); err != nil {
+		// audit.Open removes it at the next start.
+		b.log.Warn("write content not kept: its temp file stays", "err", err)
+	}
+	b.w, b.why = nil, why
+}
+
+// Finish keeps the content as the blob digest, which must be the sha256
+// of exactly what Write was given, and returns digest; or it returns ""
+// and why the content is not kept. abort drops the content (the write did
+// not happen).
+func (b *Content) Finish(digest string, abort bool) (blob, why string) {
 	if b == nil {
 		return "", ""
 	}
 	if abort {
-		b.w.CloseWithError(errors.New("write abandoned"))
-	} else {
-		b.w.Close()
-	}
-	<-b.done
-	switch {
-	case abort:
+		if b.w != nil {
+			b.drop(errors.New("write abandoned"))
+		}
 		return "", ""
-	case b.n > maxRecordedWrite:
-		return "", fmt.Sprintf("not kept: over %d MiB", maxRecordedWrite>>20)
-	case b.err != nil:
-		return "", "not kept: " + protocol.CleanText(b.err.Error(), 256)
 	}
-	return b.dig, ""
+	if b.w != nil {
+		err := b.w.Commit(digest)
+		b.w = nil
+		if err == nil {
+			return digest, ""
+		}
+		b.why = err
+	}
+	if errors.Is(b.why, errTooLargeToKeep) {
+		return "", fmt.Sprintf("not kept: over %d MiB", maxRecordedWrite>>20)
+	}
+	return "", "not kept: " + protocol.CleanText(b.why.Error(), 256)
 }
 
 // watchRecordBytes bounds one watch.event record's data, under the log's

@@ -11,6 +11,7 @@ import (
 
 	"github.com/carrel-os/carrel/policy"
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
 
 // TestDecisionRecordKeepsEveryField: a decision is recorded as an
@@ -73,6 +74,8 @@ func (m *memLog) BeginAfter(context.Context, []audit.Record, audit.Record) (*aud
 }
 
 func (m *memLog) PutBlob(io.Reader) (string, error) { return "", errors.New("memLog keeps no blobs") }
+
+func (m *memLog) CreateBlob() (*cas.Writer, error) { return nil, errors.New("memLog keeps no blobs") }
 
 // TestDecisionSession: a decision is recorded in the session its context
 // gives its VM, and in none when the context speaks of another VM.

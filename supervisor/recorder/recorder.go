@@ -17,6 +17,7 @@ import (
 	"sync"
 
 	"github.com/carrel-os/carrel/supervisor/audit"
+	"github.com/carrel-os/carrel/supervisor/cas"
 )
 
 // Log is the part of the audit log the recorder writes to: records,
@@ -25,6 +26,7 @@ type Log interface {
 	AppendAll(ctx context.Context, recs ...audit.Record) ([]uint64, error)
 	BeginAfter(ctx context.Context, before []audit.Record, rec audit.Record) (*audit.Pending, error)
 	PutBlob(r io.Reader) (string, error)
+	CreateBlob() (*cas.Writer, error)
 }
 
 var _ Log = (*audit.Log)(nil)

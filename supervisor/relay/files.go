@@ -296,11 +296,13 @@ func (r fileRelay) relayWrite(ctx context.Context, in *connect.ClientStream[agen
 	content := rc.Content()
 	var resp *connect.Response[agentv1.WriteResponse]
 	defer func() {
-		blob, why := content.Finish(err != nil)
-		op.Content = why
 		if resp != nil {
 			op.Size, op.Digest = resp.Msg.Size, resp.Msg.Digest
 		}
+		// The digest is of what went to the guest, which is what the
+		// content holds.
+		blob, why := content.Finish(op.Digest, err != nil)
+		op.Content = why
 		act.EndFile(ctx, op, blob, err)
 	}()
 	// Cancelled when we return, so the guest drops a write that did not
