@@ -2,6 +2,7 @@ package relay
 
 import (
 	"fmt"
+	"sync"
 
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
@@ -17,7 +18,10 @@ import (
 // carreld's CPU time in an upload, taken from the host CPUs the VM's QEMU
 // threads are waiting for. So the bulk relay reads its data messages into
 // one buffer of its own, which it reuses from message to message
-// (writeMessage), through the FileService handler's codec (Codec).
+// (writeMessage), through the FileService handler's codec (Codec). The
+// buffers outlive uploads too (takeWriteMessage): most uploads are small
+// files of a message or two, and a buffer of their own was nearly all
+// that such an upload allocated.
 
 // Codec is the protobuf codec of carreld's FileService handler
 // (connect.WithCodec). It is connect's own binary codec, plus one case:
@@ -82,6 +86,26 @@ type writeMessage struct {
 	isData bool
 	data   []byte
 	msg    *agentv1.WriteRequest
+}
+
+// maxPooledData is the largest data buffer kept for the next upload: a
+// client's messages are about a MiB, and one that sends larger ones gets
+// a buffer of its own.
+const maxPooledData = 4 << 20
+
+var writeMessages = sync.Pool{New: func() any { return new(writeMessage) }}
+
+// takeWriteMessage returns an empty writeMessage, with the data buffer of
+// an upload that ended if there is one. Give it back with release.
+func takeWriteMessage() *writeMessage { return writeMessages.Get().(*writeMessage) }
+
+// release gives w back for another upload: its data is no longer read.
+func (w *writeMessage) release() {
+	w.reset()
+	if cap(w.data) > maxPooledData {
+		w.data = nil
+	}
+	writeMessages.Put(w)
 }
 
 // ProtoReflect is msg's, made when first asked for.

@@ -172,3 +172,20 @@ func TestCodecOtherMessages(t *testing.T) {
 		t.Fatal("decoded into a non-message")
 	}
 }
+
+// A writeMessage given back keeps its data buffer for the next upload,
+// emptied, unless the buffer is over maxPooledData.
+func TestReleaseKeepsOnlyModestBuffers(t *testing.T) {
+	w := takeWriteMessage()
+	w.isData, w.data = true, make([]byte, 10, 1<<20)
+	w.release()
+	if w.isData || len(w.data) != 0 || cap(w.data) != 1<<20 {
+		t.Errorf("released: isData %v, len %d, cap %d; want an empty 1 MiB buffer", w.isData, len(w.data), cap(w.data))
+	}
+	big := takeWriteMessage()
+	big.data = make([]byte, maxPooledData+1)
+	big.release()
+	if big.data != nil {
+		t.Errorf("a %d-byte buffer was kept", maxPooledData+1)
+	}
+}

@@ -388,11 +388,12 @@ func writeBulk(ctx context.Context, link *agentlink.Link, s *connect.ClientStrea
 	// The messages are read into m, whose data buffer each data message
 	// reuses (codec.go): everything below is done with it before the next.
 	conn := in.Conn()
-	var m writeMessage
+	m := takeWriteMessage()
+	defer m.release()
 	var rerr error
 	for !committed {
 		m.reset()
-		if rerr = conn.Receive(&m); rerr != nil {
+		if rerr = conn.Receive(m); rerr != nil {
 			break
 		}
 		select {
