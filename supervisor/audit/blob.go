@@ -11,8 +11,8 @@ import (
 
 const (
 	blobDir = "blobs"
-	// blobTemp names PutBlob's temp files in blobs/; Open removes those a
-	// crash left behind.
+	// blobTemp names the temp files of blobs being written, in blobs/;
+	// Open removes those a crash left behind.
 	blobTemp = ".put-*"
 )
 

@@ -212,7 +212,8 @@ func (l *Log) openFiles() error {
 		}
 		return fmt.Errorf("lock audit log %s: %w", l.dir, err)
 	}
-	// A crash in PutBlob leaves its temporary file behind.
+	// A crash while a blob is written (PutBlob, CreateBlob) leaves its
+	// temporary file behind.
 	if left, _ := filepath.Glob(filepath.Join(l.dir, blobDir, blobTemp)); len(left) > 0 {
 		for _, f := range left {
 			os.Remove(f)
@@ -284,9 +285,9 @@ func (l *Log) Close() error {
 }
 
 // Append makes rec durable and returns its seq. It sets rec's Seq and
-// Time. Any blobs rec references must have been put with PutBlob. If ctx
-// ends first, Append returns ctx's error and the record may or may not be
-// written.
+// Time. Any blobs rec references must have been stored (PutBlob, or
+// CreateBlob and a commit). If ctx ends first, Append returns ctx's error
+// and the record may or may not be written.
 func (l *Log) Append(ctx context.Context, rec Record) (uint64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err

@@ -76,7 +76,8 @@ type Record struct {
 	Provenance Provenance `json:"provenance"`
 	// Intent is, on an outcome, the seq of its "action.intent" record.
 	Intent *uint64 `json:"intent,omitempty"`
-	// Blobs are "sha256:<hex>" references to blobs put with PutBlob.
+	// Blobs are "sha256:<hex>" references to blobs stored with PutBlob, or
+	// CreateBlob and a commit.
 	Blobs []string `json:"blobs,omitempty"`
 	// Data is the kind-specific body, at most MaxDataSize bytes of JSON.
 	Data json.RawMessage `json:"data,omitempty"`

@@ -121,12 +121,16 @@ func (s *Store) Stage(r io.Reader) (*Staged, error) {
 // content itself, as carreld's file relay does with every byte it
 // forwards: the caller names the blob when it is done, and the store does
 // not hash the content a second time. Check, which the audit log's verify
-// runs, finds a blob whose content does not match its name.
+// runs, finds a blob whose content does not match its name; and as a
+// stored blob is kept, not replaced, unless the store Replaces, a wrong
+// name would stand until then.
 type Writer struct {
-	f     *os.File
+	f     *os.File // nil once staged or discarded
 	size  int64
 	store *Store
 }
+
+var errWriterDone = errors.New("blob writer already staged or discarded")
 
 // Create starts a blob in a temp file of the store. The caller writes the
 // content, then Stages or Commits it under its digest, or Discards it.
@@ -140,6 +144,9 @@ func (s *Store) Create() (*Writer, error) {
 
 // Write adds p to the content.
 func (w *Writer) Write(p []byte) (int, error) {
+	if w.f == nil {
+		return 0, errWriterDone
+	}
 	n, err := w.f.Write(p)
 	w.size += int64(n)
 	return n, err
@@ -149,25 +156,30 @@ func (w *Writer) Write(p []byte) (int, error) {
 // Valid sha256 of exactly that content; the blob is not yet in place. On
 // error the temp file is removed.
 func (w *Writer) Stage(digest string) (*Staged, error) {
+	if w.f == nil {
+		return nil, errWriterDone
+	}
+	f := w.f
+	w.f = nil
 	var err error
 	if !Valid(digest) {
 		err = fmt.Errorf("blob name %q: want %s<64 hex>", digest, Prefix)
 	}
 	if err == nil {
-		err = w.f.Chmod(w.store.Perm)
+		err = f.Chmod(w.store.Perm)
 	}
 	if err == nil {
-		if err = w.f.Sync(); err != nil {
-			err = fmt.Errorf("sync %s: %w", w.f.Name(), err)
+		if err = f.Sync(); err != nil {
+			err = fmt.Errorf("sync %s: %w", f.Name(), err)
 		}
 	}
-	if cerr := w.f.Close(); err == nil {
+	if cerr := f.Close(); err == nil {
 		err = cerr
 	}
 	if err != nil {
-		return nil, errors.Join(err, os.Remove(w.f.Name()))
+		return nil, errors.Join(err, os.Remove(f.Name()))
 	}
-	return &Staged{Digest: digest, Size: w.size, Temp: w.f.Name(), store: w.store}, nil
+	return &Staged{Digest: digest, Size: w.size, Temp: f.Name(), store: w.store}, nil
 }
 
 // Commit stages what was written as digest (see Stage) and commits it:
@@ -181,10 +193,16 @@ func (w *Writer) Commit(digest string) error {
 	return st.commitOrDiscard()
 }
 
-// Discard drops what was written and removes the temp file.
+// Discard drops what was written and removes the temp file. After Stage
+// or Commit it does nothing: a Staged is discarded through its own method.
 func (w *Writer) Discard() error {
-	w.f.Close()
-	if err := os.Remove(w.f.Name()); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if w.f == nil {
+		return nil
+	}
+	f := w.f
+	w.f = nil
+	f.Close()
+	if err := os.Remove(f.Name()); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return err
 	}
 	return nil
@@ -196,12 +214,18 @@ func (w *Writer) Discard() error {
 func (st *Staged) Commit() error {
 	s := st.store
 	path := s.Path(st.Digest)
+	dir := filepath.Dir(path)
 	if !s.Replace {
 		if _, err := os.Stat(path); err == nil {
+			// Another writer may have renamed it in and not yet synced
+			// the directories that name it: the caller may rely on the
+			// blob once Commit returns, so sync them here too.
+			if err := s.syncDirs(dir); err != nil {
+				return err
+			}
 			return st.Discard()
 		}
 	}
-	dir := filepath.Dir(path)
 	if s.Layout == Fanout {
 		if _, err := os.Stat(dir); errors.Is(err, fs.ErrNotExist) {
 			if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -218,6 +242,20 @@ func (st *Staged) Commit() error {
 	st.Temp = ""
 	if err := atomicfile.SyncDir(dir); err != nil {
 		return fmt.Errorf("sync %s: %w", dir, err)
+	}
+	return nil
+}
+
+// syncDirs syncs dir, a blob's directory, and for Fanout the root that
+// names it.
+func (s *Store) syncDirs(dir string) error {
+	if err := atomicfile.SyncDir(dir); err != nil {
+		return fmt.Errorf("sync %s: %w", dir, err)
+	}
+	if s.Layout == Fanout {
+		if err := atomicfile.SyncDir(s.Root); err != nil {
+			return fmt.Errorf("sync %s: %w", s.Root, err)
+		}
 	}
 	return nil
 }

@@ -230,10 +230,33 @@ func TestWriter(t *testing.T) {
 			t.Errorf("Commit(%q) succeeded", bad)
 		}
 	}
-	if err := write("dropped").Discard(); err != nil {
+	dropped := write("dropped")
+	if err := dropped.Discard(); err != nil {
 		t.Fatal(err)
 	}
-	if got := files(t, s.TempDir); len(got) != 1 {
+	if err := dropped.Discard(); err != nil {
+		t.Errorf("second Discard: %v", err)
+	}
+	if _, err := dropped.Write([]byte("more")); err == nil {
+		t.Error("Write after Discard succeeded")
+	}
+	staged := write("sta", "ged")
+	st, err := staged.Stage(digestOf("staged"))
+	if err != nil || st.Size != 6 {
+		t.Fatalf("Stage: %+v, %v", st, err)
+	}
+	// The writer is done with: it neither stages again nor takes the
+	// staged file from under st.
+	if _, err := staged.Stage(digestOf("staged")); err == nil {
+		t.Error("a second Stage succeeded")
+	}
+	if err := staged.Discard(); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Commit(); err != nil {
+		t.Fatalf("Commit after the writer's Discard: %v", err)
+	}
+	if got := files(t, s.TempDir); len(got) != 2 {
 		t.Errorf("files left behind: %q", got)
 	}
 

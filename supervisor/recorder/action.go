@@ -161,10 +161,11 @@ func (a *Action) EndInput(ctx context.Context, err error) {
 // digest names the blob (Finish), so the content is hashed once. A nil
 // *Content keeps nothing.
 type Content struct {
-	w   *cas.Writer // nil once the content is dropped
-	n   int64
-	why error // why the content is not kept, once w is nil
-	log *slog.Logger
+	w    *cas.Writer // nil once the content is kept or dropped
+	n    int64
+	kept string // the blob, once kept
+	why  error  // why the content is not kept, once dropped
+	log  *slog.Logger
 }
 
 var errTooLargeToKeep = errors.New("larger than the content the audit log keeps")
@@ -218,17 +219,22 @@ func (b *Content) Finish(digest string, abort bool) (blob, why string) {
 		return "", ""
 	}
 	if b.w != nil {
-		err := b.w.Commit(digest)
-		b.w = nil
-		if err == nil {
-			return digest, ""
+		if err := b.w.Commit(digest); err != nil {
+			b.why = err
+		} else {
+			b.kept = digest
 		}
-		b.why = err
+		b.w = nil
 	}
-	if errors.Is(b.why, errTooLargeToKeep) {
+	switch {
+	case b.kept != "":
+		return b.kept, ""
+	case errors.Is(b.why, errTooLargeToKeep):
 		return "", fmt.Sprintf("not kept: over %d MiB", maxRecordedWrite>>20)
+	case b.why != nil:
+		return "", "not kept: " + protocol.CleanText(b.why.Error(), 256)
 	}
-	return "", "not kept: " + protocol.CleanText(b.why.Error(), 256)
+	return "", ""
 }
 
 // watchRecordBytes bounds one watch.event record's data, under the log's

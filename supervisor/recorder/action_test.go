@@ -59,24 +59,63 @@ func TestContent(t *testing.T) {
 		t.Errorf("empty write: %q, %q", blob, why)
 	}
 
-	chunk := bytes.Repeat([]byte{'x'}, 1<<20)
-	var big [][]byte
-	for range maxRecordedWrite>>20 + 1 {
-		big = append(big, chunk)
+	stored := func(digest string) bool {
+		p, _ := audit.BlobPath(dir, digest)
+		_, err := os.Stat(p)
+		return err == nil
 	}
-	if blob, why := keep(big, digest(bytes.Join(big, nil)), false); blob != "" || why != "not kept: over 16 MiB" {
+	chunk := bytes.Repeat([]byte{'x'}, 1<<20)
+	var atCap [][]byte
+	for range maxRecordedWrite >> 20 {
+		atCap = append(atCap, chunk)
+	}
+	if d := digest(bytes.Join(atCap, nil)); !stored(keepDigest(t, keep, atCap, d)) {
+		t.Errorf("content of exactly %d bytes not kept", maxRecordedWrite)
+	}
+	over := append(atCap, []byte("y"))
+	if blob, why := keep(over, digest(bytes.Join(over, nil)), false); blob != "" || why != "not kept: over 16 MiB" || stored(digest(bytes.Join(over, nil))) {
 		t.Errorf("over the cap: %q, %q", blob, why)
 	}
-	if blob, why := keep(small, digest(want), true); blob != "" || why != "" {
+	abandoned := []byte("a write that did not happen")
+	if blob, why := keep([][]byte{abandoned}, digest(abandoned), true); blob != "" || why != "" || stored(digest(abandoned)) {
 		t.Errorf("abandoned: %q, %q", blob, why)
 	}
-	if blob, why := keep(small, "", false); blob != "" || !strings.HasPrefix(why, "not kept: blob name") {
+	unnamed := []byte("content without a digest")
+	if blob, why := keep([][]byte{unnamed}, "", false); blob != "" || !strings.HasPrefix(why, "not kept: blob name") || stored(digest(unnamed)) {
 		t.Errorf("no digest: %q, %q", blob, why)
 	}
 	noTemps()
+
+	// Finish again gives the same answer.
+	b := c.Content()
+	b.Write(want)
+	first, _ := b.Finish(digest(want), false)
+	if again, why := b.Finish(digest(want), false); again != first || why != "" {
+		t.Errorf("Finish twice: %q then %q, %q", first, again, why)
+	}
+
+	// A log that cannot start a blob: the write goes on, its content is
+	// not kept, and the record says why.
+	var ml memLog
+	mb := New(&ml, nil).Call("vm", "ses", audit.Caller{}).Content()
+	mb.Write(want)
+	if blob, why := mb.Finish(digest(want), false); blob != "" || why != "not kept: memLog keeps no blobs" {
+		t.Errorf("no blob store: %q, %q", blob, why)
+	}
 	var nilContent *Content
 	nilContent.Write(want)
 	if blob, why := nilContent.Finish(digest(want), false); blob != "" || why != "" {
 		t.Errorf("nil Content: %q, %q", blob, why)
 	}
+}
+
+// keepDigest keeps parts under d and returns the blob, failing t if it was
+// not kept.
+func keepDigest(t *testing.T, keep func([][]byte, string, bool) (string, string), parts [][]byte, d string) string {
+	t.Helper()
+	blob, why := keep(parts, d, false)
+	if blob != d || why != "" {
+		t.Errorf("kept %q, %q; want %s", blob, why, d)
+	}
+	return blob
 }
