@@ -5,8 +5,10 @@ import (
 	"errors"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -41,6 +43,12 @@ func (bulkAgent) Read(ctx context.Context, req *connect.Request[agentv1.ReadRequ
 // and the guest's end of that pipe.
 func bulkLink(t *testing.T) (*agentlink.Link, net.Conn) {
 	t.Helper()
+	return bulkLinkTo(t, bulkAgent{})
+}
+
+// bulkLinkTo is bulkLink with files as the agent's FileService.
+func bulkLinkTo(t *testing.T, files agentv1connect.FileServiceHandler) (*agentlink.Link, net.Conn) {
+	t.Helper()
 	sock := filepath.Join(t.TempDir(), "agent.sock")
 	l, err := net.Listen("unix", sock)
 	if err != nil {
@@ -48,7 +56,7 @@ func bulkLink(t *testing.T) (*agentlink.Link, net.Conn) {
 	}
 	mux := http.NewServeMux()
 	mux.Handle(agentv1connect.NewAgentServiceHandler(bulkAgent{}))
-	mux.Handle(agentv1connect.NewFileServiceHandler(bulkAgent{}))
+	mux.Handle(agentv1connect.NewFileServiceHandler(files))
 	srv := protocol.NewHTTPServer(mux)
 	go srv.Serve(l)
 	t.Cleanup(func() { srv.Close() })
@@ -57,13 +65,35 @@ func bulkLink(t *testing.T) (*agentlink.Link, net.Conn) {
 		return d.DialContext(ctx, "unix", sock)
 	}, nil)
 	t.Cleanup(func() { link.Close() })
-	host, guest := net.Pipe()
-	t.Cleanup(func() { host.Close(); guest.Close() })
+	host, guest := socketPair(t)
 	link.UseDataPort(func(context.Context) (net.Conn, error) { return host, nil })
 	if _, err := link.Health(context.Background()); err != nil {
 		t.Fatal(err)
 	}
 	return link, guest
+}
+
+// socketPair returns the two ends of a unix stream socket pair, as a data
+// port is on the host. (A net.Pipe would block a zero-length write until
+// the other end reads, which a socket never does.)
+func socketPair(t *testing.T) (net.Conn, net.Conn) {
+	t.Helper()
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var conns [2]net.Conn
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "data port")
+		c, err := net.FileConn(f)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		conns[i] = c
+	}
+	return conns[0], conns[1]
 }
 
 // inbound starts a transfer from the guest on link's data port, under a
