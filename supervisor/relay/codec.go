@@ -88,9 +88,9 @@ type writeMessage struct {
 	msg    *agentv1.WriteRequest
 }
 
-// maxPooledData is the largest data buffer kept for the next upload: a
-// client's messages are about a MiB, and one that sends larger ones gets
-// a buffer of its own.
+// maxPooledData is the largest data buffer kept for the next upload. The
+// handler takes messages of at most a MiB (api's WithReadMaxBytes), so
+// this is only a backstop.
 const maxPooledData = 4 << 20
 
 var writeMessages = sync.Pool{New: func() any { return new(writeMessage) }}
