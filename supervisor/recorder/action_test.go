@@ -69,8 +69,9 @@ func TestContent(t *testing.T) {
 	for range maxRecordedWrite >> 20 {
 		atCap = append(atCap, chunk)
 	}
-	if d := digest(bytes.Join(atCap, nil)); !stored(keepDigest(t, keep, atCap, d)) {
-		t.Errorf("content of exactly %d bytes not kept", maxRecordedWrite)
+	d := digest(bytes.Join(atCap, nil))
+	if blob, why := keep(atCap, d, false); blob != d || why != "" || !stored(d) {
+		t.Errorf("content of exactly %d bytes: kept %q, %q", maxRecordedWrite, blob, why)
 	}
 	over := append(atCap, []byte("y"))
 	if blob, why := keep(over, digest(bytes.Join(over, nil)), false); blob != "" || why != "not kept: over 16 MiB" || stored(digest(bytes.Join(over, nil))) {
@@ -107,15 +108,4 @@ func TestContent(t *testing.T) {
 	if blob, why := nilContent.Finish(digest(want), false); blob != "" || why != "" {
 		t.Errorf("nil Content: %q, %q", blob, why)
 	}
-}
-
-// keepDigest keeps parts under d and returns the blob, failing t if it was
-// not kept.
-func keepDigest(t *testing.T, keep func([][]byte, string, bool) (string, string), parts [][]byte, d string) string {
-	t.Helper()
-	blob, why := keep(parts, d, false)
-	if blob != d || why != "" {
-		t.Errorf("kept %q, %q; want %s", blob, why, d)
-	}
-	return blob
 }
