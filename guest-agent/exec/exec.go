@@ -201,6 +201,8 @@ func validate(req *agentv1.ExecRequest) error {
 		return fmt.Errorf("exec: %d environment entries, more than %d", len(env), MaxArgs)
 	case req.GetTty() && (req.GetRows() > pty.MaxSize || req.GetCols() > pty.MaxSize):
 		return fmt.Errorf("exec: terminal size %dx%d: %w", req.GetRows(), req.GetCols(), pty.ErrBadSize)
+	case req.GetDetachAtStart() && !req.GetDetach():
+		return errors.New("exec: detach_at_start needs detach")
 	}
 	total := len(req.GetCwd())
 	for _, a := range argv {

@@ -85,7 +85,8 @@ func New(r *exec.Runner) *Table {
 // A detached command's output is kept, the newest OutputBytes of it, from
 // its start: each attach (and the starting call) first gets all of that,
 // then live output, then the exit status. Ending the call is how a client
-// detaches; the command keeps running. While a client is attached, the
+// detaches; the command keeps running. A start with detach_at_start is
+// answered with Started alone, and the call ends there, no client attached. While a client is attached, the
 // command's output waits for the client rather than overwrite what it has
 // yet to read. Once a client has been sent the exit status, the command is
 // forgotten; one nobody collects is forgotten KeepExited after its exit,
@@ -157,11 +158,19 @@ func (t *Table) startDetached(ctx context.Context, fail context.CancelCauseFunc,
 		return err
 	}
 	e := &entry{proc: p, out: newOutbuf(OutputBytes)}
-	e.out.attach()
+	atStart := req.GetDetachAtStart()
+	if !atStart {
+		e.out.attach()
+	}
 	t.detached[p.ID] = e
 	t.mu.Unlock()
 	p.Stream(e.out.write)
 	go t.watch(e)
+	if atStart {
+		// Kept and unattached before the client learns the id, so that
+		// its attach cannot find the command still held by this call.
+		return s.Send(p.Started())
+	}
 	return t.follow(ctx, fail, s, e, 0)
 }
 

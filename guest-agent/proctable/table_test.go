@@ -223,3 +223,52 @@ func TestNoFirstMessage(t *testing.T) {
 		t.Fatalf("%v", err)
 	}
 }
+
+// TestDetachAtStart: a start with detach_at_start is answered with Started
+// alone and ends, and the command it leaves running is free at once for an
+// attach, which gets its output from the start. Without detach it is
+// refused.
+func TestDetachAtStart(t *testing.T) {
+	tb := table(t)
+	first := startDetached("sh", "-c", "echo before; read x; echo got $x")
+	first.GetStart().DetachAtStart = true
+	c := process(t, tb, first)
+	st := c.started(t)
+	select {
+	case err := <-c.errc:
+		if err != nil {
+			t.Fatalf("the starting call ended with %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the starting call did not end after Started")
+	}
+	if len(c.s.out) != 0 {
+		t.Fatalf("the starting call was sent %v after Started", <-c.s.out)
+	}
+	a := process(t, tb, &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Attach{Attach: &agentv1.AttachRequest{Id: st.Id}}})
+	if got := a.started(t); got.Id != st.Id {
+		t.Fatalf("attach: started %v, want id %s", got, st.Id)
+	}
+	a.s.in <- &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Stdin{Stdin: []byte("in\n")}}
+	var out []byte
+	for m := range a.s.out {
+		out = append(out, m.GetStdout()...)
+		if x := m.GetExit(); x != nil {
+			if x.Code != 0 {
+				t.Fatalf("exit %v", x)
+			}
+			break
+		}
+	}
+	if string(out) != "before\ngot in\n" {
+		t.Fatalf("attach got %q, want the output from the start", out)
+	}
+	if err := <-a.errc; err != nil {
+		t.Fatal(err)
+	}
+
+	bad := &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: &agentv1.ExecRequest{Argv: []string{"true"}, DetachAtStart: true}}}
+	if err := tb.Process(context.Background(), newStream(bad)); connect.CodeOf(err) != connect.CodeInvalidArgument {
+		t.Fatalf("detach_at_start without detach: %v, want invalid argument", err)
+	}
+}

@@ -202,6 +202,70 @@ func TestProcessDeniedBeforeTheGuest(t *testing.T) {
 	}
 }
 
+// TestProcessDetachAtStart: a detached start with detach_at_start may end
+// right after Started, cleanly, and the outcome on record says the command
+// was left running; a stream that ends so before Started, or after it
+// without detach_at_start, is the guest's fault.
+func TestProcessDetachAtStart(t *testing.T) {
+	var asked atomic.Bool
+	ctx, c, alog := processVM(t, func(_ context.Context, s *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
+		first, err := s.Receive()
+		if err != nil {
+			return err
+		}
+		if first.GetStart().GetArgv()[0] == "client" {
+			asked.Store(first.GetStart().GetDetachAtStart())
+		}
+		if first.GetStart().GetArgv()[0] == "never-starts" {
+			return nil
+		}
+		return s.Send(started(7, "x"))
+	})
+	run := func(argv0 string, atStart bool) error {
+		s := c.Agent.Process(ctx)
+		s.RequestHeader().Set(protocol.VMHeader, "a")
+		start := &agentv1.ExecRequest{Argv: []string{argv0}, Detach: true, DetachAtStart: atStart}
+		if err := s.Send(&agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: start}}); err != nil {
+			return err
+		}
+		defer s.CloseResponse()
+		for {
+			if _, err := s.Receive(); err != nil {
+				if errors.Is(err, io.EOF) {
+					return nil
+				}
+				return err
+			}
+		}
+	}
+	if err := run("sleep", true); err != nil {
+		t.Errorf("detach_at_start, ended after Started: %v", err)
+	}
+	if err := run("never-starts", true); connect.CodeOf(err) != connect.CodeDataLoss {
+		t.Errorf("detach_at_start, ended before Started: %v, want data loss", err)
+	}
+	if err := run("sleep", false); connect.CodeOf(err) != connect.CodeDataLoss {
+		t.Errorf("detach alone, ended after Started: %v, want data loss", err)
+	}
+	// carrel exec --detach: the client asks the guest to let go at once.
+	req := &agentv1.ExecRequest{Argv: []string{"client"}, Detach: true}
+	if _, err := c.Run(ctx, client.Session{VM: "a", Start: req, DetachAfterStart: true}); !errors.Is(err, client.ErrDetached) {
+		t.Errorf("client.Run with DetachAfterStart: %v", err)
+	}
+	if !asked.Load() || req.DetachAtStart {
+		t.Errorf("the guest was asked detach_at_start %v, and the caller's request changed to %v; want true, and unchanged", asked.Load(), req.DetachAtStart)
+	}
+	var outcomes []string
+	for _, r := range closeLog(t, alog, 4) {
+		if r.Kind == audit.KindExecExit {
+			outcomes = append(outcomes, unmarshal[audit.ExecExit](t, r).Error)
+		}
+	}
+	if len(outcomes) != 4 || !strings.Contains(outcomes[0], "(detached)") || !strings.Contains(outcomes[1], "without an exit status") {
+		t.Errorf("outcomes %q; want the first detached, the second the guest's fault", outcomes)
+	}
+}
+
 func started(pid int32, id string) *agentv1.ExecResponse {
 	return &agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: pid, Id: id}}}
 }

@@ -8,6 +8,7 @@ import (
 
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
+	"google.golang.org/protobuf/proto"
 )
 
 // ListProcesses lists the processes running in vm.
@@ -44,7 +45,9 @@ type Session struct {
 	// Started, if not nil, is called with the command's id and pid.
 	Started func(id string, pid int32)
 	// DetachAfterStart ends the call as soon as the command has started;
-	// with Start.Detach set, the command keeps running.
+	// with Start.Detach set, the command keeps running, and the guest
+	// leaves it unattached before it answers (detach_at_start), so that
+	// an attach made once Run has returned finds it free.
 	DetachAfterStart bool
 }
 
@@ -69,7 +72,12 @@ func (c *Client) Run(ctx context.Context, s Session) (*agentv1.ExitStatus, error
 	// A cancelled ctx must end a Receive that waits on a quiet command.
 	stopClose := context.AfterFunc(ctx, func() { stream.CloseResponse() })
 	defer stopClose()
-	first := &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: s.Start}}
+	start := s.Start
+	if s.DetachAfterStart && start.GetDetach() && !start.GetDetachAtStart() {
+		start = proto.CloneOf(start)
+		start.DetachAtStart = true
+	}
+	first := &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Start{Start: start}}
 	if s.Start == nil {
 		first = &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Attach{Attach: &agentv1.AttachRequest{Id: s.Attach}}}
 	}

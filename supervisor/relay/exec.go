@@ -321,7 +321,7 @@ func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecReque
 	} else if err := r.cfg.Recorder.Flush(ctx); err != nil {
 		return err // an attach: its decision is durable before it goes on
 	}
-	var chk eventCheck
+	chk := eventCheck{atStart: start.GetDetach() && start.GetDetachAtStart()}
 	defer func() { rec.Finish(ctx, chk.result(), err) }()
 	if timeout > 0 {
 		var cancel context.CancelFunc
@@ -372,6 +372,7 @@ func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecReque
 // known events only, the start at most once and first, an exit status in
 // range, and nothing after it.
 type eventCheck struct {
+	atStart bool // the start asked to detach at once: it may end after Started
 	events  int
 	started bool
 	id      string // the guest's exec id (its file.activity records name it)
@@ -416,9 +417,10 @@ func (c *eventCheck) result() recorder.Result {
 }
 
 // end turns a stream's end into the call's error: a stream may end without
-// an exit status only with an error.
+// an exit status only with an error, or, for a start with detach_at_start,
+// once the command has started.
 func (c *eventCheck) end(err error) error {
-	if err == nil && !c.exited {
+	if err == nil && !c.exited && !(c.atStart && c.started) {
 		return connect.NewError(connect.CodeDataLoss, errors.New("guest agent ended the stream without an exit status"))
 	}
 	return err

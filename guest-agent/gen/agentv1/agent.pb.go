@@ -232,7 +232,14 @@ type ExecRequest struct {
 	// the start, and the call carries signals only. carreld runs such a
 	// command, when it has no tty and does not detach, on its Commands
 	// stream; Exec's commands never have input.
-	NoStdin       bool `protobuf:"varint,9,opt,name=no_stdin,json=noStdin,proto3" json:"no_stdin,omitempty"`
+	NoStdin bool `protobuf:"varint,9,opt,name=no_stdin,json=noStdin,proto3" json:"no_stdin,omitempty"`
+	// With detach: the call ends, with no error, right after the command's
+	// start (Process replies Started and nothing else), leaving no client
+	// attached. The command's output is kept from its start for the first
+	// attach. Without it, a client that wants only the id must end the call
+	// itself, and an attach that overtakes that ending finds the command
+	// still attached.
+	DetachAtStart bool `protobuf:"varint,10,opt,name=detach_at_start,json=detachAtStart,proto3" json:"detach_at_start,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -326,6 +333,13 @@ func (x *ExecRequest) GetDetach() bool {
 func (x *ExecRequest) GetNoStdin() bool {
 	if x != nil {
 		return x.NoStdin
+	}
+	return false
+}
+
+func (x *ExecRequest) GetDetachAtStart() bool {
+	if x != nil {
+		return x.DetachAtStart
 	}
 	return false
 }
@@ -2392,7 +2406,7 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x06kernel\x18\x02 \x01(\tR\x06kernel\x12\x1b\n" +
 	"\tuptime_ms\x18\x03 \x01(\x03R\buptimeMs\x12\x1c\n" +
 	"\ttransport\x18\x04 \x01(\tR\ttransport\x12\x1b\n" +
-	"\tdata_port\x18\x05 \x01(\bR\bdataPort\"\xc6\x01\n" +
+	"\tdata_port\x18\x05 \x01(\bR\bdataPort\"\xee\x01\n" +
 	"\vExecRequest\x12\x12\n" +
 	"\x04argv\x18\x01 \x03(\tR\x04argv\x12\x10\n" +
 	"\x03env\x18\x02 \x03(\tR\x03env\x12\x10\n" +
@@ -2402,7 +2416,9 @@ const file_carrel_agent_v1_agent_proto_rawDesc = "" +
 	"\x04rows\x18\x06 \x01(\rR\x04rows\x12\x12\n" +
 	"\x04cols\x18\a \x01(\rR\x04cols\x12\x16\n" +
 	"\x06detach\x18\b \x01(\bR\x06detach\x12\x19\n" +
-	"\bno_stdin\x18\t \x01(\bR\anoStdin\"\xaa\x02\n" +
+	"\bno_stdin\x18\t \x01(\bR\anoStdin\x12&\n" +
+	"\x0fdetach_at_start\x18\n" +
+	" \x01(\bR\rdetachAtStart\"\xaa\x02\n" +
 	"\fProcessInput\x124\n" +
 	"\x05start\x18\x01 \x01(\v2\x1c.carrel.agent.v1.ExecRequestH\x00R\x05start\x128\n" +
 	"\x06attach\x18\x02 \x01(\v2\x1e.carrel.agent.v1.AttachRequestH\x00R\x06attach\x12\x16\n" +

@@ -330,7 +330,8 @@ func (a *agent) Exec(ctx context.Context, req *connect.Request[agentv1.ExecReque
 
 // Process serves Behavior.Process, or a cat (see there). As in the real
 // agent, a half-close changes nothing, resizes are ignored, and a malformed
-// message ends the call with an error. There is nothing to attach to.
+// message ends the call with an error. There is nothing to attach to, though
+// a start with detach_at_start ends the call after Started, as there.
 func (a *agent) Process(ctx context.Context, s *connect.BidiStream[agentv1.ProcessInput, agentv1.ExecResponse]) error {
 	if a.vm.behavior.Process != nil {
 		return a.vm.behavior.Process(ctx, s)
@@ -351,6 +352,9 @@ func (a *agent) Process(ctx context.Context, s *connect.BidiStream[agentv1.Proce
 	a.vm.mu.Unlock()
 	if err := s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Started{Started: &agentv1.Started{Pid: int32(100 + n), Id: fmt.Sprintf("fake-%d", n)}}}); err != nil {
 		return err
+	}
+	if st := first.GetStart(); st.GetDetach() && st.GetDetachAtStart() {
+		return nil // as the real agent: the call ends, the command runs on
 	}
 	exit := func(code int32, signal string) error {
 		return s.Send(&agentv1.ExecResponse{Event: &agentv1.ExecResponse_Exit{Exit: &agentv1.ExitStatus{Code: code, Signal: signal}}})
