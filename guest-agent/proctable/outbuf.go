@@ -6,6 +6,7 @@ import (
 	"context"
 	"sort"
 	"sync"
+	"time"
 
 	agentv1 "github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
@@ -148,11 +149,23 @@ func (b *outbuf) finish(exit *agentv1.ExitStatus) {
 }
 
 // attach marks a client attached, to read from the oldest byte kept, and
-// returns that byte's number: how many bytes have been dropped. ok is false
-// if a client is already attached.
-func (b *outbuf) attach() (dropped uint64, ok bool) {
+// returns that byte's number: how many bytes have been dropped. If a
+// client is attached, it waits up to wait (or until ctx ends) for that one
+// to detach; ok is false if it has not.
+func (b *outbuf) attach(ctx context.Context, wait time.Duration) (dropped uint64, ok bool) {
+	ctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	stop := context.AfterFunc(ctx, func() {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		b.cond.Broadcast()
+	})
+	defer stop()
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	for b.attached && ctx.Err() == nil {
+		b.cond.Wait()
+	}
 	if b.attached {
 		return 0, false
 	}

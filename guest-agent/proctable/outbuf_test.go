@@ -50,11 +50,11 @@ func TestOutbufDropsOldest(t *testing.T) {
 	b.write(out(""))
 	b.write(out("mnopqrstuvw")) // longer than the buffer: only its tail stays
 	b.finish(&agentv1.ExitStatus{Code: 3})
-	dropped, ok := b.attach()
+	dropped, ok := b.attach(context.Background(), 0)
 	if !ok || dropped != 6+6+1 {
 		t.Fatalf("attach: dropped %d ok %v", dropped, ok)
 	}
-	if _, ok := b.attach(); ok {
+	if _, ok := b.attach(context.Background(), 0); ok {
 		t.Fatal("second attach allowed")
 	}
 	got, exit := drain(t, b)
@@ -63,7 +63,7 @@ func TestOutbufDropsOldest(t *testing.T) {
 	}
 	// Every attach replays what is kept.
 	b.detach()
-	if dropped, _ := b.attach(); dropped != 13 {
+	if dropped, _ := b.attach(context.Background(), 0); dropped != 13 {
 		t.Fatalf("second attach: dropped %d", dropped)
 	}
 	if got, _ := drain(t, b); got != "nopqrstuvw" {
@@ -75,7 +75,7 @@ func TestOutbufDropsOldest(t *testing.T) {
 	b.write(out("def")) // joins abc
 	b.write(errOut("ghijkl"))
 	b.finish(&agentv1.ExitStatus{})
-	b.attach()
+	b.attach(context.Background(), 0)
 	if got, _ := drain(t, b); got != "cdef!ghijkl" {
 		t.Fatalf("got %q", got)
 	}
@@ -85,7 +85,7 @@ func TestOutbufDropsOldest(t *testing.T) {
 // yet to read are never dropped; the writer waits instead.
 func TestOutbufWaitsForAttachedClient(t *testing.T) {
 	b := newOutbuf(10)
-	b.attach()
+	b.attach(context.Background(), 0)
 	b.write(out("12345678"))
 	wrote := make(chan struct{})
 	go func() {
@@ -124,7 +124,7 @@ func TestOutbufWaitsForAttachedClient(t *testing.T) {
 	b.write(out("fghijkl")) // waits for the detach
 	b.write(out("XY"))
 	b.finish(&agentv1.ExitStatus{})
-	if dropped, _ := b.attach(); dropped != 12 {
+	if dropped, _ := b.attach(context.Background(), 0); dropped != 12 {
 		t.Fatalf("dropped %d", dropped)
 	}
 	if got, _ := drain(t, b); got != "!efghijklXY" {
@@ -147,7 +147,7 @@ func TestOutbufChunkCap(t *testing.T) {
 	if len(b.chunks) != maxChunks {
 		t.Fatalf("%d chunks", len(b.chunks))
 	}
-	if dropped, _ := b.attach(); dropped != 2*maxChunks {
+	if dropped, _ := b.attach(context.Background(), 0); dropped != 2*maxChunks {
 		t.Fatalf("dropped %d", dropped)
 	}
 	got, _ := drain(t, b)
@@ -158,7 +158,7 @@ func TestOutbufChunkCap(t *testing.T) {
 
 func TestOutbufNextEndsWithContext(t *testing.T) {
 	b := newOutbuf(10)
-	b.attach()
+	b.attach(context.Background(), 0)
 	ctx, cancel := context.WithCancel(context.Background())
 	time.AfterFunc(20*time.Millisecond, cancel)
 	if _, _, err := b.next(ctx); err != context.Canceled {

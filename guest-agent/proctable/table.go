@@ -36,6 +36,10 @@ const (
 	KeepExited = 10 * time.Minute
 	// MaxSignal is the highest signal number (SIGRTMAX).
 	MaxSignal = 64
+	// AttachWait is how long an attach waits for the client attached
+	// before it to go: one that ended its call, or whose connection went
+	// (a VM resumed from a snapshot), may not have been noticed yet.
+	AttachWait = 2 * time.Second
 
 	// DroppedHeader, in the response headers of a Process call that
 	// follows a detached command, counts the bytes of its output (stdout
@@ -54,9 +58,10 @@ type Stream interface {
 
 // Table runs Process calls and holds the detached commands.
 type Table struct {
-	runner *exec.Runner
-	keep   time.Duration
-	max    int
+	runner     *exec.Runner
+	keep       time.Duration
+	max        int
+	attachWait time.Duration
 
 	mu       sync.Mutex
 	detached map[string]*entry // by id
@@ -72,7 +77,7 @@ type entry struct {
 
 // New returns a table whose commands run through r.
 func New(r *exec.Runner) *Table {
-	return &Table{runner: r, keep: KeepExited, max: MaxDetached, detached: make(map[string]*entry)}
+	return &Table{runner: r, keep: KeepExited, max: MaxDetached, attachWait: AttachWait, detached: make(map[string]*entry)}
 }
 
 // Process serves one Process call; see the AgentService contract.
@@ -86,7 +91,9 @@ func New(r *exec.Runner) *Table {
 // its start: each attach (and the starting call) first gets all of that,
 // then live output, then the exit status. Ending the call is how a client
 // detaches; the command keeps running. A start with detach_at_start is
-// answered with Started alone, and the call ends there, no client attached. While a client is attached, the
+// answered with Started alone, and the call ends there, no client attached.
+// One client is attached at a time: an attach waits up to AttachWait for
+// the one before it to go, then fails with CodeFailedPrecondition. While a client is attached, the
 // command's output waits for the client rather than overwrite what it has
 // yet to read. Once a client has been sent the exit status, the command is
 // forgotten; one nobody collects is forgotten KeepExited after its exit,
@@ -160,7 +167,7 @@ func (t *Table) startDetached(ctx context.Context, fail context.CancelCauseFunc,
 	e := &entry{proc: p, out: newOutbuf(OutputBytes)}
 	atStart := req.GetDetachAtStart()
 	if !atStart {
-		e.out.attach()
+		e.out.attach(ctx, 0)
 	}
 	t.detached[p.ID] = e
 	t.mu.Unlock()
@@ -214,12 +221,14 @@ func (t *Table) watch(e *entry) {
 func (t *Table) attach(ctx context.Context, fail context.CancelCauseFunc, s Stream, id string) error {
 	t.mu.Lock()
 	e := t.detached[id]
+	t.mu.Unlock()
 	var dropped uint64
 	ok := false
 	if e != nil {
-		dropped, ok = e.out.attach()
+		// Forgotten meanwhile (expired, or room made), it is still whole:
+		// this client gets its output and exit status.
+		dropped, ok = e.out.attach(ctx, t.attachWait)
 	}
-	t.mu.Unlock()
 	switch {
 	case e == nil && t.runner.Lookup(id) != nil:
 		// A command started without detach belongs to its call.

@@ -272,3 +272,35 @@ func TestDetachAtStart(t *testing.T) {
 		t.Fatalf("detach_at_start without detach: %v, want invalid argument", err)
 	}
 }
+
+// TestAttachWaitsForTheClientBefore: an attach that finds the command
+// attached waits for that client to go, up to attachWait, and fails with
+// CodeFailedPrecondition if it does not.
+func TestAttachWaitsForTheClientBefore(t *testing.T) {
+	tb := table(t)
+	tb.attachWait = 5 * time.Second
+	first := process(t, tb, startDetached("cat"))
+	id := first.started(t).Id
+	attach := &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Attach{Attach: &agentv1.AttachRequest{Id: id}}}
+	second := process(t, tb, attach)
+	time.Sleep(200 * time.Millisecond) // the second attach is waiting
+	if err := first.end(t); connect.CodeOf(err) != connect.CodeCanceled {
+		t.Fatalf("the first call ended with %v", err)
+	}
+	if got := second.started(t); got.Id != id {
+		t.Fatalf("second attach: started %v", got)
+	}
+
+	tb.attachWait = 300 * time.Millisecond
+	begin := time.Now()
+	err := tb.Process(context.Background(), newStream(attach))
+	if connect.CodeOf(err) != connect.CodeFailedPrecondition || time.Since(begin) < tb.attachWait {
+		t.Fatalf("an attach while another stays: %v after %v; want failed precondition after %v", err, time.Since(begin), tb.attachWait)
+	}
+	if err := tb.SignalCommand(id, unix.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-second.errc; err != nil {
+		t.Fatalf("the second call: %v", err)
+	}
+}

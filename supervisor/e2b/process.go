@@ -109,11 +109,15 @@ func (p procService) Connect(ctx context.Context, req *connect.Request[processpb
 	f, sub := e.follower, (*subscriber)(nil)
 	if f != nil {
 		// This client joins another's stream: carreld decides that it may
-		// follow the VM's commands, as for an attach of its own.
-		if _, err := p.s.c.Agent.ListProcesses(ctx, forVM(ctx, &agentv1.ListProcessesRequest{})); err != nil {
-			return err
+		// follow the VM's commands, as for an attach of its own. It joins
+		// first, so that what the command prints during that round trip
+		// to the guest is not lost, and leaves if refused.
+		if sub = f.subscribe(); sub != nil {
+			if _, err := p.s.c.Agent.ListProcesses(ctx, forVM(ctx, &agentv1.ListProcessesRequest{})); err != nil {
+				f.unsubscribe(sub)
+				return err
+			}
 		}
-		sub = f.subscribe()
 	}
 	if sub == nil {
 		first := &agentv1.ProcessInput{Msg: &agentv1.ProcessInput_Attach{Attach: &agentv1.AttachRequest{Id: e.id}}}

@@ -199,6 +199,12 @@ func (r *Relay) process(ctx context.Context, h http.Header, first *agentv1.Proce
 					g.CloseRequest()
 					return
 				}
+				if start.GetDetach() && start.GetDetachAtStart() {
+					// The guest reads nothing after such a start: stdin
+					// recorded here would never have reached it.
+					refuse(connect.NewError(connect.CodeInvalidArgument, errors.New("process: nothing may follow a start with detach_at_start")))
+					return
+				}
 				// What the guest is sent is recorded first.
 				if rec.Output(ctx, recorder.Stdin, msg.GetStdin()) != nil {
 					cancel()
@@ -322,7 +328,15 @@ func (r *Relay) run(ctx context.Context, h http.Header, start *agentv1.ExecReque
 		return err // an attach: its decision is durable before it goes on
 	}
 	chk := eventCheck{atStart: start.GetDetach() && start.GetDetachAtStart()}
-	defer func() { rec.Finish(ctx, chk.result(), err) }()
+	defer func() {
+		outcome := err
+		if chk.leftRunning() && ctx.Err() != nil {
+			// The client went once it had the id, perhaps before the
+			// guest's end came: either way the command was left running.
+			outcome = nil
+		}
+		rec.Finish(ctx, chk.result(), outcome)
+	}()
 	if timeout > 0 {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, timeout)
@@ -418,12 +432,18 @@ func (c *eventCheck) result() recorder.Result {
 
 // end turns a stream's end into the call's error: a stream may end without
 // an exit status only with an error, or, for a start with detach_at_start,
-// once the command has started.
+// right after Started.
 func (c *eventCheck) end(err error) error {
-	if err == nil && !c.exited && !(c.atStart && c.started) {
+	if err == nil && !c.exited && !c.leftRunning() {
 		return connect.NewError(connect.CodeDataLoss, errors.New("guest agent ended the stream without an exit status"))
 	}
 	return err
+}
+
+// leftRunning reports whether the stream so far is a start with
+// detach_at_start answered as it should be: Started, and nothing else.
+func (c *eventCheck) leftRunning() bool {
+	return c.atStart && c.started && c.events == 1
 }
 
 // validSignalName reports whether s can name the signal that ended a
