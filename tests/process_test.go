@@ -1,6 +1,7 @@
 package tests
 
 import (
+	"bufio"
 	"encoding/json"
 	"os/exec"
 	"strconv"
@@ -77,6 +78,29 @@ func TestInteractiveProcesses(t *testing.T) {
 		}
 		if r := d.Carrel("attach", "procs", "0123456789abcdef"); r.Code == 0 {
 			t.Errorf("attach to an unknown id: %+v", r)
+		}
+	})
+
+	// A client killed while attached: the next attach gets the command,
+	// its output from the start, however soon it comes.
+	t.Run("attach after a killed client", func(t *testing.T) {
+		id := strings.TrimSpace(d.Must("exec", "--detach", "procs", "--", "sh", "-c", "echo ready; sleep 3; echo end"))
+		cmd := exec.Command(d.Bin+"/carrel", "attach", "procs", id)
+		cmd.Env = append(cmd.Environ(), "CARREL_SOCKET="+d.Socket)
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		if line, err := bufio.NewReader(out).ReadString('\n'); line != "ready\n" {
+			t.Fatalf("the first attach read %q, %v", line, err)
+		}
+		_ = cmd.Process.Kill()
+		_ = cmd.Wait()
+		if r := d.Carrel("attach", "procs", id); r.Code != 0 || r.Stdout != "ready\nend\n" {
+			t.Errorf("attach after the first client was killed: %+v", r)
 		}
 	})
 
