@@ -34,6 +34,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"connectrpc.com/connect"
@@ -204,6 +205,32 @@ type watchedConn struct {
 	net.Conn
 	once   sync.Once
 	broken func(error)
+	// The first frame header read, and how much of it has come (only the
+	// transport's read loop reads); greeted once it is a SETTINGS frame's
+	// (not an ack), which an agent sends first on a connection it has
+	// taken.
+	head    [frameHeaderBytes]byte
+	seen    int
+	greeted atomic.Bool
+}
+
+// An HTTP/2 frame header: length (3), type (1), flags (1), stream (4).
+const (
+	frameHeaderBytes = 9
+	frameSettings    = 0x4
+	flagAck          = 0x1
+)
+
+// ungreeted reports whether s has a connection on which the agent's
+// settings have yet to come.
+func (s *channel) ungreeted() bool {
+	if s == nil {
+		return false
+	}
+	s.mu.Lock()
+	c, _ := s.conn.(*watchedConn)
+	s.mu.Unlock()
+	return c != nil && !c.greeted.Load()
 }
 
 func (c *watchedConn) report(err error) {
@@ -212,6 +239,12 @@ func (c *watchedConn) report(err error) {
 
 func (c *watchedConn) Read(p []byte) (int, error) {
 	n, err := c.Conn.Read(p)
+	if c.seen < len(c.head) {
+		c.seen += copy(c.head[c.seen:], p[:n])
+		if c.seen == len(c.head) && c.head[3] == frameSettings && c.head[4]&flagAck == 0 {
+			c.greeted.Store(true)
+		}
+	}
 	if err != nil {
 		c.report(fmt.Errorf("read from guest: %w", err))
 	}
@@ -540,6 +573,14 @@ const firstAttempt = 15 * time.Second
 // connection would fail every one of them. A connection that stops
 // carrying frames at all (a frozen or wedged guest, a frame trickled a byte
 // at a time) is ended by the HTTP/2 keepalive (protocol.HTTP2).
+//
+// The exception is a connection the agent never greeted: its HTTP/2
+// settings, which an agent sends first as it takes a connection, have not
+// come, so no call on it can be under way. On a virtio-serial port that
+// means the guest is still in an earlier session, which took this
+// connection's first bytes as its own (and may have sent the end of its
+// own into it). The probe's timeout ends it, so that the next connection
+// comes seconds sooner than the HTTP/2 keepalive would allow.
 func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -556,13 +597,17 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 		if err == nil || ctx.Err() != nil || l.Held() != nil {
 			continue // a probe the pause caught out says nothing
 		}
-		if connect.CodeOf(err) == connect.CodeDeadlineExceeded {
-			l.markUnhealthy(err)
-			continue
-		}
 		l.mu.Lock()
 		s := l.cur
 		l.mu.Unlock()
+		if connect.CodeOf(err) == connect.CodeDeadlineExceeded {
+			if !s.ungreeted() {
+				l.markUnhealthy(err)
+				continue
+			}
+			err = fmt.Errorf("the agent never greeted this connection (the guest may still be in an earlier session): %w", err)
+			l.log.Debug("ending a connection the agent never greeted", "subsystem", "agentlink")
+		}
 		if s != nil {
 			l.fail(s, err)
 		} else {

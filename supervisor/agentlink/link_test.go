@@ -595,3 +595,70 @@ func TestHoldDuringResyncStopsIt(t *testing.T) {
 		t.Fatalf("second resync: %v", err)
 	}
 }
+
+// swallowFirst is a listener whose first connection is taken and never
+// answered, as a guest still in an earlier session takes a new
+// connection's first bytes, though it may send it say, the end of that
+// session; later ones are served.
+type swallowFirst struct {
+	net.Listener
+	say []byte
+	n   atomic.Int32
+}
+
+func (l *swallowFirst) Accept() (net.Conn, error) {
+	for {
+		c, err := l.Listener.Accept()
+		if err != nil || l.n.Add(1) > 1 {
+			return c, err
+		}
+		c.Write(l.say)
+		go io.Copy(io.Discard, c)
+	}
+}
+
+// TestKeepaliveEndsAnUngreetedConnection: a connection on which the
+// agent's HTTP/2 settings never come (nothing does, or part of another
+// frame) is ended by the first probe to time out on it, not left to the
+// HTTP/2 keepalive, and the next connection makes the agent ready.
+func TestKeepaliveEndsAnUngreetedConnection(t *testing.T) {
+	for name, say := range map[string][]byte{"silent": nil, "part of a frame": {0, 0, 0, 0}} {
+		t.Run(name, func(t *testing.T) { keepaliveEndsAnUngreeted(t, say) })
+	}
+}
+
+func keepaliveEndsAnUngreeted(t *testing.T, say []byte) {
+	path := filepath.Join(t.TempDir(), "agent.sock")
+	ul, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &swallowFirst{Listener: ul, say: say}
+	_, h := agentv1connect.NewAgentServiceHandler(&fakeAgent{})
+	srv := protocol.NewHTTPServer(h)
+	go srv.Serve(l)
+	t.Cleanup(func() { srv.Close() })
+	var logs logCounter
+	link := New(func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", path)
+	}, slog.New(slog.NewTextHandler(&logs, nil)))
+	link.healthTimeout = 200 * time.Millisecond
+	defer link.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go link.Keepalive(ctx, 50*time.Millisecond)
+	deadline := time.Now().Add(5 * time.Second) // the HTTP/2 keepalive takes longer
+	for st, _ := link.State(); st != Ready; st, _ = link.State() {
+		if time.Now().After(deadline) {
+			t.Fatalf("not ready after 5 s on %d connections; log:\n%s", l.n.Load(), logs.buf.String())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := l.n.Load(); n != 2 {
+		t.Errorf("%d connections, want 2", n)
+	}
+	if logs.count("the agent never greeted this connection") != 1 {
+		t.Errorf("the log does not say why the first connection ended:\n%s", logs.buf.String())
+	}
+}
