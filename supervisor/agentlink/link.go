@@ -207,8 +207,8 @@ type watchedConn struct {
 	broken func(error)
 	// The first frame header read, and how much of it has come (only the
 	// transport's read loop reads); greeted once it is a SETTINGS frame's
-	// (not an ack), which an agent sends first on a connection it has
-	// taken.
+	// (not an ack), which an agent sends first, once it has read the
+	// host's preface.
 	head    [frameHeaderBytes]byte
 	seen    int
 	greeted atomic.Bool
@@ -515,15 +515,21 @@ func (l *Link) Held() error {
 
 // Health probes the agent once.
 func (l *Link) Health(ctx context.Context) (*agentv1.HealthResponse, error) {
+	resp, _, err := l.probe(ctx)
+	return resp, err
+}
+
+// probe is Health, also returning the channel it asked on.
+func (l *Link) probe(ctx context.Context) (*agentv1.HealthResponse, *channel, error) {
 	ctx, cancel := context.WithTimeout(ctx, l.healthTimeout)
 	defer cancel()
 	s := l.channel()
 	resp, err := s.client.Health(ctx, connect.NewRequest(&agentv1.HealthRequest{}))
 	if err := l.check(ctx, s, err); err != nil {
-		return nil, err
+		return nil, s, err
 	}
 	l.markReady(resp.Msg)
-	return resp.Msg, nil
+	return resp.Msg, s, nil
 }
 
 // WaitReady returns once the agent answers a health probe. A probe to a
@@ -574,13 +580,15 @@ const firstAttempt = 15 * time.Second
 // carrying frames at all (a frozen or wedged guest, a frame trickled a byte
 // at a time) is ended by the HTTP/2 keepalive (protocol.HTTP2).
 //
-// The exception is a connection the agent never greeted: its HTTP/2
-// settings, which an agent sends first as it takes a connection, have not
-// come, so no call on it can be under way. On a virtio-serial port that
-// means the guest is still in an earlier session, which took this
-// connection's first bytes as its own (and may have sent the end of its
-// own into it). The probe's timeout ends it, so that the next connection
-// comes seconds sooner than the HTTP/2 keepalive would allow.
+// The exception is a connection the agent never took: its HTTP/2
+// settings, which an agent sends first once it has read the host's
+// preface, have not come, so none of the calls on it has reached the
+// agent, and they would only wait. On a virtio-serial port that means the
+// guest is still in an earlier session, which took this connection's first
+// bytes as its own (and may have sent the end of its own into it). The
+// probe's timeout ends it (and fails those calls as Unavailable), so that
+// the next connection comes seconds sooner than the HTTP/2 keepalive
+// would allow.
 func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -593,21 +601,21 @@ func (l *Link) Keepalive(ctx context.Context, interval time.Duration) {
 		if l.Held() != nil {
 			continue
 		}
-		_, err := l.Health(ctx)
+		_, probed, err := l.probe(ctx)
 		if err == nil || ctx.Err() != nil || l.Held() != nil {
 			continue // a probe the pause caught out says nothing
+		}
+		if connect.CodeOf(err) == connect.CodeDeadlineExceeded {
+			if !probed.ungreeted() {
+				l.markUnhealthy(err)
+				continue
+			}
+			l.fail(probed, fmt.Errorf("the agent never took this connection (the guest may still be in an earlier session): %w", err))
+			continue
 		}
 		l.mu.Lock()
 		s := l.cur
 		l.mu.Unlock()
-		if connect.CodeOf(err) == connect.CodeDeadlineExceeded {
-			if !s.ungreeted() {
-				l.markUnhealthy(err)
-				continue
-			}
-			err = fmt.Errorf("the agent never greeted this connection (the guest may still be in an earlier session): %w", err)
-			l.log.Debug("ending a connection the agent never greeted", "subsystem", "agentlink")
-		}
 		if s != nil {
 			l.fail(s, err)
 		} else {

@@ -643,12 +643,12 @@ func keepaliveEndsAnUngreeted(t *testing.T, say []byte) {
 		var d net.Dialer
 		return d.DialContext(ctx, "unix", path)
 	}, slog.New(slog.NewTextHandler(&logs, nil)))
-	link.healthTimeout = 200 * time.Millisecond
+	link.healthTimeout = time.Second
 	defer link.Close()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go link.Keepalive(ctx, 50*time.Millisecond)
-	deadline := time.Now().Add(5 * time.Second) // the HTTP/2 keepalive takes longer
+	deadline := time.Now().Add(5 * time.Second) // the HTTP/2 keepalive takes 20 s
 	for st, _ := link.State(); st != Ready; st, _ = link.State() {
 		if time.Now().After(deadline) {
 			t.Fatalf("not ready after 5 s on %d connections; log:\n%s", l.n.Load(), logs.buf.String())
@@ -658,7 +658,7 @@ func keepaliveEndsAnUngreeted(t *testing.T, say []byte) {
 	if n := l.n.Load(); n != 2 {
 		t.Errorf("%d connections, want 2", n)
 	}
-	if logs.count("the agent never greeted this connection") != 1 {
+	if logs.count("the agent never took this connection") != 1 {
 		t.Errorf("the log does not say why the first connection ended:\n%s", logs.buf.String())
 	}
 }
