@@ -153,18 +153,20 @@ func (b *outbuf) finish(exit *agentv1.ExitStatus) {
 // client is attached, it waits up to wait (or until ctx ends) for that one
 // to detach; ok is false if it has not.
 func (b *outbuf) attach(ctx context.Context, wait time.Duration) (dropped uint64, ok bool) {
-	ctx, cancel := context.WithTimeout(ctx, wait)
-	defer cancel()
-	stop := context.AfterFunc(ctx, func() {
-		b.mu.Lock()
-		defer b.mu.Unlock()
-		b.cond.Broadcast()
-	})
-	defer stop()
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	for b.attached && ctx.Err() == nil {
-		b.cond.Wait()
+	if b.attached && wait > 0 {
+		ctx, cancel := context.WithTimeout(ctx, wait)
+		defer cancel()
+		stop := context.AfterFunc(ctx, func() {
+			b.mu.Lock()
+			defer b.mu.Unlock()
+			b.cond.Broadcast()
+		})
+		defer stop()
+		for b.attached && ctx.Err() == nil {
+			b.cond.Wait()
+		}
 	}
 	if b.attached {
 		return 0, false

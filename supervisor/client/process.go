@@ -6,9 +6,10 @@ import (
 	"io"
 	"sync"
 
+	"google.golang.org/protobuf/proto"
+
 	"github.com/carrel-os/carrel/guest-agent/gen/agentv1"
 	"github.com/carrel-os/carrel/guest-agent/protocol"
-	"google.golang.org/protobuf/proto"
 )
 
 // ListProcesses lists the processes running in vm.
